@@ -1,0 +1,29 @@
+"""checkpoint_tools: the one Qwen HF <-> megatron weight map, offline conversions and the live streaming export."""
+
+from checkpoint_tools._convert import (
+    MegatronCheckpoint,
+    hf_to_megatron_dir,
+    iter_hf_tensors,
+    megatron_to_hf_dir,
+    reshard_dir,
+    write_hf,
+)
+from checkpoint_tools._io import CheckpointError, atomic_output_dir, open_safetensors_dir
+from checkpoint_tools._live import load_hf_into_stage, stream_hf_buckets
+from checkpoint_tools._mapping import UnknownTensorError, hf_names
+
+__all__ = [
+    "CheckpointError",
+    "MegatronCheckpoint",
+    "UnknownTensorError",
+    "atomic_output_dir",
+    "hf_names",
+    "hf_to_megatron_dir",
+    "iter_hf_tensors",
+    "load_hf_into_stage",
+    "megatron_to_hf_dir",
+    "open_safetensors_dir",
+    "reshard_dir",
+    "stream_hf_buckets",
+    "write_hf",
+]

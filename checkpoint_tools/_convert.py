@@ -1,0 +1,193 @@
+"""Offline conversions between HF directories and megatron TP x PP checkpoint directories.
+
+A megatron checkpoint directory written here:
+    megatron_meta.json                  {"tp", "pp", "hf_config", "spec"}
+    mp_rank_{tp:02d}_{pp:03d}/model.safetensors   one file per (TP rank, PP stage), megatron local-spec names
+    hf_extra/                           generation config and tokenizer files carried to the HF export
+    offgrpo_manifest.json               written last: every tensor's shape, dtype and CRC-32
+Each conversion holds at most one pipeline stage's tensors in memory (HF -> megatron, reshard) or one HF shard
+(megatron -> HF), and writes into an ``atomic_output_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from checkpoint_tools import _mapping as M
+from checkpoint_tools._io import (
+    CheckpointError,
+    SafetensorsFiles,
+    ShardedSafetensorsWriter,
+    atomic_output_dir,
+    copy_extra_files,
+    open_safetensors_dir,
+    read_manifest,
+    tensor_record,
+    write_manifest,
+)
+from megatron_offgrpo.model._arch import QwenArch, arch_from_hf_config, hf_config_dict
+
+logger = logging.getLogger(__name__)
+META = "megatron_meta.json"
+
+
+def rank_dir(tp_rank: int, pp_rank: int) -> str:
+    """Sub-directory of one (TP rank, PP stage), Megatron-LM's ``mp_rank_TT_PPP`` naming."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def _read_hf_config(hf_dir: Path) -> dict:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a HF model directory needs config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+class MegatronCheckpoint:
+    """Lazy reader of a megatron TP x PP checkpoint directory: full (TP-merged) tensors by global name."""
+
+    def __init__(self, directory: str | Path) -> None:
+        """Raises: CheckpointError naming the file when the directory is incomplete or corrupt."""
+        self.directory = Path(directory)
+        meta_path = self.directory / META
+        if not meta_path.is_file():
+            raise CheckpointError(f"{meta_path}: missing: {self.directory} is not a complete megatron checkpoint")
+        meta = json.loads(meta_path.read_text())
+        self.hf_config: dict = meta["hf_config"]
+        self.arch: QwenArch = arch_from_hf_config(self.hf_config)
+        self.tp, self.pp = int(meta["tp"]), int(meta["pp"])
+        manifest = read_manifest(self.directory)
+        if manifest is None:
+            raise CheckpointError(f"{self.directory}: no manifest: the checkpoint was not completely written")
+        records = manifest["tensors"]
+        self._shards = {}
+        for t in range(self.tp):
+            for p in range(self.pp):
+                sub = self.directory / rank_dir(t, p)
+                prefix = rank_dir(t, p) + "/"
+                sub_records = {k[len(prefix):]: v for k, v in records.items() if k.startswith(prefix)}
+                files = {name: sub / rec["file"] for name, rec in sub_records.items()}
+                if not (sub / "model.safetensors").is_file():
+                    raise CheckpointError(f"{sub / 'model.safetensors'}: shard file is missing")
+                self._shards[(t, p)] = SafetensorsFiles(files, sub_records)
+
+    def global_names(self) -> list[str]:
+        """Megatron names with global layer indices, in model order."""
+        return M.full_megatron_names(self.arch)
+
+    def full(self, global_name: str) -> torch.Tensor:
+        """The TP-merged tensor of a global megatron name."""
+        if global_name == "output_layer.weight" and self.arch.tie_word_embeddings:
+            global_name = "embedding.word_embeddings.weight"
+        rule, layer = M.rule_for_megatron(global_name)
+        if rule.stage == "first":
+            stage, local = 0, global_name
+        elif rule.stage == "last":
+            stage, local = self.pp - 1, global_name
+        else:
+            per_stage = self.arch.num_layers // self.pp
+            stage = layer // per_stage
+            local = M.to_global_layer(global_name, -stage * per_stage)
+        shards = [self._shards[(t, stage)][local] for t in range(self.tp)]
+        return M.merge_tp(shards, rule.split)
+
+
+def write_megatron(
+    out: Path, arch: QwenArch, hf_config: dict, tp: int, pp: int, full_fn: Callable[[str], torch.Tensor], extra_src: Path | None
+) -> None:
+    """Write a megatron TP x PP checkpoint whose full tensors come from ``full_fn(global_name)`` (atomic)."""
+    arch.check_layout(tp, pp)
+    with atomic_output_dir(out) as tmp:
+        records = {}
+        for p in range(pp):
+            offset = M.layers_of_stage(arch, pp, p).start
+            per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            for local in M.full_megatron_names(arch, pp, p):
+                full = full_fn(M.to_global_layer(local, offset))
+                kind = M.split_kind(local)
+                for t in range(tp):
+                    per_rank[t][local] = M.shard_for_tp(full, kind, tp, t)
+            for t in range(tp):
+                sub = tmp / rank_dir(t, p)
+                sub.mkdir()
+                save_file(per_rank[t], str(sub / "model.safetensors"), metadata={"format": "pt"})
+                for name, tensor in per_rank[t].items():
+                    records[f"{rank_dir(t, p)}/{name}"] = tensor_record(tensor, "model.safetensors")
+            del per_rank
+            logger.info("wrote pipeline stage %d/%d", p + 1, pp)
+        if extra_src is not None and extra_src.is_dir():
+            (tmp / "hf_extra").mkdir()
+            copy_extra_files(extra_src, tmp / "hf_extra")
+        (tmp / META).write_text(json.dumps({"tp": tp, "pp": pp, "hf_config": hf_config, "spec": "local"}, indent=1))
+        write_manifest(tmp, "megatron", records, {"tp": tp, "pp": pp})
+
+
+def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1) -> Path:
+    """Convert a HF Qwen directory into a megatron TP x PP checkpoint at ``out``."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    hf_config = _read_hf_config(hf_dir)
+    arch = arch_from_hf_config(hf_config)
+    arch.check_layout(tp, pp)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: choose another --out or remove it")
+    tensors = open_safetensors_dir(hf_dir)
+    M.check_hf_names(tensors.names(), arch)
+    start = time.perf_counter()
+    write_megatron(out, arch, hf_config, tp, pp, lambda g: M.hf_to_megatron(g, arch, tensors), hf_dir)
+    logger.info("HF -> megatron tp=%d pp=%d in %.2f s: %s", tp, pp, time.perf_counter() - start, out)
+    return out
+
+
+def iter_hf_tensors(arch: QwenArch, full_fn: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs of the whole model from a full-tensor source, in model order."""
+    for global_name in M.full_megatron_names(arch):
+        yield from M.megatron_to_hf(global_name, full_fn(global_name), arch)
+
+
+def write_hf(
+    out: Path, arch: QwenArch, hf_config: dict, tensors: Iterator[tuple[str, torch.Tensor]], extra_src: Path | None,
+    max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
+) -> Path:
+    """Write a loadable HF directory (sharded safetensors + index, config, generation config, tokenizer; atomic)."""
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        records = writer.close()
+        config = hf_config_dict(arch, hf_config)
+        config.setdefault("torch_dtype", str(next(iter(records.values()))["dtype"]))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if extra_src is not None and extra_src.is_dir():
+            copy_extra_files(extra_src, tmp)
+        write_manifest(tmp, "hf", records, {"architecture": arch.hf_architecture})
+    return out
+
+
+def megatron_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:
+    """Convert a megatron checkpoint of any TP x PP layout into a HF directory at ``out``."""
+    src = MegatronCheckpoint(ckpt)
+    start = time.perf_counter()
+    write_hf(Path(out), src.arch, src.hf_config, iter_hf_tensors(src.arch, src.full), src.directory / "hf_extra",
+             max_shard_bytes, overwrite)
+    logger.info("megatron tp=%d pp=%d -> HF in %.2f s: %s", src.tp, src.pp, time.perf_counter() - start, out)
+    return Path(out)
+
+
+def reshard_dir(ckpt: str | Path, out: str | Path, tp: int, pp: int) -> Path:
+    """Rewrite a megatron checkpoint in another TP x PP layout (bit-exact)."""
+    src = MegatronCheckpoint(ckpt)
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: choose another --out or remove it")
+    write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.directory / "hf_extra")
+    return out

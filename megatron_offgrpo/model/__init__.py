@@ -1,0 +1,35 @@
+"""Model: HF Qwen config -> megatron ``TransformerConfig`` + layer spec -> one PP stage of a ``GPTModel``."""
+
+from megatron_offgrpo.model._arch import (
+    SUPPORTED_MODEL_TYPES,
+    QwenArch,
+    UnsupportedConfigError,
+    arch_from_hf_config,
+    hf_config_dict,
+    load_arch,
+)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "QwenArch",
+    "UnsupportedConfigError",
+    "arch_from_hf_config",
+    "build_gpt_stage",
+    "hf_config_dict",
+    "load_arch",
+    "qwen_layer_spec",
+    "transformer_config",
+]
+
+
+def __getattr__(name: str):
+    # The builder imports megatron.core (5-7 s, and TE detection must run first): load it only when used.
+    if name in ("build_gpt_stage", "transformer_config"):
+        from megatron_offgrpo.model import _builder
+
+        return getattr(_builder, name)
+    if name == "qwen_layer_spec":
+        from megatron_offgrpo.model._spec import qwen_layer_spec
+
+        return qwen_layer_spec
+    raise AttributeError(name)

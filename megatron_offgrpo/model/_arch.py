@@ -1,0 +1,185 @@
+"""A Hugging Face Qwen config, read into the typed architecture megatron-core is built from.
+
+One job: decide whether a HF ``config.json`` describes a model we can represent exactly, and say which field is
+not when it is not. Qwen2/Qwen2.5 (GQA, qkv bias, SwiGLU, RMSNorm, rope theta, tied or untied embeddings) and
+Qwen3 (q/k RMSNorm over head_dim, no qkv bias by default, explicit head_dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedConfigError(ValueError):
+    """A HF config field has a value this megatron model cannot represent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenArch:
+    """The shape and flavour of a Qwen decoder, independent of any parallel layout.
+
+    Attributes:
+        model_type: "qwen2" or "qwen3".
+        vocab_size: rows of the embedding and output layer (V).
+        hidden_size: H. intermediate_size: SwiGLU inner size. num_layers: decoder layers.
+        num_heads: query heads. num_kv_heads: key/value heads (GQA groups). head_dim: per-head size.
+        rms_norm_eps: RMSNorm epsilon. rope_theta: rotary base. max_position_embeddings: longest sequence.
+        tie_word_embeddings: output layer shares the embedding matrix.
+        qkv_bias: q/k/v projections carry a bias (Qwen2 yes, Qwen3 no).
+        qk_norm: RMSNorm on each query and key head (Qwen3).
+        initializer_range: std of the normal init (for randomly initialised models).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    initializer_range: float = 0.02
+
+    @property
+    def hf_architecture(self) -> str:
+        """The ``architectures[0]`` of the HF config this arch writes."""
+        return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """Raise ``ValueError`` naming the field and the fix when this arch cannot be split as tp x pp."""
+        errors = []
+        for name, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)):
+            if value % tp:
+                errors.append(f"{name}={value} is not divisible by tp={tp}: choose tp among the divisors of {value}")
+        if self.vocab_size % tp:
+            errors.append(f"vocab_size={self.vocab_size} is not divisible by tp={tp}: choose a tp that divides it")
+        if self.intermediate_size % tp:
+            errors.append(f"intermediate_size={self.intermediate_size} is not divisible by tp={tp}")
+        if self.num_layers % pp:
+            errors.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}: choose pp among its divisors")
+        if errors:
+            raise ValueError("cannot split the model as tp=%d x pp=%d:\n  " % (tp, pp) + "\n  ".join(errors))
+
+
+def _rope_theta(cfg: dict[str, Any], problems: list[str]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling")
+    rope_type = (params.get("rope_type") or params.get("type") or "default") if params else "default"
+    if scaling:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        problems.append(f"rope scaling type {rope_type!r} (only default rotary embeddings are supported)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def arch_from_hf_config(cfg: dict[str, Any]) -> QwenArch:
+    """Read a HF Qwen2/Qwen2.5/Qwen3 ``config.json`` dict.
+
+    Raises:
+        UnsupportedConfigError: naming every field whose value cannot be represented.
+    """
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedConfigError(
+            f"model_type={model_type!r} (architectures={cfg.get('architectures')}) is not supported: "
+            f"supported are {sorted(SUPPORTED_MODEL_TYPES)} ({', '.join(SUPPORTED_MODEL_TYPES.values())})"
+        )
+    problems: list[str] = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' SwiGLU is supported)")
+    layer_types = cfg.get("layer_types") or []
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        problems.append("use_sliding_window=true / sliding layer_types (only full attention is supported)")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        problems.append("num_experts (MoE Qwen is not supported)")
+    rope_theta = _rope_theta(cfg, problems)
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    if heads % kv_heads:
+        problems.append(f"num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}")
+    qkv_bias = True if model_type == "qwen2" else bool(cfg.get("attention_bias", False))
+    if problems:
+        raise UnsupportedConfigError(f"{model_type} config cannot be represented: " + "; ".join(problems))
+    return QwenArch(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
+        initializer_range=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
+def load_arch(path: str | Path) -> QwenArch:
+    """Read the arch from a HF model directory or a ``config.json`` path."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file}: no HF config.json found (expected a HF model directory)")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_file}: not valid JSON ({exc})") from None
+    return arch_from_hf_config(cfg)
+
+
+def hf_config_dict(arch: QwenArch, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` for ``arch`` (inverse of ``arch_from_hf_config``), merged over ``extra``."""
+    cfg = dict(extra or {})
+    cfg.update(
+        architectures=[arch.hf_architecture],
+        model_type=arch.model_type,
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        hidden_act="silu",
+        rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        initializer_range=arch.initializer_range,
+        use_sliding_window=False,
+    )
+    if arch.model_type == "qwen3":
+        cfg.update(head_dim=arch.head_dim, attention_bias=arch.qkv_bias)
+    cfg.pop("rope_parameters", None)
+    cfg.pop("rope_scaling", None)
+    return cfg

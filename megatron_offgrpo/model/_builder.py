@@ -1,0 +1,91 @@
+"""Build one pipeline stage of a megatron-core ``GPTModel`` for a Qwen architecture."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_offgrpo.model._arch import QwenArch
+from megatron_offgrpo.model._spec import qwen_layer_spec
+
+
+def transformer_config(
+    arch: QwenArch,
+    tp: int = 1,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: bool | None = None,
+    perform_initialization: bool = True,
+) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` that computes the same function as the HF model of ``arch``.
+
+    Fusions and dropout are off: they either need CUDA kernels or change the function (RL log-probs must match
+    the generator's). Mixed precision other than the params' dtype (FP8) is configured by ``model.precision``.
+    """
+    arch.check_layout(tp, pp)
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=perform_initialization,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt_stage(
+    arch: QwenArch,
+    config: TransformerConfig,
+    pre_process: bool,
+    post_process: bool,
+    use_te: bool | None = None,
+) -> GPTModel:
+    """One pipeline stage of the Qwen model (the whole model when pp == 1).
+
+    Args:
+        arch: the architecture. config: from ``transformer_config``.
+        pre_process: this stage holds the embedding (first stage).
+        post_process: this stage holds the final norm and output layer (last stage).
+        use_te: see ``qwen_layer_spec``.
+    """
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=qwen_layer_spec(arch.qk_norm, use_te),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rotary_percent=1.0,
+    )
+    return model.to(config.params_dtype)

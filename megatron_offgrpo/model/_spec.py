@@ -1,0 +1,37 @@
+"""The transformer layer spec: Transformer Engine's when TE is usable, megatron-core's local modules otherwise.
+
+Decided once by ``have_te()`` (megatron's ``HAVE_TE`` habit). Parameter names differ between the two specs (TE
+fuses the pre-attention and pre-MLP RMSNorm weights into ``linear_qkv`` / ``linear_fc1`` as
+``layer_norm_weight``); ``checkpoint_tools`` maps both.
+"""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_offgrpo.runtime import have_te
+
+
+def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None) -> ModuleSpec:
+    """The decoder layer spec for a Qwen model.
+
+    Args:
+        qk_norm: add RMSNorm on query and key heads (Qwen3).
+        use_te: force the TE (True) or local (False) spec; ``None`` picks TE when it is usable.
+
+    Raises:
+        RuntimeError: ``use_te=True`` on a machine where Transformer Engine cannot be used.
+    """
+    if use_te is None:
+        use_te = have_te()
+    if use_te:
+        if not have_te():
+            from megatron_offgrpo.runtime import te_status
+
+            raise RuntimeError(f"the Transformer Engine layer spec was requested but {te_status()[1]}")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")

@@ -1,0 +1,17 @@
+"""Runtime: device/backend detection, distributed + megatron parallel state, and the CPU layer for megatron-core."""
+
+from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
+from megatron_offgrpo.runtime._device import default_backend, has_cuda, have_te, hide_broken_te, te_status
+from megatron_offgrpo.runtime._distributed import ParallelContext, destroy_parallel, init_parallel
+
+__all__ = [
+    "ParallelContext",
+    "apply_cpu_compat",
+    "default_backend",
+    "destroy_parallel",
+    "has_cuda",
+    "have_te",
+    "hide_broken_te",
+    "init_parallel",
+    "te_status",
+]

@@ -1,0 +1,167 @@
+"""The CPU compatibility layer for megatron-core 0.16.x: the only place that patches megatron for CPU.
+
+megatron-core assumes CUDA in a handful of places (measured in ``shared/notes/megatron-on-cpu.md``). Each fix
+below names the failure it prevents. All fixes are narrow: none wraps the transformer forward/backward hot path
+(a global cuda->cpu torch-function mode measured ~25% slower on tiny steps). ``apply_cpu_compat()`` is explicit,
+idempotent, logged, and a no-op when CUDA is available: nothing happens at import time.
+
+Why the fixes are equivalent: on a CUDA machine each patched call allocates on the current CUDA device; here the
+only device is the CPU, so allocating there (or treating a CPU fp32 tensor as "the fp32 tensor type") is the
+same computation on the device we have.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_offgrpo.runtime._device import has_cuda
+
+logger = logging.getLogger(__name__)
+
+_APPLIED: list[str] = []
+_CPU = torch.device("cpu")
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec ("cuda", "cuda:0", torch.device("cuda")) to the CPU; leave others alone."""
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """Inside this mode, CUDA allocations land on the CPU and CPU tensors report CUDA tensor types.
+
+    Used only around megatron's optimizer construction and grad-norm/clip helpers, which (a) allocate with a
+    literal ``device='cuda'`` and (b) assert ``param.grad.type() == 'torch.cuda.FloatTensor'``.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return func(*args, **kwargs)
+
+
+def _under_cuda_as_cpu(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that it runs inside ``_CudaAsCpuMode``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaAsCpuMode():
+            return fn(*args, **kwargs)
+
+    wrapper.__offgrpo_cpu_compat__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _TorchWithCpuFactories(types.ModuleType):
+    """Stands in for the name ``torch`` inside one megatron module: tensor factories given
+    ``device="cuda"`` allocate on the CPU; every other attribute is torch's own."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _to_cpu_device(kwargs["device"])
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+def _swap_torch_name(module: types.ModuleType) -> None:
+    if not isinstance(getattr(module, "torch", None), _TorchWithCpuFactories):
+        module.torch = _TorchWithCpuFactories()
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's ``get_default_causal_mask`` (True = masked out), allocated on the CPU."""
+    return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()
+
+
+def apply_cpu_compat() -> list[str]:
+    """Patch megatron-core so that its model, schedules and optimizer run on the CPU. Idempotent.
+
+    Returns:
+        The names of the fixes in force (empty on a CUDA machine).
+    """
+    if has_cuda() or _APPLIED:
+        return list(_APPLIED)
+    from megatron.core import optimizer as mcore_optimizer
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
+    from megatron.core.optimizer import optimizer as optimizer_mod
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
+
+    from megatron_offgrpo.runtime._rng import install_cpu_rng_tracker
+
+    # 1. `torch.cuda.current_device()` is used as an allocation device in rotary embeddings, tensor-parallel
+    #    layers/mappings/utils and the global memory buffer; on a CPU build it raises "Torch not compiled with
+    #    CUDA enabled". Returning the CPU device makes those allocations land where the model lives.
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    # 2. `torch.cuda.synchronize()` (DDP buffer freeing, timers) raises on a CPU build; CPU work is synchronous.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # 3. Attention and parameter init fork the model-parallel CUDA RNG tracker ("cuda rng state
+    #    model-parallel-rng is not added" otherwise); the CPU tracker keeps the same named, forked states.
+    install_cpu_rng_tracker()
+    # 4. Literal `device="cuda"` tensor factories: the schedules' total_num_tokens counter and the DDP buffer's
+    #    warm-up tensor ("Torch not compiled with CUDA enabled").
+    for module in (schedules, param_and_grad_buffer):
+        _swap_torch_name(module)
+    # 5. The causal mask built when attention_mask is None uses device="cuda".
+    transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    # 6. The optimizer: literal device='cuda' buffers (found_inf, _scale_one, grad-scaler tensors, clip buffers)
+    #    and `.type() == 'torch.cuda.FloatTensor'` checks that reject CPU fp32 params/grads ("Wrapped parameters
+    #    must be one of torch.cuda.FloatTensor ..." and a failed assert in clip_grad_by_total_norm_fp32).
+    mcore_optimizer.get_megatron_optimizer = _under_cuda_as_cpu(mcore_optimizer.get_megatron_optimizer)
+    for name in ("clip_grad_by_total_norm_fp32", "get_grad_norm_fp32", "count_zeros_fp32"):
+        wrapped = _under_cuda_as_cpu(getattr(clip_grads, name))
+        setattr(clip_grads, name, wrapped)
+        setattr(optimizer_mod, name, wrapped)
+    for module in (grad_scaler, distrib_optimizer):
+        _swap_torch_name(module)
+    optimizer_classes = [
+        c for c in vars(optimizer_mod).values() if isinstance(c, type) and issubclass(c, optimizer_mod.MegatronOptimizer)
+    ] + [distrib_optimizer.DistributedOptimizer]
+    for cls in optimizer_classes:
+        for meth in ("step", "load_state_dict"):
+            fn = cls.__dict__.get(meth)
+            if fn is not None and not getattr(fn, "__offgrpo_cpu_compat__", False):
+                setattr(cls, meth, _under_cuda_as_cpu(fn))
+    _APPLIED.extend(
+        [
+            "cuda.current_device->cpu",
+            "cuda.synchronize->noop",
+            "cpu rng tracker",
+            "schedules/ddp-buffer cuda factories->cpu",
+            "causal mask on cpu",
+            "optimizer cuda tensors and type checks->cpu",
+        ]
+    )
+    logger.info("megatron-core CPU compatibility layer applied: %s", ", ".join(_APPLIED))
+    return list(_APPLIED)

@@ -1,0 +1,148 @@
+"""torch.distributed + megatron ``parallel_state`` from the torchrun environment.
+
+The only module that owns process-group state. Callers get a ``ParallelContext`` with explicit groups and ranks
+and pass it on; nothing else reads megatron's globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_offgrpo.runtime._device import default_backend, has_cuda, hide_broken_te
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """The parallel layout of this process, fixed after ``init_parallel``.
+
+    Attributes:
+        rank: global rank. world_size: number of processes.
+        tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size: ranks and sizes inside each parallel group.
+        tp_group, pp_group, dp_group: the process groups (``None`` only in a single-process run).
+        device: where this rank's model lives.
+    """
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on the pipeline stage that holds the embedding."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the pipeline stage that holds the output layer and computes the loss."""
+        return self.pp_rank == self.pp_size - 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer (set by torchrun)") from None
+
+
+def init_parallel(
+    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, backend: str | None = None
+) -> ParallelContext:
+    """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's parallel state.
+
+    Args:
+        tp: tensor-parallel size. pp: pipeline-parallel size. DP is world_size / (tp * pp).
+        seed: base seed; megatron's model-parallel RNG states are derived from it per TP rank.
+        timeout_s: collective timeout. backend: override "gloo"/"nccl" (default: by device).
+
+    Returns:
+        The ``ParallelContext`` of this process.
+
+    Raises:
+        ValueError: when world_size is not divisible by tp * pp.
+    """
+    hide_broken_te()
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"parallel layout tp={tp} x pp={pp} does not divide world_size={world_size}: "
+            f"launch tp*pp*dp processes (torchrun --nproc_per_node), or change tp/pp"
+        )
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
+
+    if has_cuda():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        apply_cpu_compat()
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()) if world_size == 1 else "29500")
+        dist.init_process_group(
+            backend=backend or default_backend(),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    ctx = ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=tp,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=pp,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        device=device,
+    )
+    logger.info("parallel layout: %s", ctx)
+    return ctx
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's parallel state and the default process group (for tests and clean exits)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

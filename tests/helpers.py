@@ -1,0 +1,84 @@
+"""Shared test fixtures: tiny random Qwen configs and HF models saved the way users' checkpoints are."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "megatron_offgrpo" / "assets" / "qwen2-tokenizer"
+
+
+def tiny_hf_config(model_type: str = "qwen2", tied: bool = False, layers: int = 4) -> dict:
+    """A tiny config exercising every feature: GQA (4 heads, 2 groups), qkv bias (qwen2), q/k norm and an explicit
+    head_dim that differs from hidden/heads (qwen3)."""
+    cfg = dict(
+        model_type=model_type,
+        architectures=["Qwen2ForCausalLM" if model_type == "qwen2" else "Qwen3ForCausalLM"],
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        initializer_range=0.05,
+    )
+    if model_type == "qwen3":
+        cfg.update(head_dim=32, attention_bias=False)
+    return cfg
+
+
+def make_hf_model(cfg: dict, seed: int = 0):
+    """A randomly initialised HF model of ``cfg`` in fp32 (norm weights perturbed so they are not all ones)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save_hf_model(cfg: dict, directory: Path, seed: int = 0) -> Path:
+    """Save a random HF model of ``cfg`` (safetensors) into ``directory``; returns it."""
+    model = make_hf_model(cfg, seed)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def run_torchrun(script: Path, nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun on 127.0.0.1 with gloo; raise with its output when it fails."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", str(script), *args,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script.name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
