@@ -25,6 +25,7 @@ from megatron_offgrpo.runtime._device import has_cuda
 logger = logging.getLogger(__name__)
 
 _APPLIED: list[str] = []
+_MODE_DEPTH = [0]  # how many wrapped megatron calls are on the stack
 _CPU = torch.device("cpu")
 
 
@@ -60,8 +61,14 @@ def _under_cuda_as_cpu(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CudaAsCpuMode():
+        if _MODE_DEPTH[0]:  # already inside (e.g. clip_grads called from step): one mode, not two stacked
             return fn(*args, **kwargs)
+        _MODE_DEPTH[0] += 1
+        try:
+            with _CudaAsCpuMode():
+                return fn(*args, **kwargs)
+        finally:
+            _MODE_DEPTH[0] -= 1
 
     wrapper.__offgrpo_cpu_compat__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -112,6 +119,7 @@ def apply_cpu_compat() -> list[str]:
     from megatron.core import optimizer as mcore_optimizer
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
     from megatron.core.optimizer import optimizer as optimizer_mod
     from megatron.core.pipeline_parallel import schedules
@@ -153,6 +161,12 @@ def apply_cpu_compat() -> list[str]:
             fn = cls.__dict__.get(meth)
             if fn is not None and not getattr(fn, "__offgrpo_cpu_compat__", False):
                 setattr(cls, meth, _under_cuda_as_cpu(fn))
+    # 7. With tied embeddings and pp > 1, megatron copies the embedding to the last stage at construction through
+    #    `weight.data.cuda()` + all-reduce ("Torch not compiled with CUDA enabled"); construction-time only.
+    if not getattr(LanguageModule.setup_embeddings_and_output_layer, "__offgrpo_cpu_compat__", False):
+        LanguageModule.setup_embeddings_and_output_layer = _under_cuda_as_cpu(
+            LanguageModule.setup_embeddings_and_output_layer
+        )
     _APPLIED.extend(
         [
             "cuda.current_device->cpu",
@@ -161,6 +175,7 @@ def apply_cpu_compat() -> list[str]:
             "schedules/ddp-buffer cuda factories->cpu",
             "causal mask on cpu",
             "optimizer cuda tensors and type checks->cpu",
+            "tied-embedding sync at construction on cpu",
         ]
     )
     logger.info("megatron-core CPU compatibility layer applied: %s", ", ".join(_APPLIED))
