@@ -1,0 +1,186 @@
+"""The registered objectives: per-token policy losses as pure functions of ``logp``.
+
+Notation per token: ``A`` advantage, ``rho = exp(logp - logp_b)`` the ratio of the current policy to the
+behavior policy that generated the sample (the lagged policy in off-policy training), ``lo = 1 - eps_low``,
+``hi = 1 + eps_high``. Every objective returns the UNMASKED loss; ``token_loss`` masks, weights and adds KL.
+
+- ``grpo_clip``: ``-min(rho A, clip(rho, lo, hi) A)``; with ``dual_clip = c``: for A < 0 additionally
+  ``min(that, -c A)`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL").
+  With behavior == current (rho = 1, on-policy, v = 1) the gradient is ``-A grad logp``.
+- ``gpg``: ``-A logp`` (Chu et al. 2025, "GPG"): no ratio, no clip.
+- ``rec``: ``-w A logp * m`` (Yao et al. 2025, "Group-relative REINFORCE is secretly an off-policy
+  algorithm"), ``w = 1`` (NoIS) or ``rho.detach()`` (IS), mask m from ``rec_clip`` (:func:`rec_keep_mask`).
+  REC-OneSide-IS has exactly the ``grpo_clip`` gradient.
+- ``opmd``: ``rec + tau (logp - logp_b)^2``. Kimi k1.5's OPMD has ``tau/2``; like the REC authors'
+  reference implementation (Trinity-RFT ``rec_policy_loss.py``, regularizer "k2") the 1/2 is absorbed into tau.
+- ``asymre``: ``rec - tau logp`` (Arnal et al. 2025, "Asymmetric REINFORCE"): the baseline shifted down by tau.
+
+The ratio's log is clamped to +-LOG_RATIO_CLAMP before ``exp`` (as verl does) so no valid token overflows.
+
+Shape notation: N = tokens flattened over the packed batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_offgrpo.algo._kl import LOG_RATIO_CLAMP
+from megatron_offgrpo.algo._params import ObjectiveParams
+from megatron_offgrpo.algo._registry import ObjectiveTerms, register_objective
+
+
+def importance_ratio(logp: torch.Tensor, behavior_logp: torch.Tensor) -> torch.Tensor:
+    """``rho = exp(clamp(logp - behavior_logp, +-LOG_RATIO_CLAMP))`` [N], differentiable w.r.t. ``logp``."""
+    return torch.exp((logp - behavior_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _no_flags(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like, dtype=torch.bool)
+
+
+@register_objective("grpo_clip")
+def grpo_clip(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """Clipped-ratio GRPO/PPO loss ``-min(rho A, clip(rho) A)`` with optional dual clip.
+
+    Written as a ``where`` so the gradient is exactly 0 on the clipped side: ``min`` picks the constant
+    ``clip(rho) A`` iff (A > 0 and rho > hi) or (A < 0 and rho < lo); elsewhere the loss is ``-rho A``.
+    At the boundaries (rho == lo or hi) the token counts as unclipped.
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] behavior-policy log-probs.
+        advantages: [N] per-token advantages.
+        params: uses ``eps_low``, ``eps_high``, ``dual_clip``.
+
+    Returns:
+        The loss and the clip flags.
+    """
+    a = advantages
+    rho = importance_ratio(logp, behavior_logp)
+    lo, hi = 1.0 - params.eps_low, 1.0 + params.eps_high
+    clip_high = (a > 0) & (rho > hi)
+    clip_low = (a < 0) & (rho < lo)
+    loss = torch.where(clip_high | clip_low, -rho.detach().clamp(lo, hi) * a, -rho * a)
+    dual = _no_flags(a)
+    if params.dual_clip is not None:
+        c = params.dual_clip
+        dual = (a < 0) & (rho > c)  # then -rho A > -c A: the bound is active, the gradient is 0
+        loss = torch.where(dual, -c * a, loss)
+    return ObjectiveTerms(loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual)
+
+
+@register_objective("gpg")
+def gpg(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """GPG loss ``-A logp``: no ratio, no clip (``behavior_logp`` and ``params`` are unused).
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] unused.
+        advantages: [N] per-token advantages.
+        params: unused.
+
+    Returns:
+        The loss; no clip flags are ever set.
+    """
+    flags = _no_flags(advantages)
+    return ObjectiveTerms(loss=-advantages * logp, clip_low=flags, clip_high=flags, dual_clip=flags)
+
+
+def rec_keep_mask(rho: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams) -> torch.Tensor:
+    """REC token mask m [N] bool, True = the token keeps its gradient.
+
+    - ``none``: all tokens.
+    - ``one_side``: drops (A > 0 and rho > hi) or (A < 0 and rho < lo): exactly where PPO-clip's gradient is 0.
+    - ``two_side``: keeps lo <= rho <= hi only.
+    - ``ring`` (Yao et al.; definition as in the authors' Trinity-RFT ``rec_policy_loss.py``): keeps
+      lo <= rho <= hi, plus (A >= 0 and rho <= 1 - eps_low_outer) plus (A <= 0 and rho >= 1 + eps_high_outer):
+      far outside the trust region, tokens whose update would move the policy back towards the behavior
+      policy (raise a good token that fell far, lower a bad token that rose far) are kept again.
+
+    Args:
+        rho: [N] importance ratio (only compared, never differentiated).
+        advantages: [N] per-token advantages.
+        params: uses ``rec_clip``, ``eps_low``, ``eps_high``, ``eps_low_outer``, ``eps_high_outer``.
+
+    Returns:
+        [N] bool, True = kept.
+    """
+    a, mode = advantages, params.rec_clip
+    lo, hi = 1.0 - params.eps_low, 1.0 + params.eps_high
+    if mode == "none":
+        return torch.ones_like(a, dtype=torch.bool)
+    if mode == "one_side":
+        return ~(((a > 0) & (rho > hi)) | ((a < 0) & (rho < lo)))
+    inside = (rho >= lo) & (rho <= hi)
+    if mode == "two_side":
+        return inside
+    assert mode == "ring", mode  # ObjectiveParams.validate() admits only these four
+    return inside | ((a >= 0) & (rho <= 1.0 - params.eps_low_outer)) | ((a <= 0) & (rho >= 1.0 + params.eps_high_outer))
+
+
+@register_objective("rec")
+def rec(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """REC loss ``-w A logp * m`` with ``w`` from ``rec_weight`` and ``m`` from :func:`rec_keep_mask`.
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] behavior-policy log-probs.
+        advantages: [N] per-token advantages.
+        params: uses ``rec_weight``, ``rec_clip`` and the eps fields.
+
+    Returns:
+        The loss; ``clip_low`` / ``clip_high`` flag masked-out tokens below / above the trust region.
+    """
+    a = advantages
+    rho = importance_ratio(logp, behavior_logp).detach()
+    keep = rec_keep_mask(rho, a, params)
+    weighted = a * rho if params.rec_weight == "is" else a
+    loss = torch.where(keep, -weighted * logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    clip_low = ~keep & (rho < 1.0 - params.eps_low)
+    clip_high = ~keep & (rho > 1.0 + params.eps_high)
+    return ObjectiveTerms(loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=_no_flags(a))
+
+
+@register_objective("opmd")
+def opmd(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """OPMD: the REC loss plus ``tau (logp - logp_b)^2`` on every token (REP family, Yao et al.).
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] behavior-policy log-probs.
+        advantages: [N] per-token advantages.
+        params: the REC fields and ``tau``.
+
+    Returns:
+        The regularised loss and REC's clip flags.
+    """
+    terms = rec(logp, behavior_logp, advantages, params)
+    reg = params.tau * (logp - behavior_logp) ** 2
+    return ObjectiveTerms(terms.loss + reg, terms.clip_low, terms.clip_high, terms.dual_clip)
+
+
+@register_objective("asymre")
+def asymre(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """AsymRE: the REC loss minus ``tau logp`` on every token (plain REC: REINFORCE with ``A + tau``).
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] behavior-policy log-probs.
+        advantages: [N] per-token advantages.
+        params: the REC fields and ``tau``.
+
+    Returns:
+        The regularised loss and REC's clip flags.
+    """
+    terms = rec(logp, behavior_logp, advantages, params)
+    return ObjectiveTerms(terms.loss - params.tau * logp, terms.clip_low, terms.clip_high, terms.dual_clip)

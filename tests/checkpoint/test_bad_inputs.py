@@ -1,0 +1,117 @@
+"""Corrupt, missing or mismatched inputs give an error that names the file/tensor/field, and leave no output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint_tools import CheckpointError, hf_to_megatron_dir, megatron_to_hf_dir
+from checkpoint_tools import _convert
+from megatron_offgrpo.model import UnsupportedConfigError
+
+
+def cli(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"checkpoint_tools.{module}", *args], capture_output=True, text=True)
+
+
+def copy_model(hf_models, tmp_path, name="qwen2_untied"):
+    dst = tmp_path / "src"
+    shutil.copytree(hf_models[name], dst)
+    return dst
+
+
+def test_truncated_safetensors_names_the_file_and_leaves_nothing(hf_models, tmp_path):
+    src = copy_model(hf_models, tmp_path)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "out"
+    proc = cli("hf_to_megatron", "--hf", str(src), "--out", str(out), "--tp", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert "model.safetensors" in proc.stderr and "truncated or corrupt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_missing_shard_names_the_file(hf_models, tmp_path):
+    mega = hf_to_megatron_dir(hf_models["qwen3_untied"], tmp_path / "mega", tp=1, pp=1)
+    hf = megatron_to_hf_dir(mega, tmp_path / "hf", max_shard_bytes=40_000)
+    shards = sorted(hf.glob("model-*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=shards[1].name):
+        hf_to_megatron_dir(hf, tmp_path / "again", tp=1, pp=1)
+    assert not (tmp_path / "again").exists()
+    # The same for a megatron checkpoint with a missing rank file.
+    (mega / "mp_rank_00_000" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="mp_rank_00_000"):
+        megatron_to_hf_dir(mega, tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()
+
+
+def test_bit_flip_is_caught_by_the_manifest_naming_the_tensor(hf_models, tmp_path):
+    mega = hf_to_megatron_dir(hf_models["qwen2_tied"], tmp_path / "mega", tp=2, pp=1)
+    weights = mega / "mp_rank_01_000" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # flip bits inside the last tensor's data; the header stays valid
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_000.*does not match the manifest"):
+        megatron_to_hf_dir(mega, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_unsupported_architecture_is_named(hf_models, tmp_path):
+    src = copy_model(hf_models, tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])))
+    proc = cli("hf_to_megatron", "--hf", str(src), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "model_type='qwen2_moe'" in proc.stderr and "supported are" in proc.stderr
+    (src / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
+    with pytest.raises(UnsupportedConfigError, match="yarn"):
+        hf_to_megatron_dir(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tp_not_dividing_heads_is_refused_before_writing(hf_models, tmp_path):
+    proc = cli("hf_to_megatron", "--hf", str(hf_models["qwen2_untied"]), "--out", str(tmp_path / "out"), "--tp", "3")
+    assert proc.returncode == 2
+    assert "num_attention_heads=4 is not divisible by tp=3" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_crash_mid_write_leaves_no_output(hf_models, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = _convert.save_file
+
+    def failing_save(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_convert, "save_file", failing_save)
+    with pytest.raises(OSError, match="simulated"):
+        hf_to_megatron_dir(hf_models["qwen2_untied"], tmp_path / "out", tp=2, pp=1)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_existing_output_is_not_overwritten(hf_models, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        hf_to_megatron_dir(hf_models["qwen2_untied"], tmp_path / "out")
+
+
+def test_hf_checkpoint_missing_a_tensor_is_named(hf_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = copy_model(hf_models, tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="model.layers.2.mlp.up_proj.weight"):
+        hf_to_megatron_dir(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert torch.is_tensor(tensors["model.embed_tokens.weight"])
