@@ -18,20 +18,20 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors.torch import save_file
 
 from checkpoint_tools import _mapping as M
 from checkpoint_tools._io import (
     CheckpointError,
     SafetensorsFiles,
-    ShardedSafetensorsWriter,
     atomic_output_dir,
     copy_extra_files,
     open_safetensors_dir,
     read_manifest,
     tensor_record,
     write_manifest,
+    write_sharded,
 )
+from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
 from megatron_offgrpo.model._arch import QwenArch, arch_from_hf_config, hf_config_dict
 
 logger = logging.getLogger(__name__)
@@ -85,45 +85,64 @@ class MegatronCheckpoint:
         """Megatron names with global layer indices, in model order."""
         return M.full_megatron_names(self.arch)
 
-    def full(self, global_name: str) -> torch.Tensor:
-        """The TP-merged tensor of a global megatron name."""
+    def _locate(self, global_name: str) -> tuple[M.Rule, int, str]:
+        """(rule, PP stage, stage-local name) of a global megatron name."""
         if global_name == "output_layer.weight" and self.arch.tie_word_embeddings:
             global_name = "embedding.word_embeddings.weight"
         rule, layer = M.rule_for_megatron(global_name)
         if rule.stage == "first":
-            stage, local = 0, global_name
-        elif rule.stage == "last":
-            stage, local = self.pp - 1, global_name
-        else:
-            per_stage = self.arch.num_layers // self.pp
-            stage = layer // per_stage
-            local = M.to_global_layer(global_name, -stage * per_stage)
-        shards = [self._shards[(t, stage)][local] for t in range(self.tp)]
-        return M.merge_tp(shards, rule.split)
+            return rule, 0, global_name
+        if rule.stage == "last":
+            return rule, self.pp - 1, global_name
+        per_stage = self.arch.num_layers // self.pp
+        stage = layer // per_stage
+        return rule, stage, M.to_global_layer(global_name, -stage * per_stage)
+
+    def dtype(self, global_name: str) -> torch.dtype:
+        """Stored dtype of a global megatron name (from the header, no data read)."""
+        _, stage, local = self._locate(global_name)
+        return self._shards[(0, stage)].dtype(local)
+
+    def full(self, global_name: str) -> torch.Tensor:
+        """The TP-merged tensor of a global megatron name."""
+        rule, stage, local = self._locate(global_name)
+        return M.merge_tp([self._shards[(t, stage)][local] for t in range(self.tp)], rule.split)
 
 
 def write_megatron(
-    out: Path, arch: QwenArch, hf_config: dict, tp: int, pp: int, full_fn: Callable[[str], torch.Tensor], extra_src: Path | None
+    out: Path,
+    arch: QwenArch,
+    hf_config: dict,
+    tp: int,
+    pp: int,
+    full_fn: Callable[[str], torch.Tensor],
+    dtype_fn: Callable[[str], torch.dtype],
+    extra_src: Path | None,
 ) -> None:
-    """Write a megatron TP x PP checkpoint whose full tensors come from ``full_fn(global_name)`` (atomic)."""
+    """Write a megatron TP x PP checkpoint whose full tensors come from ``full_fn(global_name)`` (atomic).
+
+    Each rank file is streamed: one full tensor (and its TP shards) is in memory at a time.
+    """
     arch.check_layout(tp, pp)
     with atomic_output_dir(out) as tmp:
         records = {}
         for p in range(pp):
             offset = M.layers_of_stage(arch, pp, p).start
-            per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-            for local in M.full_megatron_names(arch, pp, p):
+            names = M.full_megatron_names(arch, pp, p)
+            specs = [(n, dtype_fn(M.to_global_layer(n, offset)), M.megatron_shard_shape(n, arch, tp)) for n in names]
+            writers = []
+            for t in range(tp):
+                (tmp / rank_dir(t, p)).mkdir()
+                writers.append(StreamingSafetensorsWriter(tmp / rank_dir(t, p) / "model.safetensors", specs))
+            for local in names:
                 full = full_fn(M.to_global_layer(local, offset))
                 kind = M.split_kind(local)
-                for t in range(tp):
-                    per_rank[t][local] = M.shard_for_tp(full, kind, tp, t)
-            for t in range(tp):
-                sub = tmp / rank_dir(t, p)
-                sub.mkdir()
-                save_file(per_rank[t], str(sub / "model.safetensors"), metadata={"format": "pt"})
-                for name, tensor in per_rank[t].items():
-                    records[f"{rank_dir(t, p)}/{name}"] = tensor_record(tensor, "model.safetensors")
-            del per_rank
+                for t, writer in enumerate(writers):
+                    shard = M.shard_for_tp(full, kind, tp, t)
+                    writer.write(local, shard)
+                    records[f"{rank_dir(t, p)}/{local}"] = tensor_record(shard, "model.safetensors")
+            for writer in writers:
+                writer.close()
             logger.info("wrote pipeline stage %d/%d", p + 1, pp)
         if extra_src is not None and extra_src.is_dir():
             (tmp / "hf_extra").mkdir()
@@ -143,7 +162,8 @@ def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int
     tensors = open_safetensors_dir(hf_dir)
     M.check_hf_names(tensors.names(), arch)
     start = time.perf_counter()
-    write_megatron(out, arch, hf_config, tp, pp, lambda g: M.hf_to_megatron(g, arch, tensors), hf_dir)
+    write_megatron(out, arch, hf_config, tp, pp, lambda g: M.hf_to_megatron(g, arch, tensors),
+                   lambda g: tensors.dtype(M.hf_sources(g, arch)[1][0]), hf_dir)
     logger.info("HF -> megatron tp=%d pp=%d in %.2f s: %s", tp, pp, time.perf_counter() - start, out)
     return out
 
@@ -155,17 +175,26 @@ def iter_hf_tensors(arch: QwenArch, full_fn: Callable[[str], torch.Tensor]) -> I
 
 
 def write_hf(
-    out: Path, arch: QwenArch, hf_config: dict, tensors: Iterator[tuple[str, torch.Tensor]], extra_src: Path | None,
-    max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False,
+    out: Path,
+    arch: QwenArch,
+    hf_config: dict,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype_fn: Callable[[str], torch.dtype],
+    extra_src: Path | None,
+    max_shard_bytes: int = 2 * 1024**3,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a loadable HF directory (sharded safetensors + index, config, generation config, tokenizer; atomic)."""
+    """Write a loadable HF directory (sharded safetensors + index, config, generation config, tokenizer; atomic).
+
+    Args:
+        tensors: HF (name, tensor) pairs in ``hf_names(arch)`` order, produced lazily.
+        dtype_fn: the dtype each HF tensor will have (declared in the shard headers before data is written).
+    """
+    specs = [(name, dtype_fn(name), shape) for name, shape in M.hf_shapes(arch).items()]
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-        records = writer.close()
+        records = write_sharded(tmp, specs, tensors, max_shard_bytes)
         config = hf_config_dict(arch, hf_config)
-        config.setdefault("torch_dtype", str(next(iter(records.values()))["dtype"]))
+        config["torch_dtype"] = str(specs[0][1]).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if extra_src is not None and extra_src.is_dir():
             copy_extra_files(extra_src, tmp)
@@ -177,8 +206,8 @@ def megatron_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int =
     """Convert a megatron checkpoint of any TP x PP layout into a HF directory at ``out``."""
     src = MegatronCheckpoint(ckpt)
     start = time.perf_counter()
-    write_hf(Path(out), src.arch, src.hf_config, iter_hf_tensors(src.arch, src.full), src.directory / "hf_extra",
-             max_shard_bytes, overwrite)
+    write_hf(Path(out), src.arch, src.hf_config, iter_hf_tensors(src.arch, src.full),
+             lambda n: src.dtype(M.megatron_global_name_for_hf(n)), src.directory / "hf_extra", max_shard_bytes, overwrite)
     logger.info("megatron tp=%d pp=%d -> HF in %.2f s: %s", src.tp, src.pp, time.perf_counter() - start, out)
     return Path(out)
 
@@ -189,5 +218,5 @@ def reshard_dir(ckpt: str | Path, out: str | Path, tp: int, pp: int) -> Path:
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists: choose another --out or remove it")
-    write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.directory / "hf_extra")
+    write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.dtype, src.directory / "hf_extra")
     return out

@@ -15,8 +15,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+from checkpoint_tools._safetensors_stream import (
+    CODE_DTYPES,
+    SafetensorsFormatError,
+    StreamingSafetensorsWriter,
+    _nbytes,
+    read_header,
+    read_tensor,
+)
 
 MANIFEST = "offgrpo_manifest.json"
 HF_INDEX = "model.safetensors.index.json"
@@ -66,6 +73,7 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path
     tmp.mkdir()
     try:
         yield tmp
+        _fsync_dir(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -76,6 +84,15 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the directory's entries durable before it is renamed into place."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_manifest(directory: Path, kind: str, tensors: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -101,7 +118,7 @@ class SafetensorsFiles:
     def __init__(self, files: dict[str, Path], manifest: dict[str, Any] | None = None) -> None:
         """Args: files: tensor name -> file holding it. manifest: tensor name -> record (checksum, shape)."""
         self._files = files
-        self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[dict[str, Any], int]] = {}
         self._manifest = manifest or {}
 
     def names(self) -> list[str]:
@@ -111,24 +128,33 @@ class SafetensorsFiles:
     def __contains__(self, name: object) -> bool:
         return name in self._files
 
-    def _open(self, path: Path):
-        if path not in self._handles:
+    def header(self, path: Path) -> tuple[dict[str, Any], int]:
+        """The parsed header of one file (cached); errors name the file."""
+        if path not in self._headers:
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard file is missing")
             try:
-                self._handles[path] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({exc})") from None
-        return self._handles[path]
+                self._headers[path] = read_header(path)
+            except SafetensorsFormatError as exc:
+                raise CheckpointError(f"{exc} (truncated or corrupt safetensors file)") from None
+        return self._headers[path]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of a tensor, from the header alone."""
+        header, _ = self.header(self._files[name])
+        return CODE_DTYPES[header[name]["dtype"]]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._files:
             raise KeyError(f"tensor {name!r} is not in the checkpoint")
         path = self._files[name]
+        header, data_start = self.header(path)
+        if name not in header:
+            raise CheckpointError(f"{path}: tensor {name!r} is listed in the index but not in the file")
         try:
-            tensor = self._open(path).get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: tensor {name!r} cannot be read ({exc})") from None
+            tensor = read_tensor(path, name, header[name], data_start)
+        except SafetensorsFormatError as exc:
+            raise CheckpointError(str(exc)) from None
         record = self._manifest.get(name)
         if record is not None and (list(tensor.shape) != record["shape"] or tensor_crc32(tensor) != record["crc32"]):
             raise CheckpointError(
@@ -142,8 +168,9 @@ def open_safetensors_dir(directory: Path, index_name: str = HF_INDEX) -> Safeten
     """Open a HF-style directory: ``model.safetensors`` alone, or shards listed by ``model.safetensors.index.json``.
 
     Raises:
-        CheckpointError: no weights, an index naming a missing shard, or an unreadable header.
+        CheckpointError: no weights, an index naming a missing shard, or a truncated/unreadable file.
     """
+    directory = Path(directory)
     index = directory / index_name
     manifest = read_manifest(directory)
     records = (manifest or {}).get("tensors", {})
@@ -163,64 +190,60 @@ def open_safetensors_dir(directory: Path, index_name: str = HF_INDEX) -> Safeten
         files = {}
         for path in shards:
             try:
-                with safe_open(str(path), framework="pt") as handle:
-                    files.update({name: path for name in handle.keys()})
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({exc})") from None
+                header, _ = read_header(path)
+            except SafetensorsFormatError as exc:
+                raise CheckpointError(f"{exc} (truncated or corrupt safetensors file)") from None
+            files.update({name: path for name in header if name != "__metadata__"})
     reader = SafetensorsFiles(files, records)
     for path in sorted(set(files.values())):
-        reader._open(path)  # fail early, naming the file, on a truncated header or data section
+        reader.header(path)  # fail early, naming the file, on a truncated header or data section
     return reader
 
 
-class ShardedSafetensorsWriter:
-    """Writes tensors as they come into HF-style shards of at most ``max_shard_bytes``; never holds more."""
+def plan_shards(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_bytes: int) -> list[list]:
+    """Group consecutive tensor specs into shards of at most ``max_shard_bytes`` (one oversized tensor alone)."""
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = _nbytes(spec[1], spec[2])
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
 
-    def __init__(self, directory: Path, max_shard_bytes: int = 2 * 1024**3) -> None:
-        """Args: directory: where to write (an ``atomic_output_dir``). max_shard_bytes: shard size bound."""
-        self.directory = directory
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.records: dict[str, dict[str, Any]] = {}
-        self.total_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue one tensor; writes a shard when the queue reaches the bound."""
-        if name in self.records or name in self._pending:
-            raise ValueError(f"tensor {name!r} written twice")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().contiguous()
-        self._pending_bytes += nbytes
+def write_sharded(
+    directory: Path,
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    max_shard_bytes: int,
+) -> dict[str, dict[str, Any]]:
+    """Stream ``tensors`` (in ``specs`` order) into HF-named shards plus an index when there are several.
 
-    def _flush(self) -> None:
-        fname = f".shard-{len(self._shards):05d}.safetensors"
-        save_file(self._pending, str(self.directory / fname), metadata={"format": "pt"})
-        for name, tensor in self._pending.items():
-            self.records[name] = tensor_record(tensor, fname)
-        self.total_bytes += self._pending_bytes
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
-
-    def close(self) -> dict[str, dict[str, Any]]:
-        """Write the last shard, give shards their final names and (if several) the index. Returns records."""
-        if self._pending or not self._shards:
-            self._flush()
-        count = len(self._shards)
-        final = ["model.safetensors"] if count == 1 else [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
-        weight_map = {}
-        for k, names in enumerate(self._shards):
-            (self.directory / f".shard-{k:05d}.safetensors").rename(self.directory / final[k])
-            for name in names:
-                self.records[name]["file"] = final[k]
-                weight_map[name] = final[k]
-        if count > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            (self.directory / HF_INDEX).write_text(json.dumps(index, indent=2))
-        return self.records
+    Holds one tensor at a time. Returns the manifest records.
+    """
+    shards = plan_shards(specs, max_shard_bytes)
+    count = len(shards)
+    names = ["model.safetensors"] if count == 1 else [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+    records: dict[str, dict[str, Any]] = {}
+    stream = iter(tensors)
+    for fname, shard in zip(names, shards):
+        writer = StreamingSafetensorsWriter(directory / fname, shard)
+        for _ in shard:
+            name, tensor = next(stream)
+            writer.write(name, tensor)
+            records[name] = tensor_record(tensor, fname)
+        writer.close()
+    leftover = next(stream, None)
+    if leftover is not None:
+        raise ValueError(f"tensor {leftover[0]!r} was produced but not declared")
+    if count > 1:
+        total = sum(_nbytes(d, s) for _, d, s in specs)
+        index = {"metadata": {"total_size": total}, "weight_map": {n: r["file"] for n, r in records.items()}}
+        (directory / HF_INDEX).write_text(json.dumps(index, indent=2))
+    return records
 
 
 def copy_extra_files(src: Path, dst: Path) -> list[str]:

@@ -201,18 +201,26 @@ def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArch
     return grouped.reshape(ng * (hpg + 2) * d, *tail)
 
 
-def hf_to_megatron(name: str, arch: QwenArch, hf_tensors: dict[str, torch.Tensor], layer_offset: int = 0) -> torch.Tensor:
+def hf_sources(name: str, arch: QwenArch, layer_offset: int = 0) -> tuple[Rule, list[str]]:
+    """The rule and the HF tensor names a megatron tensor (stage-local layer index) is built from."""
+    rule, layer = rule_for_megatron(name)
+    if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
+        rule = RULES[0]  # tied embeddings: the last stage's copy of the output layer is the embedding
+    return rule, [p.format(i=None if layer is None else layer + layer_offset) for p in rule.hf]
+
+
+def hf_to_megatron(name: str, arch: QwenArch, hf_tensors, layer_offset: int = 0) -> torch.Tensor:
     """Build the TP-merged megatron tensor ``name`` (stage-local layer index) from HF tensors.
+
+    Args:
+        hf_tensors: a mapping (``in`` and ``[]``) from HF names to tensors; read lazily, one tensor at a time.
 
     Raises:
         KeyError: naming the missing HF tensor.
     """
-    rule, layer = rule_for_megatron(name)
-    if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
-        rule = RULES[0]  # tied embeddings: the last stage's copy of the output layer is the embedding
+    rule, keys = hf_sources(name, arch, layer_offset)
     sources = []
-    for pattern in rule.hf:
-        key = pattern.format(i=None if layer is None else layer + layer_offset)
+    for key in keys:
         if key not in hf_tensors:
             raise KeyError(f"HF tensor {key!r} (needed for megatron {name!r}) is missing from the checkpoint")
         sources.append(hf_tensors[key])
@@ -221,6 +229,12 @@ def hf_to_megatron(name: str, arch: QwenArch, hf_tensors: dict[str, torch.Tensor
     if rule.op == "gate_up":
         return torch.cat(sources, dim=0)
     return _merge_qkv(*sources, arch)
+
+
+def megatron_global_name_for_hf(hf_name: str) -> str:
+    """The global megatron name an HF tensor feeds (e.g. q_proj of layer 3 -> layer 3's linear_qkv)."""
+    pattern, layer = megatron_name_for_hf(hf_name)
+    return pattern.format(i=layer)
 
 
 def split_kind(name: str) -> str:
@@ -297,3 +311,32 @@ def local_name(name: str) -> str:
 def iter_rules(arch: QwenArch) -> Iterator[Rule]:
     """The rules that apply to ``arch``."""
     return (r for r in RULES if _applies(r, arch))
+
+
+def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor of ``arch``, in ``hf_names`` order (known before any data is read)."""
+    h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    by_suffix = {
+        "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h), "norm.weight": (h,),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
+        "o_proj.weight": (h, q), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h), "down_proj.weight": (h, inter),
+    }
+    return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}
+
+
+def megatron_shard_shape(name: str, arch: QwenArch, tp: int) -> tuple[int, ...]:
+    """Shape of this megatron tensor's TP shard (any layer index; all TP ranks have the same shape)."""
+    rule, _ = rule_for_megatron(name)
+    if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
+        rule = RULES[0]
+    shapes = hf_shapes(arch)
+    parts = [shapes[p.format(i=0)] for p in rule.hf]
+    full = (sum(p[0] for p in parts), *parts[0][1:])
+    if rule.split in ("rows", "gate_up"):
+        return (full[0] // tp, *full[1:])
+    if rule.split == "cols":
+        return (full[0], full[1] // tp)
+    return full

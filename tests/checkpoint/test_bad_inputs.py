@@ -84,15 +84,15 @@ def test_tp_not_dividing_heads_is_refused_before_writing(hf_models, tmp_path):
 
 def test_crash_mid_write_leaves_no_output(hf_models, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = _convert.save_file
+    real = _convert.StreamingSafetensorsWriter.write
 
     def failing_save(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 2:
+        if calls["n"] == 7:
             raise OSError("disk full (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_convert, "save_file", failing_save)
+    monkeypatch.setattr(_convert.StreamingSafetensorsWriter, "write", failing_save)
     with pytest.raises(OSError, match="simulated"):
         hf_to_megatron_dir(hf_models["qwen2_untied"], tmp_path / "out", tp=2, pp=1)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))

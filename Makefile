@@ -1,0 +1,43 @@
+# megatron-offgrpo: `make demo` runs the main job on the embedded default, `make test` runs the whole suite.
+# Both create .venv on first use. On a machine without CUDA, torch==2.13.0 (CPU build) is installed FIRST, so that
+# nothing later makes pip resolve a multi-GB CUDA torch. On GPU machines the environment's CUDA torch is used.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.offgrpo-installed
+CPU_TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast bench-convert bench-deps clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA machine: keeping the environment's torch (install a CUDA torch first if there is none)"; \
+	else \
+		echo "no CUDA: installing $(CPU_TORCH) (CPU build) first"; $(PIP) install -q "$(CPU_TORCH)"; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/offgrpo convert roundtrip
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not multiproc and not slow"
+
+bench-deps: setup
+	# Liger is a comparison point only; --no-deps keeps pip from replacing the CPU torch.
+	$(PIP) install -q --no-deps liger-kernel==0.8.5
+
+bench-convert: setup
+	$(PY) benchmarks/convert.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

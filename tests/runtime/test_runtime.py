@@ -1,0 +1,86 @@
+"""Runtime: TE detection falls back cleanly, the CPU layer is explicit and idempotent, layouts are validated."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_offgrpo import runtime
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+
+
+def test_te_status_without_cuda_says_why():
+    usable, reason = runtime.te_status()
+    assert not usable and reason  # this CPU machine: TE not installed or no CUDA
+    assert runtime.default_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_broken_te_is_hidden_so_megatron_core_still_imports(tmp_path):
+    # A fake transformer_engine that fails like a real one without CUDA (RuntimeError, not ImportError).
+    pkg = tmp_path / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('libcudart.so: cannot open shared object file')\n")
+    (pkg / "pytorch" / "__init__.py").write_text("")
+    proc = run_python(f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        from megatron_offgrpo.runtime import hide_broken_te, te_status
+        print(te_status())
+        hide_broken_te()
+        import megatron.core.models.gpt.gpt_layer_specs as specs
+        from megatron.core.extensions import transformer_engine as te_ext
+        print('HAVE_TE', te_ext.HAVE_TE)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CUDA is not available" in proc.stdout and "HAVE_TE False" in proc.stdout
+
+
+def test_cpu_compat_is_explicit_and_idempotent():
+    proc = run_python("""
+        import torch
+        import megatron.core  # importing ours or megatron's patches nothing
+        from megatron_offgrpo.runtime import apply_cpu_compat
+        try:
+            torch.cuda.current_device(); print('patched-at-import')
+        except (AssertionError, RuntimeError):
+            print('untouched-at-import')
+        first = apply_cpu_compat(); second = apply_cpu_compat()
+        assert first == second and len(first) == 7, first
+        print(torch.cuda.current_device())
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        print(type(get_cuda_rng_tracker()).__name__)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["untouched-at-import", "cpu", "CpuRNGStatesTracker"]
+
+
+def test_cpu_rng_tracker_forks_named_states():
+    from megatron_offgrpo.runtime._rng import CpuRNGStatesTracker
+
+    tracker = CpuRNGStatesTracker()
+    tracker.add("model-parallel-rng", 7)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before), "fork must restore the default generator"
+    with tracker.fork("model-parallel-rng"):
+        b = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(a, torch.rand(3)) and not torch.equal(a, b), "the named state advances across forks"
+    with pytest.raises(RuntimeError, match="not added"):
+        with tracker.fork("missing"):
+            pass
+
+
+def test_layout_not_dividing_world_size_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"tp=4 x pp=1 does not divide world_size=2"):
+        runtime.init_parallel(tp=4, pp=1)
