@@ -1,0 +1,79 @@
+"""The data types that cross the rollout/train wall: prompts go out to the fleet, samples come back.
+
+``Sample`` is the only object the rollout side hands to the trainer (slime's ``Sample`` habit). It carries the
+fleet's per-token log-probs and the policy version that produced it, so the trainer can compute staleness and
+importance ratios against the behavior policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt, tokenised with the chat template, with what its reward needs.
+
+    Attributes:
+        prompt_id: stable id within the dataset (e.g. "gsm8k/train/17"): the data position and the group key.
+        prompt_ids: [T_prompt] token ids, chat template applied.
+        text: the raw question (for logs and rewards that read it).
+        answer: the ground truth the reward function checks (e.g. "72"), or None for reward models.
+    """
+
+    prompt_id: str
+    prompt_ids: tuple[int, ...]
+    text: str = ""
+    answer: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the fleet samples completions.
+
+    Attributes:
+        max_tokens: longest completion. temperature, top_p, top_k: sampling (temperature 0 = greedy).
+        seed: per-request seed (None = engine's). stop_token_ids: extra ids that end a completion (EOS always does).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Sample:
+    """One completion of one prompt.
+
+    Attributes:
+        prompt_id: the prompt's id. group_id: index of the prompt's group in the batch (the G samples of a
+            prompt share it). prompt_ids: [T_prompt]. response_ids: [T_resp] sampled tokens.
+        behavior_logprobs: [T_resp] the fleet's log-prob of each sampled token (the behavior policy's).
+        reward: set by the scorer (None before scoring).
+        policy_version: the trainer step whose weights generated every token of this sample.
+        finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
+        server: which engine/server produced it (for logs and failover checks).
+        extra: anything an engine or reward wants to carry (never read by the trainer's math).
+    """
+
+    prompt_id: str
+    group_id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+    reward: float | None = None
+    server: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.behavior_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"sample {self.prompt_id}/{self.group_id}: {len(self.behavior_logprobs)} log-probs for "
+                f"{len(self.response_ids)} response tokens: the engine must return one log-prob per sampled token"
+            )
