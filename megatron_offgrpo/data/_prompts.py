@@ -1,0 +1,78 @@
+"""Prompts for the fleet: chat template from the tokenizer, and a resumable, epoch-shuffled prompt stream."""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from megatron_offgrpo.data._datasets import QARecord
+from megatron_offgrpo.data._types import Prompt
+
+DEFAULT_INSTRUCTION = "Solve the problem. Put the final numeric answer after '####'."
+
+
+def build_prompt(record: QARecord, tokenizer, system_prompt: str | None = None,
+                 instruction: str = DEFAULT_INSTRUCTION, max_prompt_tokens: int | None = None) -> Prompt:
+    """Tokenise one record with the tokenizer's chat template (generation prompt appended).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the prompt is longer than ``max_prompt_tokens``.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat_template; use a chat/instruct tokenizer (e.g. Qwen2.5's)")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": f"{record.question}\n{instruction}".strip()}
+    ]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        raise ValueError(f"prompt {record.record_id} has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
+    return Prompt(record.record_id, tuple(int(i) for i in ids), record.question, record.answer)
+
+
+class PromptStream:
+    """Endless batches of prompts: each epoch visits every prompt once in a seeded shuffle. Resumable."""
+
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0) -> None:
+        """Args: prompts: the dataset (non-empty). seed: shuffle seed; epoch e uses ``seed + e``."""
+        if not prompts:
+            raise ValueError("the prompt dataset is empty")
+        self._prompts = list(prompts)
+        self._seed = seed
+        self.epoch, self.position = 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self._prompts)))
+        random.Random(self._seed + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, size: int) -> list[Prompt]:
+        """The next ``size`` prompts, crossing into the next epoch when this one runs out."""
+        batch = []
+        while len(batch) < size:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            batch.append(self._prompts[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream is (saved with checkpoints)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self._seed, "size": len(self._prompts)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position.
+
+        Raises:
+            ValueError: the saved stream had another size or seed (a different dataset or config).
+        """
+        if state["size"] != len(self._prompts) or state["seed"] != self._seed:
+            raise ValueError(
+                f"prompt stream state is for {state['size']} prompts with seed {state['seed']}, "
+                f"this run has {len(self._prompts)} with seed {self._seed}: resume with the same data and seed"
+            )
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._shuffled(self.epoch)

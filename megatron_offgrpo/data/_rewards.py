@@ -1,0 +1,109 @@
+"""Verifiable rewards: answer extraction for math word problems and a registry of reward functions.
+
+A reward function takes the completion text and the prompt's ground truth and returns a float. Register new ones
+with ``@register_reward("name")``; ``get_reward`` lists the valid names on a miss.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Callable
+
+RewardFn = Callable[[str, "str | None"], float]
+_REWARDS: dict[str, RewardFn] = {}
+
+_NUMBER = r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\$?\s*\.\d+"
+_HASH_ANSWER = re.compile(r"####\s*(" + _NUMBER + r")")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*\**\s*(" + _NUMBER + r")", re.IGNORECASE)
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register ``fn`` as the reward ``name`` (a decorator)."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered as ``name``.
+
+    Raises:
+        ValueError: listing the registered names when ``name`` is not one of them.
+    """
+    if name not in _REWARDS:
+        raise ValueError(f"reward={name!r} is not registered; valid: {sorted(_REWARDS)}")
+    return _REWARDS[name]
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of every ``\\boxed{...}`` (balanced braces), in order."""
+    out = []
+    for match in re.finditer(r"\\boxed\s*\{", text):
+        depth, start = 1, match.end()
+        for pos in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[pos], 0)
+            if depth == 0:
+                out.append(text[start:pos])
+                break
+    return out
+
+
+def normalize_number(text: str) -> str | None:
+    """Canonical decimal string of a number written with $, commas, spaces or trailing zeros ("1,000.50" ->
+    "1000.5"); None when ``text`` holds no number."""
+    match = _ANY_NUMBER.search(text.replace("{,}", ",").replace("\\,", "").replace("\\!", ""))
+    if match is None:
+        return None
+    raw = re.sub(r"[\s$,]", "", match.group(0))
+    try:
+        value = Decimal(raw)
+    except InvalidOperation:
+        return None
+    value = value.normalize()
+    if value == value.to_integral():
+        value = value.quantize(Decimal(1))
+    return format(value, "f")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final numeric answer of a completion, normalised; None when there is none.
+
+    Precedence: the last ``\\boxed{}``, then the last ``#### N`` (GSM8K's own format), then "the answer is N",
+    then the last number in the text.
+    """
+    for candidates in (_boxed_contents(text), _HASH_ANSWER.findall(text), _ANSWER_IS.findall(text)):
+        for candidate in reversed(candidates):
+            number = normalize_number(candidate)
+            if number is not None:
+                return number
+    numbers = _ANY_NUMBER.findall(text)
+    return normalize_number(numbers[-1]) if numbers else None
+
+
+@register_reward("math_exact")
+def math_exact_reward(completion: str, answer: str | None) -> float:
+    """1.0 when the completion's final number equals the ground truth's (GSM8K's ``#### N`` or a bare number)."""
+    if answer is None:
+        raise ValueError("math_exact needs the ground-truth answer (Prompt.answer is None)")
+    truth = extract_answer(answer)
+    if truth is None:
+        raise ValueError(f"ground truth {answer!r} holds no number")
+    return 1.0 if extract_answer(completion) == truth else 0.0
+
+
+@register_reward("math_strict")
+def math_strict_reward(completion: str, answer: str | None) -> float:
+    """Like ``math_exact`` but only an explicit ``\\boxed{}`` or ``#### N`` answer counts (no last-number fallback)."""
+    if answer is None:
+        raise ValueError("math_strict needs the ground-truth answer (Prompt.answer is None)")
+    explicit = _boxed_contents(completion) + _HASH_ANSWER.findall(completion)
+    if not explicit:
+        return 0.0
+    return 1.0 if normalize_number(explicit[-1]) == extract_answer(answer) else 0.0
