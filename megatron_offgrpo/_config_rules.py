@@ -1,0 +1,80 @@
+"""Cross-field rules of ``Config.validate()``: each returns messages naming the keys, the values and the fix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_offgrpo.config import Config
+
+CHOICES = {
+    "model.init": ("hf", "random"),
+    "model.precision": ("fp32", "bf16", "fp8"),
+    "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
+    "data.source": ("auto", "local", "hub"),
+    "rollout.engine": ("auto", "fleet", "vllm", "transformers"),
+    "rollout.transport": ("disk", "collective"),
+    "rollout.behavior_logprobs": ("fleet", "recompute"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.tis_level": ("token", "sequence"),
+    "algo.aggregation": ("token_mean", "seq_mean_token_mean", "token_sum_norm"),
+    "algo.advantage_form": ("sqrt_var", "std_eps"),
+    "algo.rec_weight": ("none", "is"),
+    "algo.rec_clip": ("none", "one_side", "two_side", "ring"),
+}
+POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
+            "rollout.bucket_mb", "optim.micro_batch_tokens", "train.steps", "train.max_nonfinite_steps",
+            "train.log_every", "data.max_prompt_tokens"]
+
+
+def _get(config: "Config", key: str):
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def collect_errors(config: "Config") -> list[str]:
+    """All violated rules of ``config`` (empty when valid)."""
+    errors = []
+    for key, choices in CHOICES.items():
+        if _get(config, key) not in choices:
+            errors.append(f"{key}={_get(config, key)!r}: expected one of {list(choices)}")
+    for key in POSITIVE:
+        if _get(config, key) < 1:
+            errors.append(f"{key}={_get(config, key)}: must be >= 1")
+    r, a, m = config.rollout, config.algo, config.model
+    if r.group_size < 2:
+        errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
+    if not 0 < r.top_p <= 1 or r.temperature <= 0:
+        errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
+    if r.engine == "fleet" and not r.servers:
+        errors.append("rollout.engine='fleet' needs rollout.servers (URLs of `offgrpo fleet start`)")
+    if r.transport == "collective" and r.engine != "fleet":
+        errors.append(f"rollout.transport='collective' needs rollout.engine='fleet' (got {r.engine!r})")
+    if m.init == "hf" and not m.hf_path:
+        errors.append("model.hf_path is empty: give a HF model directory or hub id")
+    if a.kl_beta < 0 or a.eps_low < 0 or a.eps_high < 0 or a.tau < 0:
+        errors.append("algo.kl_beta, algo.eps_low, algo.eps_high, algo.tau must be >= 0")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        errors.append(f"algo.dual_clip={a.dual_clip}: must be > 1 (or null)")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        errors.append(f"algo.tis_cap={a.tis_cap}: must be > 0 (or null)")
+    if config.train.save_every < 0 or config.train.eval_every < 0:
+        errors.append("train.save_every and train.eval_every must be >= 0 (0 = off)")
+    errors.extend(_algo_errors(config))
+    return errors
+
+
+def _algo_errors(config: "Config") -> list[str]:
+    """Let ``algo``'s own parameter validation speak (it knows which switches combine)."""
+    from megatron_offgrpo.train.builders import advantage_params, objective_params
+
+    r = config.rollout
+    # Dr.GRPO's constant: the longest possible response times the sequences of one step (the trainer's choice).
+    constant = float(r.max_new_tokens * r.prompts_per_step * r.group_size)
+    out = []
+    for build in (lambda: objective_params(config.algo, constant), lambda: advantage_params(config.algo)):
+        try:
+            build()  # the algo dataclasses validate in __post_init__
+        except (ValueError, TypeError) as exc:
+            out.append(f"algo: {exc}")
+    return out

@@ -1,0 +1,312 @@
+"""The one typed config tree: a dataclass per room, YAML recipes, ``key=value`` overrides, validation.
+
+Only ``train/`` and ``cli.py`` hold the root ``Config``; builders turn its sections into flat arguments for the
+components. ``validate()`` derives nothing in place and reports every error at once, naming the keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """What to train."""
+
+    hf_path: str = ""
+    """HF model directory (config.json [+ weights]) or hub id."""
+    init: str = "hf"
+    """"hf": load the weights at hf_path; "random": random init from its config (demos, benchmarks)."""
+    precision: str = "fp32"
+    """"fp32" | "bf16" (bf16 params, fp32 main weights/grads in the optimizer) | "fp8" (needs Transformer Engine)."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe when precision=fp8: "delayed" | "tensorwise" | "blockwise"."""
+    fp8_amax_history: int = 1024
+    """Amax history length of the delayed recipe."""
+    fp8_margin: int = 0
+    """FP8 scaling margin."""
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """How the trainer is split over ranks: world = tp * pp * dp."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    seed: int = 1234
+    """Base seed (model-parallel RNG streams, prompt shuffling, sampling)."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Prompts and their verifiable reward."""
+
+    name: str = "gsm8k"
+    """"gsm8k", "arithmetic", or a hub dataset id."""
+    split: str = "train"
+    """Training split."""
+    eval_split: str = "test"
+    """Split used by `offgrpo eval` and periodic evaluation."""
+    source: str = "auto"
+    """"auto" | "local" | "hub"."""
+    path: str | None = None
+    """Local JSONL/JSON/Parquet overriding the bundled copy."""
+    question_key: str = "question"
+    """Row key of the question."""
+    answer_key: str = "answer"
+    """Row key of the ground truth."""
+    count: int = 2000
+    """Number of synthetic records (arithmetic only)."""
+    max_operand: int = 20
+    """Largest operand (arithmetic only)."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this are an error."""
+    system_prompt: str | None = None
+    """System message (None: the tokenizer template's default)."""
+    instruction: str = "Solve the problem. Put the final numeric answer after '####'."
+    """Appended to every question."""
+    reward: str = "math_exact"
+    """Registered reward function name."""
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Generation: engine, group size, sampling, and how often its weights are refreshed."""
+
+    engine: str = "auto"
+    """"fleet" (vLLM servers) | "vllm" (in-process) | "transformers" | "auto" (vLLM if installed, else transformers)."""
+    servers: list[str] = dataclasses.field(default_factory=list)
+    """Fleet server URLs (engine=fleet)."""
+    prompts_per_step: int = 8
+    """B: prompts per optimizer step."""
+    group_size: int = 8
+    """G: completions per prompt (>= 2: advantages are group-relative)."""
+    max_new_tokens: int = 256
+    """Longest completion."""
+    temperature: float = 1.0
+    """Sampling temperature (the loss uses the same temperature for log-probs)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off; must be 1.0 for exact behavior log-probs)."""
+    refresh_every: int = 1
+    """v: refresh the engine's weights every v optimizer steps (1 = on-policy)."""
+    transport: str = "disk"
+    """Weight refresh transport: "disk" | "collective"."""
+    bucket_mb: int = 256
+    """Collective transport bucket size."""
+    behavior_logprobs: str = "fleet"
+    """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights (exact)."""
+    overlap: bool = False
+    """Generate step k+1 while training step k (adds one step of staleness)."""
+    verify_tolerance: float = 1e-4
+    """Max |fleet - trainer| log-prob on the probe after a refresh (fp32; bf16 needs ~5e-2)."""
+
+
+@dataclasses.dataclass
+class AlgoConfig:
+    """The objective (see megatron_offgrpo.algo for every formula)."""
+
+    objective: str = "grpo_clip"
+    """Registered objective: grpo_clip | gpg | rec | opmd | asymre."""
+    eps_low: float = 0.2
+    """Lower clip: rho >= 1 - eps_low."""
+    eps_high: float = 0.2
+    """Upper clip: rho <= 1 + eps_high."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages (grpo_clip only)."""
+    rec_weight: str = "none"
+    """REC family weight: "none" (NoIS) | "is"."""
+    rec_clip: str = "none"
+    """REC mask: none | one_side | two_side | ring."""
+    tau: float = 0.0
+    """OPMD / AsymRE regulariser strength."""
+    kl_estimator: str = "k3"
+    """KL to the reference policy: k1 | k2 | k3."""
+    kl_beta: float = 0.0
+    """KL coefficient (0: no reference model)."""
+    tis_cap: float | None = None
+    """Truncated IS cap C against the fleet's log-probs (None: off)."""
+    tis_level: str = "token"
+    """"token" | "sequence"."""
+    aggregation: str = "token_mean"
+    """token_mean | seq_mean_token_mean | token_sum_norm."""
+    advantage_form: str = "sqrt_var"
+    """"sqrt_var": (r - mean)/sqrt(var + eps) (seed paper); "std_eps": (r - mean)/(std + eps)."""
+    std_normalize: bool = True
+    """Divide by the group spread (False = Dr.GRPO)."""
+    leave_one_out: bool = False
+    """Leave-one-out baseline."""
+    gpg_scale: bool = False
+    """GPG's B / max(1, #valid) scaling."""
+    red_drop: bool = False
+    """RED-Drop surplus negatives."""
+    mask_zero_variance: bool = True
+    """Groups whose rewards are all equal leave the loss and its normaliser."""
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Megatron optimizer."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate (cosine)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (samples are packed up to it)."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The run."""
+
+    steps: int = 100
+    """Optimizer steps."""
+    out_dir: str = "runs/default"
+    """Run directory: config, metrics (JSONL, TensorBoard), checkpoints, plots."""
+    save_every: int = 50
+    """Checkpoint every N steps (0: only at the end)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: never)."""
+    eval_prompts: int = 200
+    """Prompts per evaluation."""
+    resume: bool = False
+    """Continue from the newest checkpoint in out_dir."""
+    deterministic: bool = False
+    """Deterministic algorithms (CPU: bit-reproducible resume)."""
+    max_nonfinite_steps: int = 3
+    """Stop after this many non-finite losses in a row (each one is skipped and logged)."""
+    log_every: int = 1
+    """Console log interval."""
+
+
+@dataclasses.dataclass
+class Config:
+    """The root of the tree."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (saved with every run)."""
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Check every cross-field rule; raise one ``ValueError`` listing all violations, each naming its keys."""
+        from megatron_offgrpo._config_rules import collect_errors
+
+        errors = collect_errors(self)
+        if errors:
+            raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+class ConfigError(ValueError):
+    """A recipe or override names an unknown key or a value of the wrong type."""
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the field's declared type, naming the key on failure."""
+    text = str(annotation)  # a string: annotations are not evaluated (`from __future__ import annotations`)
+    optional = "None" in text
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if not optional:
+            raise ConfigError(f"{key}: null is not allowed (type {text})")
+        return None
+    base = text.replace("| None", "").replace("None |", "").strip()
+    try:
+        if base == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(value)
+        if base == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if base == "float":
+            return float(value)
+        if base == "str":
+            return str(value)
+        if base.startswith("list"):
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            return [str(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r}: expected {base}") from None
+    return value
+
+
+def _apply(section: Any, values: dict[str, Any], prefix: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(fields)}")
+        current = getattr(section, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} is a section; give its keys ({sorted(f.name for f in dataclasses.fields(current))})")
+            _apply(current, value, key + ".")
+        else:
+            setattr(section, name, _coerce(value, fields[name].type, key))
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"rollout.group_size=8"`` -> ``{"rollout": {"group_size": "8"}}`` (YAML scalars: 8, true, null, 1e-6)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. rollout.refresh_every=4)")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML recipe at ``path``, then ``key=value`` overrides; validated.
+
+    Raises:
+        ConfigError: unknown key or wrong type (naming the key). ValueError: cross-field rules.
+    """
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config recipe {path} not found")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+        _apply(config, data, "")
+    for text in overrides:
+        _apply(config, parse_override(text), "")
+    config.validate()
+    return config
