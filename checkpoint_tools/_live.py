@@ -16,9 +16,14 @@ from checkpoint_tools import _mapping as M
 from megatron_offgrpo.model._arch import QwenArch
 
 
-def _stage_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """(local-spec megatron name, parameter) of a stage, in registration order; unknown names raise."""
-    return [(M.local_name(name), param) for name, param in model.named_parameters()]
+def _stage_params(model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
+    """(local-spec megatron name, parameter) of a stage in the weight map's canonical order (the order of
+    ``hf_names``), so exported tensors arrive in the order a streaming writer declared; unknown names raise."""
+    params = {M.local_name(name): param for name, param in model.named_parameters()}
+    ordered = [(name, params.pop(name)) for name in M.full_megatron_names(arch, pp, pp_rank) if name in params]
+    if params:
+        raise M.UnknownTensorError(f"model parameters outside the weight map's layout: {sorted(params)[:5]}")
+    return ordered
 
 
 @torch.no_grad()
@@ -33,7 +38,7 @@ def load_hf_into_stage(
         ValueError: naming a parameter whose shard shape differs from the model's.
     """
     offset = M.layers_of_stage(arch, pp, pp_rank).start
-    for name, param in _stage_params(model):
+    for name, param in _stage_params(model, arch, pp, pp_rank):
         full = M.hf_to_megatron(name, arch, hf_tensors, layer_offset=offset)
         shard = M.shard_for_tp(full, M.split_kind(name), tp, tp_rank)
         if shard.shape != param.shape:
@@ -76,7 +81,7 @@ def stream_hf_buckets(
     offset = M.layers_of_stage(arch, pp, pp_rank).start
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, param in _stage_params(model):
+    for name, param in _stage_params(model, arch, pp, pp_rank):
         full = _gather_full(param, M.split_kind(name), tp_group, tp_size, tp_rank)
         if full is None:
             continue

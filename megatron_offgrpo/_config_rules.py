@@ -46,8 +46,8 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
-    if r.engine == "fleet" and not r.servers:
-        errors.append("rollout.engine='fleet' needs rollout.servers (URLs of `offgrpo fleet start`)")
+    if r.engine == "fleet" and not r.fleet_state:
+        errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport == "collective" and r.engine != "fleet":
         errors.append(f"rollout.transport='collective' needs rollout.engine='fleet' (got {r.engine!r})")
     if m.init == "hf" and not m.hf_path:

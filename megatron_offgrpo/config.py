@@ -72,7 +72,7 @@ class DataConfig:
     instruction: str = "Solve the problem. Put the final numeric answer after '####'."
     """Appended to every question."""
     reward: str = "math_exact"
-    """Registered reward function name."""
+    """Registered reward name (math_exact, math_strict) or "package.module:function" for your own."""
 
 
 @dataclasses.dataclass
@@ -81,8 +81,8 @@ class RolloutConfig:
 
     engine: str = "auto"
     """"fleet" (vLLM servers) | "vllm" (in-process) | "transformers" | "auto" (vLLM if installed, else transformers)."""
-    servers: list[str] = dataclasses.field(default_factory=list)
-    """Fleet server URLs (engine=fleet)."""
+    fleet_state: str | None = None
+    """The fleet's state directory written by `offgrpo fleet start` (engine=fleet): its servers and token."""
     prompts_per_step: int = 8
     """B: prompts per optimizer step."""
     group_size: int = 8

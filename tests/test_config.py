@@ -29,10 +29,10 @@ def test_every_recipe_validates_and_opens_with_a_header(recipe):
 def test_overrides_are_typed():
     config = load_config(REPO / "configs" / "tiny-cpu.yaml", [
         "rollout.refresh_every=4", "algo.dual_clip=3", "optim.lr=5e-5", "train.deterministic=false",
-        "rollout.servers=http://a:1,http://b:2", "algo.tis_cap=null",
+        "rollout.fleet_state=runs/fleet", "algo.tis_cap=null",
     ])
     assert config.rollout.refresh_every == 4 and config.algo.dual_clip == 3.0 and config.optim.lr == 5e-5
-    assert config.train.deterministic is False and config.rollout.servers == ["http://a:1", "http://b:2"]
+    assert config.train.deterministic is False and config.rollout.fleet_state == "runs/fleet"
     assert config.algo.tis_cap is None
     assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
 
@@ -58,7 +58,7 @@ def test_all_cross_field_errors_are_reported_together():
         load_config(None, ["rollout.group_size=1", "rollout.engine=fleet", "algo.objective=gpg", "algo.dual_clip=2",
                            "rollout.transport=carrier-pigeon", "parallel.tp=0"])
     text = str(err.value)
-    for fragment in ("model.hf_path is empty", "rollout.group_size=1", "rollout.servers", "dual_clip=2.0",
+    for fragment in ("model.hf_path is empty", "rollout.group_size=1", "rollout.fleet_state", "dual_clip=2.0",
                      "rollout.transport='carrier-pigeon'", "parallel.tp=0: must be >= 1"):
         assert fragment in text, fragment
 

@@ -32,13 +32,27 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward function registered as ``name``.
+    """The reward function registered as ``name``, or ``"package.module:function"`` for your own.
+
+    A custom reward is any callable ``(completion_text, ground_truth) -> float``; it is imported on every rank
+    that scores, so its module must be importable there.
 
     Raises:
-        ValueError: listing the registered names when ``name`` is not one of them.
+        ValueError: listing the registered names when ``name`` is neither registered nor importable.
     """
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"reward={name!r}: cannot import {attr!r} from {module!r} ({exc})") from None
+        if not callable(fn):
+            raise ValueError(f"reward={name!r} is not callable")
+        return fn
     if name not in _REWARDS:
-        raise ValueError(f"reward={name!r} is not registered; valid: {sorted(_REWARDS)}")
+        raise ValueError(f"reward={name!r} is not registered; valid: {sorted(_REWARDS)} or 'package.module:function'")
     return _REWARDS[name]
 
 

@@ -15,8 +15,10 @@ __all__ = [
     "UnsupportedConfigError",
     "arch_from_hf_config",
     "build_gpt_stage",
+    "expose_hidden_states",
     "hf_config_dict",
     "load_arch",
+    "output_weight",
     "qwen_layer_spec",
     "transformer_config",
 ]
@@ -24,7 +26,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # The builder imports megatron.core (5-7 s, and TE detection must run first): load it only when used.
-    if name in ("build_gpt_stage", "transformer_config"):
+    if name in ("build_gpt_stage", "transformer_config", "expose_hidden_states", "output_weight"):
         from megatron_offgrpo.model import _builder
 
         return getattr(_builder, name)

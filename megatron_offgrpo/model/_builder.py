@@ -89,3 +89,27 @@ def build_gpt_stage(
         rotary_percent=1.0,
     )
     return model.to(config.params_dtype)
+
+
+def _hidden_passthrough(hidden_states, weight=None, runtime_gather_output=None):
+    return hidden_states, None
+
+
+def expose_hidden_states(model: GPTModel) -> GPTModel:
+    """Make the last stage return final-norm hidden states ``[b, s, H]`` instead of logits.
+
+    The fused loss takes hidden states and the output weight itself, so the ``[tokens, vocab]`` logits are never
+    built. Only the output layer's ``forward`` is replaced on this instance: its weight stays registered (DDP,
+    optimizer, checkpoints and the tied-embedding sync are unchanged), and megatron's own post-processing still
+    transposes to batch-first. Idempotent.
+    """
+    if model.post_process:
+        model.output_layer.forward = _hidden_passthrough
+    return model
+
+
+def output_weight(model: GPTModel):
+    """This rank's output-layer shard ``[V/tp, H]``: the tied embedding or the separate head (last stage only)."""
+    if not model.post_process:
+        raise ValueError("output_weight: only the last pipeline stage holds the output layer")
+    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight

@@ -53,3 +53,6 @@ def test_reward_registry_lists_valid_names():
     assert get_reward("math_exact") is math_exact_reward
     with pytest.raises(ValueError, match=r"valid: \['math_exact', 'math_strict'"):
         get_reward("nope")
+    assert get_reward("megatron_offgrpo.data._rewards:math_exact_reward") is math_exact_reward
+    with pytest.raises(ValueError, match="cannot import"):
+        get_reward("megatron_offgrpo.data._rewards:missing")

@@ -1,0 +1,117 @@
+"""Samples -> the padded micro-batches one data-parallel rank trains on.
+
+Layout: each micro-batch is ``[b, s]`` batch-first (megatron transposes inside), right-padded, with the same
+``b`` and ``s`` for every micro-batch of the step so the pipeline schedule's fixed-shape p2p works. Position ``t``
+predicts token ``t + 1``; ``loss_mask[t]`` is True where token ``t + 1`` is a response token of a valid sample.
+Groups (all G samples of a prompt) are dealt to DP ranks round-robin, so every rank sees whole groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+from megatron_offgrpo.data import Sample
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One micro-batch.
+
+    Shape notation: b samples, s positions.
+
+    Attributes:
+        tokens: [b, s] input ids (pad = 0). positions: [b, s]. targets: [b, s] next token (0 where masked).
+        loss_mask: [b, s] bool, True = the next token is a response token of a valid sample (enters the loss).
+        behavior_logp: [b, s] the behavior policy's log-prob of the target. advantages: [b, s].
+        fleet_logp: [b, s] the engine's log-prob (equals behavior_logp unless behavior is recomputed).
+        seq_ids: [b, s] row of the position (a sequence id local to the micro-batch, for per-sequence means).
+        ref_logp: [b, s] reference-policy log-probs (set by the trainer when the KL term is on).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    behavior_logp: torch.Tensor
+    advantages: torch.Tensor
+    fleet_logp: torch.Tensor
+    seq_ids: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+
+    def flat(self, name: str) -> torch.Tensor:
+        """A field as ``[b * s]`` in the order of ``hidden.reshape(-1, H)`` of a ``[b, s, H]`` output."""
+        return getattr(self, name).reshape(-1)
+
+
+def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int) -> tuple[int, int, int]:
+    """(positions s, samples per micro-batch b, micro-batches per rank), identical on every rank."""
+    seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
+    per_rank = math.ceil(len(samples) / dp_size)
+    per_micro = max(1, min(per_rank, token_budget // max(seq_len, 1)))
+    return seq_len, per_micro, math.ceil(per_rank / per_micro)
+
+
+def deal_groups(samples: Sequence[Sample], group_size: int, dp_rank: int, dp_size: int) -> list[int]:
+    """Indices (into ``samples``) of the samples of this DP rank: whole groups, dealt round-robin."""
+    groups = len(samples) // group_size
+    return [g * group_size + j for g in range(dp_rank, groups, dp_size) for j in range(group_size)]
+
+
+def build_microbatches(
+    samples: Sequence[Sample],
+    advantages: torch.Tensor,
+    sample_valid: torch.Tensor,
+    group_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    token_budget: int = 4096,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of one step.
+
+    Args:
+        samples: every sample of the step (all DP ranks), grouped: sample ``i`` is in group ``i // group_size``.
+        advantages: [B*G] per-sample advantages. sample_valid: [B*G] bool, True = enters the loss.
+        group_size: G. dp_rank, dp_size: this rank and the DP size. token_budget: ~tokens per micro-batch.
+    """
+    if len(samples) % group_size or len(samples) != advantages.numel():
+        raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
+    seq_len, per_micro, count = _layout(samples, dp_size, token_budget)
+    mine = deal_groups(samples, group_size, dp_rank, dp_size)
+    shape = (count * per_micro, seq_len)
+    tokens = torch.zeros(shape, dtype=torch.long)
+    targets = torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
+    behavior = torch.zeros(shape, dtype=torch.float32)
+    adv = torch.zeros(shape, dtype=torch.float32)
+    for row, index in enumerate(mine):
+        s = samples[index]
+        full = list(s.prompt_ids) + list(s.response_ids)
+        n, p = len(full) - 1, len(s.prompt_ids)
+        tokens[row, :n] = torch.tensor(full[:-1])
+        targets[row, :n] = torch.tensor(full[1:])
+        resp = slice(p - 1, p - 1 + len(s.response_ids))
+        loss_mask[row, resp] = bool(sample_valid[index])
+        behavior[row, resp] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
+        adv[row, :n] = float(advantages[index])
+    positions = torch.arange(seq_len).expand(shape).contiguous()
+    seq_ids = torch.arange(per_micro).unsqueeze(1).expand(per_micro, seq_len).contiguous()
+    out = []
+    for k in range(count):
+        rows = slice(k * per_micro, (k + 1) * per_micro)
+        out.append(MicroBatch(tokens[rows], positions[rows], targets[rows], loss_mask[rows], behavior[rows], adv[rows],
+                              behavior[rows].clone(), seq_ids))
+    return out
+
+
+def global_token_count(samples: Sequence[Sample], sample_valid: torch.Tensor) -> int:
+    """Valid response tokens of the whole step, over all DP ranks (the token-mean normaliser)."""
+    return sum(len(s.response_ids) for s, ok in zip(samples, sample_valid.tolist()) if ok)
+
+
+def global_seq_count(sample_valid: torch.Tensor) -> int:
+    """Valid samples of the whole step (the sequence-mean normaliser)."""
+    return int(sample_valid.sum())

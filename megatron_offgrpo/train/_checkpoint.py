@@ -1,0 +1,108 @@
+"""Training checkpoints: megatron distributed checkpoint of model + optimizer, plus everything a resume needs.
+
+Layout of ``RUN/checkpoints/step_00000040/``: megatron ``dist_checkpointing`` files (model and optimizer, sharded by
+every rank), ``rng_rank{r}.pt`` (CPU and model-parallel RNG states of each rank) and ``trainer_state.json`` (step,
+engine version, prompt-stream position, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
+by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+STATE = "trainer_state.json"
+# dp_reshardable: fully parallel save/load, reshardable over DP (the layout TP/PP stays as trained).
+OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (``trainer_state.json`` present), or None."""
+    root = Path(run_dir) / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE).exists())
+    return done[-1] if done else None
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
+    model_sd = model.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading, metadata=OPTIM_META),
+    }
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict[str, Any], keep: int = 2) -> Path:
+    """Save step ``step`` (collective: every rank calls it). Keeps the newest ``keep`` checkpoints."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(run_dir) / "checkpoints"
+    final = _step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+        fd = os.open(tmp, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint saved: %s", final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG states from ``path``; returns the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    state = json.loads((path / STATE).read_text())
+    loaded = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path))
+    model.load_state_dict(loaded["model"])
+    with torch.no_grad():  # fp32 params are their own main params: the optimizer copies into views of leaves
+        optimizer.load_state_dict(loaded["optimizer"])
+    rng_file = path / f"rng_rank{dist.get_rank()}.pt"
+    if not rng_file.exists():
+        raise ValueError(f"{rng_file} missing: resume with the same number of processes and layout as the run")
+    _set_rng_state(torch.load(rng_file, weights_only=False))
+    logger.info("resumed from %s (step %d)", path, state["step"])
+    return state

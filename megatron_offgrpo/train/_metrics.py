@@ -1,0 +1,67 @@
+"""Run metrics: one JSON line per step (always), TensorBoard scalars (when installed), a console progress line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Writes ``RUN/metrics.jsonl`` and ``RUN/tensorboard/``; only rank 0 creates one."""
+
+    def __init__(self, run_dir: Path, total_steps: int) -> None:
+        """Args: run_dir: the run directory. total_steps: for the progress display."""
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._total = total_steps
+        self._start = time.time()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError:  # tensorboard is optional: JSONL holds everything
+            self._tb = None
+            logger.info("tensorboard not installed: metrics go to %s only", self.path)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """Record one step and print its progress line."""
+        record = {"step": step, "wall_s": round(time.time() - self._start, 3), **values}
+        self._file.write(json.dumps(record, default=float) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+        done = step + 1
+        eta = (time.time() - self._start) / max(done, 1) * (self._total - done)
+        line = (f"[{done:>5}/{self._total}] reward {values.get('reward_mean', float('nan')):.3f} "
+                f"acc {values.get('accuracy', float('nan')):.3f} loss {values.get('loss', float('nan')):+.4f} "
+                f"masked {values.get('masked_group_fraction', 0):.2f} clip {values.get('clip_fraction', 0):.3f} "
+                f"v{values.get('policy_version', 0)} gen {values.get('time_generate_s', 0):.1f}s "
+                f"sync {values.get('time_sync_s', 0):.2f}s train {values.get('time_train_s', 0):.1f}s "
+                f"{values.get('tokens_per_s', 0):.0f} tok/s eta {eta / 60:.1f} min")
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Flush and close."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All step records of a run (the last record wins for a step logged twice, e.g. around a resume)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]

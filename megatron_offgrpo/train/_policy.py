@@ -1,0 +1,103 @@
+"""The trained policy on this rank: one PP stage of the megatron model, DDP, the megatron optimizer, the LR schedule.
+
+Also the frozen copies the objective may need: the reference model (KL) and the behavior snapshot (exact
+behavior log-probs, refreshed with the engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megatron_offgrpo.config import ModelConfig, OptimConfig
+from megatron_offgrpo.model import QwenArch, build_gpt_stage, expose_hidden_states, transformer_config
+from megatron_offgrpo.runtime import ParallelContext, have_te
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Policy:
+    """Attributes: model (this rank's stage, hidden states exposed), ddp (megatron DDP around it), optimizer,
+    scheduler (megatron ``OptimizerParamScheduler``)."""
+
+    model: torch.nn.Module
+    ddp: torch.nn.Module
+    optimizer: object
+    scheduler: object
+
+
+def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
+    if model_cfg.precision == "fp8" and not have_te():
+        from megatron_offgrpo.runtime import te_status
+
+        raise ValueError(f"model.precision='fp8' needs Transformer Engine, but {te_status()[1]}: use bf16 or fp32")
+    config = transformer_config(arch, ctx.tp_size, ctx.pp_size, params_dtype=PRECISION_DTYPES[model_cfg.precision])
+    if model_cfg.precision == "fp8":
+        config.fp8 = "hybrid"
+        config.fp8_recipe = model_cfg.fp8_recipe
+        config.fp8_amax_history_len = model_cfg.fp8_amax_history
+        config.fp8_margin = model_cfg.fp8_margin
+    stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
+    return expose_hidden_states(stage)
+
+
+def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> None:
+    """HF weights from ``model.hf_path`` (init=hf); init=random keeps megatron's seeded initialisation."""
+    if model_cfg.init != "hf":
+        return
+    from checkpoint_tools import load_hf_into_stage, open_safetensors_dir
+
+    load_hf_into_stage(stage, arch, open_safetensors_dir(Path(model_cfg.hf_path)), ctx.tp_size, ctx.tp_rank,
+                       ctx.pp_size, ctx.pp_rank)
+
+
+def build_policy(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, optim: OptimConfig, steps: int) -> Policy:
+    """The trainable stage with its DDP wrapper, optimizer and schedule (collective: every rank calls it)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    stage = _stage(arch, ctx, model_cfg)
+    load_initial_weights(stage, arch, ctx, model_cfg)
+    ddp = DistributedDataParallel(
+        stage.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.distributed_optimizer),
+        module=stage,
+    )
+    # The schedules reduce DP grads (and tied-embedding grads across PP) only through this hook.
+    stage.config.finalize_model_grads_func = finalize_model_grads
+    bf16 = model_cfg.precision in ("bf16", "fp8")
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
+                        bf16=bf16, params_dtype=PRECISION_DTYPES[model_cfg.precision],
+                        use_distributed_optimizer=optim.distributed_optimizer),
+        [ddp],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(steps, optim.warmup_steps + 1),
+        lr_decay_style="cosine" if optim.min_lr < optim.lr else "constant", start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant",
+    )
+    return Policy(stage, ddp, optimizer, scheduler)
+
+
+def frozen_copy(source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
+    """A non-trainable stage with ``source``'s weights (reference policy, or behavior snapshot)."""
+    copy = _stage(arch, ctx, model_cfg).eval()
+    copy_weights(source, copy)
+    for param in copy.parameters():
+        param.requires_grad_(False)
+    return copy
+
+
+@torch.no_grad()
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Copy every parameter of ``source`` into ``target`` (same layout)."""
+    target_params = dict(target.named_parameters())
+    for name, param in source.named_parameters():
+        target_params[name].copy_(param)

@@ -1,0 +1,64 @@
+"""Rank 0's side of the wall: build the engine, refresh and verify it, generate and score, share the samples."""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_offgrpo.config import Config
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+
+
+def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path):
+    """The engine of ``rollout.engine``, serving the weights in ``model_dir`` as version 0 (rank 0 only)."""
+    from megatron_offgrpo.rollout import make_engine
+
+    r = config.rollout
+    if r.engine == "fleet":
+        return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=run_dir / "weights",
+                           bucket_bytes=r.bucket_mb * 1024**2)
+    return make_engine(r.engine, model_dir)
+
+
+def generate_and_score(engine, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, reward_fn,
+                       tokenizer) -> tuple[list[Sample], float]:
+    """G samples per prompt from the engine, each scored; returns them and the seconds spent generating."""
+    start = time.perf_counter()
+    samples = engine.generate(list(prompts), group_size, params)
+    seconds = time.perf_counter() - start
+    if len(samples) != len(prompts) * group_size:
+        raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
+    for sample in samples:
+        prompt = prompts[sample.group_id]
+        sample.reward = float(reward_fn(tokenizer.decode(sample.response_ids, skip_special_tokens=True), prompt.answer))
+    return samples, seconds
+
+
+def broadcast_samples(samples: list[Sample] | None) -> list[Sample]:
+    """Rank 0's samples on every rank (every rank needs them: all stages build the same micro-batches)."""
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def staleness(samples: Sequence[Sample], step: int, bound: int) -> dict[str, float]:
+    """Staleness (step - policy_version) statistics; raises when a sample exceeds ``bound``."""
+    values = [step - s.policy_version for s in samples]
+    if max(values) > bound or min(values) < 0:
+        raise RuntimeError(
+            f"step {step}: sample staleness {min(values)}..{max(values)} outside [0, {bound}] "
+            f"(versions {sorted({s.policy_version for s in samples})}): the engine did not serve the expected weights"
+        )
+    hist = collections.Counter(values)
+    return {"staleness_max": max(values), "staleness_mean": sum(values) / len(values),
+            **{f"staleness_{k}": hist[k] / len(values) for k in range(bound + 1)}}
+
+
+def rewards_tensor(samples: Sequence[Sample]) -> torch.Tensor:
+    """[B*G] rewards in sample order."""
+    return torch.tensor([s.reward for s in samples], dtype=torch.float64)

@@ -1,0 +1,149 @@
+"""One optimizer step of the policy over megatron's forward-backward schedule, with the fused GRPO loss.
+
+The loss closure receives the last stage's hidden states ``[b, s, H]`` (see ``model.expose_hidden_states``), keeps
+only the rows that enter the loss (response tokens of valid samples: prompts never reach the output GEMM), and
+calls ``kernels.fused_linear_grpo_loss`` with this rank's output-layer shard and the TP group.
+
+Normalisation: each micro-batch's loss is ``local_sum / global_normaliser`` (the normaliser counted over the whole
+step and every DP rank). Megatron divides the closure's loss by the number of micro-batches and DDP averages
+grads over DP; the closure multiplies by both, so the gradient is exactly that of the global objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_offgrpo.algo import ObjectiveParams, finalize_metrics
+from megatron_offgrpo.kernels import fused_linear_grpo_loss, vocab_parallel_logprobs
+from megatron_offgrpo.model import output_weight
+from megatron_offgrpo.runtime import ParallelContext
+from megatron_offgrpo.train._batch import MicroBatch
+
+SUMMED_METRICS = ("token_count", "clip_low_count", "clip_high_count", "dual_clip_count", "kl_sum", "entropy_sum",
+                  "tis_unit_count", "tis_raw_sum", "tis_truncated_count", "tis_weight_sum")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    loss: float
+    metrics: dict[str, float]
+    grad_norm: float
+    skipped: bool
+
+
+def _selected(mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Hidden rows and per-token fields of the positions that enter the loss (one masked row if none do)."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    rows = mb.flat("loss_mask").nonzero().squeeze(1)
+    if rows.numel() == 0:
+        rows = torch.zeros(1, dtype=torch.long)  # keep the graph: PP backward needs a grad for every stage
+    fields = {k: mb.flat(k).index_select(0, rows) for k in ("targets", "behavior_logp", "advantages", "loss_mask",
+                                                           "fleet_logp", "seq_ids")}
+    if mb.ref_logp is not None:
+        fields["ref_logp"] = mb.ref_logp.reshape(-1).index_select(0, rows)
+    return h.index_select(0, rows), fields
+
+
+def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callable, forward_only: bool) -> None:
+    """Drive megatron's forward-backward schedule over ``microbatches`` with ``loss_closure(mb, hidden)``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, stage):
+        mb = next(data_iterator)
+        out = stage(mb.tokens, mb.positions, None)
+        return out, lambda hidden: loss_closure(mb, hidden)
+
+    first = microbatches[0]
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=first.tokens.shape[1],
+        micro_batch_size=first.tokens.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def policy_step(
+    ddp_model,
+    optimizer,
+    ctx: ParallelContext,
+    microbatches: Sequence[MicroBatch],
+    params: ObjectiveParams,
+    global_tokens: int,
+    global_seqs: int,
+    temperature: float = 1.0,
+    impl: str = "auto",
+) -> StepResult:
+    """Forward, backward and (unless the loss is not finite) an optimizer step. Collective over all ranks."""
+    stage = ddp_model.module
+    sums: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float64) for k in SUMMED_METRICS}
+    extremes = torch.full((2,), -math.inf, dtype=torch.float64)  # [max raw IS ratio, -min raw IS ratio]
+    loss_total = torch.zeros((), dtype=torch.float64)
+    scale = len(microbatches) * ctx.dp_size
+
+    def closure(mb: MicroBatch, hidden: torch.Tensor):
+        nonlocal loss_total
+        h, f = _selected(mb, hidden)
+        loss, metrics = fused_linear_grpo_loss(
+            h, output_weight(stage), f["targets"], f["behavior_logp"], f["advantages"], f["loss_mask"], params,
+            ref_logp=f.get("ref_logp"), fleet_logp=f["fleet_logp"], seq_ids=f["seq_ids"], temperature=temperature,
+            compute_entropy=True, global_token_count=global_tokens, global_seq_count=global_seqs,
+            tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl,
+        )
+        loss_total += loss.detach().double()
+        for key in SUMMED_METRICS:
+            if key in metrics:
+                sums[key] += metrics[key].detach().double()
+        if "tis_raw_max" in metrics:
+            extremes[0] = max(extremes[0], float(metrics["tis_raw_max"]))
+            extremes[1] = max(extremes[1], -float(metrics["tis_raw_min"]))
+        return loss * scale, {}
+
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    run_schedule(ddp_model, microbatches, closure, forward_only=False)
+    packed = torch.stack([loss_total] + [sums[k] for k in SUMMED_METRICS])
+    # Only the last stage computed them; TP ranks hold identical copies. Sum over PP, then over DP.
+    dist.all_reduce(packed, group=ctx.pp_group)
+    dist.all_reduce(packed, group=ctx.dp_group)
+    for group in (ctx.pp_group, ctx.dp_group):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    loss = float(packed[0])
+    totals = {k: packed[i + 1] for i, k in enumerate(SUMMED_METRICS)}
+    totals.update(tis_raw_max=extremes[0], tis_raw_min=-extremes[1])
+    if not math.isfinite(loss):
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        return StepResult(loss, {}, float("nan"), skipped=True)
+    success, grad_norm, _ = optimizer.step()
+    metrics = {k: float(v) for k, v in finalize_metrics(totals).items()}
+    return StepResult(loss, metrics, float(grad_norm or 0.0), skipped=not success)
+
+
+@torch.no_grad()
+def token_logprobs(model, ctx: ParallelContext, microbatches: Sequence[MicroBatch], temperature: float = 1.0,
+                   impl: str = "auto") -> list[torch.Tensor]:
+    """Log-probs ``[b, s]`` of every target under ``model`` (a snapshot or the reference), on the last stage.
+
+    Other stages return an empty list. Used for exact behavior log-probs and for the KL reference.
+    """
+    out: list[torch.Tensor] = []
+
+    def closure(mb: MicroBatch, hidden: torch.Tensor):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        logp, _ = vocab_parallel_logprobs(h, output_weight(model), mb.flat("targets"), temperature=temperature,
+                                          tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl)
+        out.append(logp.reshape(mb.targets.shape).float())
+        return hidden.sum() * 0.0, {}
+
+    run_schedule(model, microbatches, closure, forward_only=True)
+    return out

@@ -1,0 +1,64 @@
+"""The engine refresh: export the trainer's weights as version k, install them, verify them on a probe."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_offgrpo.train._batch import MicroBatch
+from megatron_offgrpo.train._policy import copy_weights
+from megatron_offgrpo.train._step import token_logprobs
+from megatron_offgrpo.train._weights import export_buckets
+
+logger = logging.getLogger(__name__)
+
+
+def probe_logprobs(run, probe_ids: list[int]) -> list[float]:
+    """The trainer's log p(probe[t] | probe[:t]), t >= 1, on every rank (collective)."""
+    ids = torch.tensor(probe_ids[:-1]).unsqueeze(0)
+    zeros = torch.zeros_like(ids, dtype=torch.float32)
+    mb = MicroBatch(ids, torch.arange(ids.shape[1]).unsqueeze(0), torch.tensor(probe_ids[1:]).unsqueeze(0),
+                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids))
+    out = token_logprobs(run.policy.model, run.ctx, [mb], run.config.rollout.temperature)
+    logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64)
+    if run.ctx.tp_rank != 0:
+        logp = torch.zeros_like(logp)  # TP ranks hold copies: count one
+    dist.all_reduce(logp, group=run.ctx.pp_group)  # only the last stage computed it
+    return logp.tolist()
+
+
+def refresh_engine(run, version: int) -> float:
+    """Install the current weights as ``version`` in the engine (rank 0) and verify them. Collective.
+
+    Raises:
+        RefreshVerificationError (rank 0) / RuntimeError (other ranks): the engine does not serve these weights.
+    """
+    start = time.perf_counter()
+    buckets = export_buckets(run.policy.model, run.arch, run.ctx, run.config.rollout.bucket_mb * 1024**2)
+    if run.ctx.rank == 0:
+        report = run.engine.update_weights(buckets, version)
+        logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)
+    else:
+        for _ in buckets:
+            pass
+    expected = probe_logprobs(run, run.probe_ids)
+    status = [None]
+    if run.ctx.rank == 0:
+        from megatron_offgrpo.rollout import verify_refresh
+
+        try:
+            verify_refresh(run.engine, run.probe_ids, expected, version, run.config.rollout.verify_tolerance)
+        except Exception as exc:  # every rank must learn of it, or the others hang in the next collective
+            status = [f"{type(exc).__name__}: {exc}"]
+            dist.broadcast_object_list(status, src=0)
+            raise
+    dist.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise RuntimeError(f"engine refresh to version {version} failed verification on rank 0: {status[0]}")
+    if run.snapshot is not None:
+        copy_weights(run.policy.model, run.snapshot)
+    run.version = version
+    return time.perf_counter() - start

@@ -1,0 +1,87 @@
+"""The trainer's weights as HF buckets on global rank 0, for the engine refresh and the initial HF export.
+
+Every pipeline stage streams its own layers (``checkpoint_tools.stream_hf_buckets``: TP-gathered one parameter at a
+time onto the stage's TP rank 0); stages other than the first send their buckets to global rank 0 point to point,
+one bucket at a time (metadata, then one flat contiguous buffer). Only the first DP replica exports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from checkpoint_tools import stream_hf_buckets, write_hf
+from megatron_offgrpo.model import QwenArch, hf_config_dict
+from megatron_offgrpo.runtime import ParallelContext
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _send_bucket(bucket: Bucket | None, dst: int) -> None:
+    meta = None if bucket is None else [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+    dist.send_object_list([meta], dst=dst)
+    if bucket:
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket])  # contiguous: gloo sends raw bytes
+        dist.send(flat, dst=dst)
+
+
+def _recv_buckets(src: int) -> Iterator[Bucket]:
+    while True:
+        box: list = [None]
+        dist.recv_object_list(box, src=src)
+        meta = box[0]
+        if meta is None:
+            return
+        sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in meta]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.recv(flat, src=src)
+        out, offset = [], 0
+        for (name, shape, dtype), size in zip(meta, sizes):
+            out.append((name, flat[offset:offset + size].view(dtype).reshape(shape)))
+            offset += size
+        yield out
+
+
+def export_buckets(model, arch: QwenArch, ctx: ParallelContext, bucket_bytes: int = 256 * 1024**2,
+                   dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+    """Yield every HF bucket of the model on global rank 0; every other rank must iterate too (collective).
+
+    Args:
+        model: this rank's stage (unwrapped). arch: its architecture. ctx: the parallel layout.
+        bucket_bytes: bucket size bound. dtype: cast exported tensors (None: keep the parameters' dtype).
+    """
+    if ctx.dp_rank != 0:
+        return
+    tp_group = ctx.tp_group if ctx.tp_size > 1 else None
+    local = stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, tp_group, bucket_bytes, dtype)
+    exporter = ctx.tp_rank == 0
+    if ctx.pp_rank == 0:
+        for bucket in local:
+            if exporter:
+                yield bucket
+        if exporter:
+            for stage in range(1, ctx.pp_size):
+                yield from _recv_buckets(dist.get_global_rank(ctx.pp_group, stage))
+        return
+    root = dist.get_global_rank(ctx.pp_group, 0)
+    for bucket in local:
+        if exporter:
+            _send_bucket(bucket, root)
+    if exporter:
+        _send_bucket(None, root)
+
+
+def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, extra_src: Path | None,
+                  hf_config: dict | None = None) -> Path | None:
+    """Write the model as a loadable HF directory (atomic) from global rank 0; collective. Returns it on rank 0."""
+    buckets = export_buckets(model, arch, ctx)
+    if ctx.rank != 0:
+        for _ in buckets:
+            pass
+        return None
+    dtype = next(model.parameters()).dtype
+    pairs = (pair for bucket in buckets for pair in bucket)
+    return write_hf(out, arch, hf_config_dict(arch, hf_config), pairs, lambda _: dtype, extra_src, overwrite=True)

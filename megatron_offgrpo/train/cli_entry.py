@@ -1,0 +1,29 @@
+"""Argument parsing for ``offgrpo train`` / ``python -m megatron_offgrpo.train`` (the same flags)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``--config RECIPE [--resume] [key=value ...]`` and train."""
+    parser = argparse.ArgumentParser(prog="offgrpo train", description="Off-policy GRPO training (run under torchrun "
+                                     "for more than one process).")
+    parser.add_argument("--config", help="YAML recipe (configs/*.yaml); defaults apply without one")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of train.out_dir")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from megatron_offgrpo.config import ConfigError, load_config
+    from megatron_offgrpo.train.loop import train
+
+    overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
+    try:
+        config = load_config(args.config, overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = train(config)
+    print(f"run directory: {run_dir}  (plots: offgrpo report {run_dir})")

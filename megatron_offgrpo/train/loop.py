@@ -1,0 +1,104 @@
+"""The off-policy GRPO driver: refresh every v steps, generate, score, advantages, optimise. No formulas here.
+
+    torchrun --nproc_per_node N -m megatron_offgrpo.train --config configs/tiny-cpu.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_offgrpo.algo import compute_group_advantages
+from megatron_offgrpo.config import Config
+from megatron_offgrpo.train import _rollout_side as R
+from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_offgrpo.train._setup import Run, setup_run
+from megatron_offgrpo.train._step import policy_step, token_logprobs
+from megatron_offgrpo.train._sync import refresh_engine
+
+logger = logging.getLogger(__name__)
+
+
+def _behavior_and_ref(run: Run, microbatches) -> None:
+    """Exact behavior log-probs (from the snapshot of the pushed weights) and reference log-probs, in place."""
+    temperature = run.config.rollout.temperature
+    if run.snapshot is not None:
+        for mb, logp in zip(microbatches, token_logprobs(run.snapshot, run.ctx, microbatches, temperature)):
+            mb.behavior_logp = torch.where(mb.loss_mask, logp, mb.behavior_logp)
+    if run.reference is not None:
+        for mb, logp in zip(microbatches, token_logprobs(run.reference, run.ctx, microbatches, temperature)):
+            mb.ref_logp = logp
+
+
+def train_one_step(run: Run, step: int) -> dict:
+    """Refresh (every v), generate + score (rank 0), advantages, optimise. Returns the step's metrics."""
+    cfg, ctx = run.config, run.ctx
+    times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
+    if step - run.version >= cfg.rollout.refresh_every:
+        times["time_sync_s"] = refresh_engine(run, step)
+    samples = None
+    if ctx.rank == 0:
+        prompts = run.stream.next_batch(cfg.rollout.prompts_per_step)
+        # A fresh, reproducible sampling seed per step (a resumed run draws the same samples).
+        params = dataclasses.replace(run.sampling, seed=cfg.parallel.seed + 100_003 * step)
+        samples, times["time_generate_s"] = R.generate_and_score(run.engine, prompts, cfg.rollout.group_size,
+                                                                 params, run.reward_fn, run.tokenizer)
+    samples = R.broadcast_samples(samples)
+    stale = R.staleness(samples, step, cfg.rollout.refresh_every - 1)
+    start = time.perf_counter()
+    adv = compute_group_advantages(R.rewards_tensor(samples), cfg.rollout.group_size, run.adv_params)
+    mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, cfg.rollout.group_size, ctx.dp_rank,
+                             ctx.dp_size, cfg.optim.micro_batch_tokens)
+    _behavior_and_ref(run, mbs)
+    result = policy_step(run.policy.ddp, run.policy.optimizer, ctx, mbs, run.obj_params,
+                         global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid),
+                         cfg.rollout.temperature)
+    if not result.skipped:
+        run.policy.scheduler.step(increment=1)
+    times["time_train_s"] = time.perf_counter() - start
+    rewards = R.rewards_tensor(samples)
+    tokens = sum(len(s.response_ids) for s in samples)
+    return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
+            "reward_mean": float(rewards.mean()), "accuracy": float((rewards >= 1.0).double().mean()),
+            "response_len": tokens / len(samples), "policy_version": run.version,
+            "lr": run.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics, **stale, **times,
+            "tokens_per_s": tokens / max(sum(times.values()), 1e-9)}
+
+
+def train(config: Config) -> Path:
+    """Run (or resume) a training job; returns the run directory. Collective over all torchrun ranks."""
+    run = setup_run(config)
+    cfg = run.config
+    start_step, nonfinite = 0, 0
+    ckpt = latest_checkpoint(cfg.train.out_dir) if cfg.train.resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, run.policy.model, run.policy.optimizer)
+        start_step = state["step"]
+        run.stream.load_state_dict(state["stream"])
+        run.policy.scheduler.load_state_dict(state["scheduler"])
+        if start_step % cfg.rollout.refresh_every:
+            logger.warning("resuming at step %d, not a multiple of refresh_every=%d: the engine gets the current "
+                           "weights now (save_every a multiple of v keeps a resumed run identical)",
+                           start_step, cfg.rollout.refresh_every)
+        # An uninterrupted run refreshed at this step with these weights; the resumed one does the same.
+        refresh_engine(run, start_step)
+    for step in range(start_step, cfg.train.steps):
+        metrics = train_one_step(run, step)
+        nonfinite = nonfinite + 1 if metrics["skipped"] else 0
+        if run.log is not None:
+            run.log.log(step, metrics)
+        if nonfinite >= cfg.train.max_nonfinite_steps:
+            raise RuntimeError(f"{nonfinite} non-finite losses in a row (step {step}): stopping; lower optim.lr "
+                               f"or check the data, then resume from {latest_checkpoint(cfg.train.out_dir)}")
+        done = step + 1
+        if (cfg.train.save_every and done % cfg.train.save_every == 0) or done == cfg.train.steps:
+            save_checkpoint(cfg.train.out_dir, done, run.policy.model, run.policy.optimizer,
+                            {"version": run.version, "stream": run.stream.state_dict(),
+                             "scheduler": run.policy.scheduler.state_dict()})
+    run.close()
+    return Path(cfg.train.out_dir)
