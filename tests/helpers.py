@@ -61,7 +61,7 @@ def save_hf_model(cfg: dict, directory: Path, seed: int = 0) -> Path:
 
 def run_torchrun(script: Path, nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun on 127.0.0.1 with gloo; raise with its output when it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={_free_port()}", str(script), *args,

@@ -72,9 +72,8 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
     )
 
 
-def policy_step(
+def backward_pass(
     ddp_model,
-    optimizer,
     ctx: ParallelContext,
     microbatches: Sequence[MicroBatch],
     params: ObjectiveParams,
@@ -82,8 +81,9 @@ def policy_step(
     global_seqs: int,
     temperature: float = 1.0,
     impl: str = "auto",
-) -> StepResult:
-    """Forward, backward and (unless the loss is not finite) an optimizer step. Collective over all ranks."""
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Forward and backward of every micro-batch; grads land in DDP's buffers. Returns the global loss and the
+    metric totals (identical on every rank). Collective over all ranks."""
     stage = ddp_model.module
     sums: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float64) for k in SUMMED_METRICS}
     extremes = torch.full((2,), -math.inf, dtype=torch.float64)  # [max raw IS ratio, -min raw IS ratio]
@@ -109,17 +109,23 @@ def policy_step(
         return loss * scale, {}
 
     ddp_model.zero_grad_buffer()
-    optimizer.zero_grad()
     run_schedule(ddp_model, microbatches, closure, forward_only=False)
     packed = torch.stack([loss_total] + [sums[k] for k in SUMMED_METRICS])
     # Only the last stage computed them; TP ranks hold identical copies. Sum over PP, then over DP.
-    dist.all_reduce(packed, group=ctx.pp_group)
-    dist.all_reduce(packed, group=ctx.dp_group)
     for group in (ctx.pp_group, ctx.dp_group):
+        dist.all_reduce(packed, group=group)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    loss = float(packed[0])
     totals = {k: packed[i + 1] for i, k in enumerate(SUMMED_METRICS)}
     totals.update(tis_raw_max=extremes[0], tis_raw_min=-extremes[1])
+    return float(packed[0]), totals
+
+
+def policy_step(ddp_model, optimizer, ctx: ParallelContext, microbatches: Sequence[MicroBatch],
+                params: ObjectiveParams, global_tokens: int, global_seqs: int, temperature: float = 1.0,
+                impl: str = "auto") -> StepResult:
+    """``backward_pass`` then an optimizer step, skipped (grads dropped) when the loss is not finite."""
+    optimizer.zero_grad()
+    loss, totals = backward_pass(ddp_model, ctx, microbatches, params, global_tokens, global_seqs, temperature, impl)
     if not math.isfinite(loss):
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()

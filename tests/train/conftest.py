@@ -1,0 +1,40 @@
+"""Trainer test helpers: run `megatron_offgrpo.train` under torchrun on the tiny Qwen-architecture model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import REPO, _free_port
+
+TINY = [
+    "model.hf_path=megatron_offgrpo/assets/tiny-qwen2", "model.init=random", "data.name=arithmetic",
+    "data.count=200", "data.reward=tests.train.rewards:even_length", "rollout.engine=transformers",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8", "optim.lr=1e-3",
+    "train.deterministic=true", "train.save_every=0",
+]
+
+
+def train_cmd(nproc: int, out_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}", "-m", "megatron_offgrpo.train", *TINY, f"train.out_dir={out_dir}",
+            *overrides]
+
+
+def train_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+
+
+def run_train(nproc: int, out_dir: Path, *overrides: str, timeout: float = 600) -> list[dict]:
+    proc = subprocess.run(train_cmd(nproc, out_dir, *overrides), cwd=REPO, env=train_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
+    return metrics(out_dir)
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
