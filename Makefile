@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.offgrpo-installed
 CPU_TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench-convert bench-deps clean
+.PHONY: setup demo convert-demo test test-fast bench-convert bench-deps clean
 
 setup: $(STAMP)
 
@@ -23,7 +23,14 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
+# The main job on the embedded default: a supervised warm-up of the tiny Qwen-architecture model on the arithmetic
+# task, then off-policy GRPO on it with the local engine, then the report (plots under runs/tiny-cpu/).
 demo: setup
+	$(VENV)/bin/offgrpo sft --config configs/tiny-cpu-sft.yaml
+	$(VENV)/bin/offgrpo train --config configs/tiny-cpu.yaml
+	$(VENV)/bin/offgrpo report runs/tiny-cpu
+
+convert-demo: setup
 	$(VENV)/bin/offgrpo convert roundtrip
 
 test: setup

@@ -1,16 +1,26 @@
-"""The ``offgrpo`` command. Sub-commands delegate to the module CLIs, which document their own flags.
+"""The ``offgrpo`` command. Each sub-command is a module CLI with its own ``--help``; all flags: docs/cli.md.
 
-    offgrpo convert hf-to-megatron --hf DIR --out DIR [--tp T] [--pp P]
-    offgrpo convert megatron-to-hf --ckpt DIR --out DIR [--max-shard-size 2GB] [--overwrite]
-    offgrpo convert reshard --ckpt DIR --out DIR --tp T --pp P
-    offgrpo convert roundtrip [--config DIR] [--tp 2] [--pp 2] [--reshard-tp 1] [--reshard-pp 4] [--dtype bfloat16]
+    offgrpo train   --config RECIPE [--resume] [key=value ...]     (under torchrun for several processes)
+    offgrpo sft     --config RECIPE [key=value ...]                supervised warm-up -> HF directory
+    offgrpo eval    --config RECIPE [--model DIR] [--prompts N]    accuracy on the eval split
+    offgrpo report  RUN_DIR                                         PNG plots + summary of a run
+    offgrpo fleet   start|stop|status ...                          the vLLM generation fleet
+    offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-_CONVERT = {
+COMMANDS = {
+    "train": "megatron_offgrpo.train.cli_entry",
+    "sft": "megatron_offgrpo.train.sft_entry",
+    "eval": "megatron_offgrpo.train.evaluate",
+    "report": "megatron_offgrpo.train.report",
+    "fleet": "megatron_offgrpo.rollout.fleet_cli",
+}
+CONVERT = {
     "hf-to-megatron": "checkpoint_tools.hf_to_megatron",
     "megatron-to-hf": "checkpoint_tools.megatron_to_hf",
     "reshard": "checkpoint_tools.reshard",
@@ -18,17 +28,27 @@ _CONVERT = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Dispatch ``offgrpo GROUP COMMAND ...``; unknown names list the valid ones."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 2 or argv[0] != "convert" or argv[1] not in _CONVERT:
-        print(__doc__, file=sys.stderr)
-        if len(argv) >= 2 and argv[0] == "convert":
-            print(f"error: unknown convert command {argv[1]!r}; valid: {', '.join(_CONVERT)}", file=sys.stderr)
-        sys.exit(2)
-    import importlib
+def _usage(message: str) -> None:
+    print(__doc__, file=sys.stderr)
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
-    importlib.import_module(_CONVERT[argv[1]]).main(argv[2:])
+
+def main(argv: list[str] | None = None) -> None:
+    """Dispatch ``offgrpo COMMAND ...``; unknown names list the valid ones."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    command, rest = argv[0], argv[1:]
+    if command == "convert":
+        if not rest or rest[0] not in CONVERT:
+            _usage(f"unknown convert command {rest[0] if rest else ''!r}; valid: {', '.join(CONVERT)}")
+        importlib.import_module(CONVERT[rest[0]]).main(rest[1:])
+    elif command in COMMANDS:
+        importlib.import_module(COMMANDS[command]).main(rest)
+    else:
+        _usage(f"unknown command {command!r}; valid: {', '.join([*COMMANDS, 'convert'])}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class Run:
     reference: torch.nn.Module | None = None
     engine: Any = None
     log: MetricsLog | None = None
+    eval_prompts: list | None = None
     version: int = 0
 
     def close(self) -> None:
@@ -103,11 +104,13 @@ def setup_run(config: Config) -> Run:
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_info(run_dir, config, ctx, arch)
-    v0 = export_hf_dir(policy.model, arch, ctx, run_dir / "weights" / "v0", extra_src=ASSETS / "qwen2-tokenizer")
+    v0 = export_hf_dir(policy.model, arch, ctx, run_dir / "weights" / "v0", Path(config.model.hf_path))
     if ctx.rank == 0:
         from megatron_offgrpo.train._rollout_side import make_rollout_engine
 
         run.engine = make_rollout_engine(config, v0, run_dir)
+        if config.train.eval_every:
+            run.eval_prompts = _prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
         run.log = MetricsLog(run_dir, config.train.steps)
         logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, arch.model_type, ctx.tp_size,
                     ctx.pp_size, ctx.dp_size, type(run.engine).__name__, r.refresh_every, config.algo.objective)

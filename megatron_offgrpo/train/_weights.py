@@ -7,6 +7,7 @@ one bucket at a time (metadata, then one flat contiguous buffer). Only the first
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -14,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools import stream_hf_buckets, write_hf
+from checkpoint_tools._io import copy_extra_files
 from megatron_offgrpo.model import QwenArch, hf_config_dict
 from megatron_offgrpo.runtime import ParallelContext
 
 Bucket = list[tuple[str, torch.Tensor]]
+BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "qwen2-tokenizer"
 
 
 def _send_bucket(bucket: Bucket | None, dst: int) -> None:
@@ -74,9 +77,12 @@ def export_buckets(model, arch: QwenArch, ctx: ParallelContext, bucket_bytes: in
         _send_bucket(None, root)
 
 
-def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, extra_src: Path | None,
-                  hf_config: dict | None = None) -> Path | None:
-    """Write the model as a loadable HF directory (atomic) from global rank 0; collective. Returns it on rank 0."""
+def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source_dir: Path) -> Path | None:
+    """Write the model as a loadable HF directory (atomic) from global rank 0; collective. Returns it on rank 0.
+
+    ``source_dir`` (the run's ``model.hf_path``) provides the config fields the arch does not hold (token ids,
+    ...), the generation config and the tokenizer; the bundled Qwen tokenizer fills in when it has none.
+    """
     buckets = export_buckets(model, arch, ctx)
     if ctx.rank != 0:
         for _ in buckets:
@@ -84,4 +90,8 @@ def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, extra_
         return None
     dtype = next(model.parameters()).dtype
     pairs = (pair for bucket in buckets for pair in bucket)
-    return write_hf(out, arch, hf_config_dict(arch, hf_config), pairs, lambda _: dtype, extra_src, overwrite=True)
+    source_config = json.loads((source_dir / "config.json").read_text()) if (source_dir / "config.json").exists() else {}
+    written = write_hf(out, arch, hf_config_dict(arch, source_config), pairs, lambda _: dtype, source_dir, overwrite=True)
+    if not (written / "tokenizer_config.json").exists():
+        copy_extra_files(BUNDLED_TOKENIZER, written)
+    return written

@@ -16,6 +16,7 @@ from megatron_offgrpo.algo import compute_group_advantages
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.train import _rollout_side as R
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._eval import evaluate
 from megatron_offgrpo.train._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_offgrpo.train._setup import Run, setup_run
 from megatron_offgrpo.train._step import policy_step, token_logprobs
@@ -89,6 +90,10 @@ def train(config: Config) -> Path:
         refresh_engine(run, start_step)
     for step in range(start_step, cfg.train.steps):
         metrics = train_one_step(run, step)
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and run.ctx.rank == 0:
+            # the engine serves the last pushed version: the accuracy of policy version `run.version`
+            metrics.update(evaluate(run.engine, run.eval_prompts, run.reward_fn, run.tokenizer,
+                                    cfg.rollout.max_new_tokens))
         nonfinite = nonfinite + 1 if metrics["skipped"] else 0
         if run.log is not None:
             run.log.log(step, metrics)

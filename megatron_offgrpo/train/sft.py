@@ -22,7 +22,7 @@ from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._setup import ASSETS, _prompts, load_tokenizer
+from megatron_offgrpo.train._setup import _prompts, load_tokenizer
 from megatron_offgrpo.train._step import policy_step
 from megatron_offgrpo.train._weights import export_hf_dir
 
@@ -60,7 +60,7 @@ def sft(config: Config) -> Path:
             logger.info("sft step %d/%d: cross-entropy %.4f, %.0f s", step + 1, config.train.steps, result.loss,
                         time.time() - start)
     out = Path(config.train.out_dir) / "hf"
-    export_hf_dir(policy.model, arch, ctx, out, extra_src=ASSETS / "qwen2-tokenizer")
+    export_hf_dir(policy.model, arch, ctx, out, Path(config.model.hf_path))
     if ctx.rank == 0:
         logger.info("warm-up model written to %s", out)
     return out

@@ -1,0 +1,115 @@
+"""Benchmark: on-policy (v=1) vs off-policy (v>1) GRPO on the tiny CPU task, several seeds each.
+
+Every run starts from the same supervised warm-up (``offgrpo sft --config configs/tiny-cpu-sft.yaml``, made first
+when missing) and trains with ``configs/tiny-cpu.yaml``; only ``rollout.refresh_every`` (v) and the seed change.
+Reports, per v: final reward (mean over the last fifth of steps, mean +- std over seeds), wall-clock minutes to
+first reach the target reward (moving average), and generate / sync / train seconds per step. Writes a plot.
+
+Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 2 4 8] [--seeds 3] [--steps 40] [--target 0.6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _time_to_target(records: list[dict], target: float, window: int = 5) -> float:
+    rewards = [r["reward_mean"] for r in records]
+    for i in range(len(rewards)):
+        recent = rewards[max(0, i - window + 1): i + 1]
+        if sum(recent) / len(recent) >= target:
+            return records[i]["wall_s"] / 60
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vs", type=int, nargs="+", default=[1, 2, 4, 8], help="refresh intervals v to compare")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per v")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--target", type=float, default=0.6, help="reward whose first crossing is timed")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "onpolicy_vs_offpolicy", help="run directories")
+    parser.add_argument("--engine", default="transformers", help="rollout engine of every run")
+    args = parser.parse_args()
+    offgrpo = [sys.executable, "-m", "megatron_offgrpo.cli"]
+    warmup = REPO / "runs" / "tiny-cpu-sft" / "hf"
+    if not (warmup / "config.json").exists():
+        _run(offgrpo + ["sft", "--config", "configs/tiny-cpu-sft.yaml"])
+    results: dict[int, list[dict]] = {}
+    for v in args.vs:
+        for seed in range(args.seeds):
+            run_dir = args.out / f"v{v}_seed{seed}"
+            if not (run_dir / "metrics.jsonl").exists() or len(_records(run_dir)) < args.steps:
+                _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
+                                f"parallel.seed={1234 + seed}", f"train.steps={args.steps}", f"train.out_dir={run_dir}",
+                                f"rollout.engine={args.engine}", "train.save_every=0"])
+            results.setdefault(v, []).append(_summarise(_records(run_dir), args.target))
+            print(f"v={v} seed={seed}: {results[v][-1]}", file=sys.stderr)
+    _print_table(results, args)
+    _plot(args, results)
+
+
+def _summarise(records: list[dict], target: float) -> dict:
+    tail = records[-max(1, len(records) // 5):]
+    n = len(records)
+    return {"final_reward": sum(r["reward_mean"] for r in tail) / len(tail),
+            "minutes_to_target": _time_to_target(records, target),
+            "generate_s": sum(r["time_generate_s"] for r in records) / n,
+            "sync_s": sum(r["time_sync_s"] for r in records) / n,
+            "train_s": sum(r["time_train_s"] for r in records) / n,
+            "total_min": records[-1]["wall_s"] / 60}
+
+
+def _print_table(results: dict[int, list[dict]], args) -> None:
+    def ms(values):
+        values = [x for x in values if x == x]
+        if not values:
+            return "not reached"
+        return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+    print(f"\n{args.seeds} seeds x {args.steps} steps per v; target reward {args.target}\n")
+    print("| v | final reward | min to target | generate s/step | sync s/step | train s/step | run minutes |")
+    print("|---|---|---|---|---|---|---|")
+    for v, rows in results.items():
+        print(f"| {v} | {ms([r['final_reward'] for r in rows])} | {ms([r['minutes_to_target'] for r in rows])} | "
+              f"{statistics.mean(r['generate_s'] for r in rows):.2f} | {statistics.mean(r['sync_s'] for r in rows):.3f} | "
+              f"{statistics.mean(r['train_s'] for r in rows):.2f} | {statistics.mean(r['total_min'] for r in rows):.1f} |")
+
+
+def _plot(args, results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in results:
+        curves = [[r["reward_mean"] for r in _records(args.out / f"v{v}_seed{s}")] for s in range(args.seeds)]
+        length = min(len(c) for c in curves)
+        mean = [statistics.mean(c[i] for c in curves) for i in range(length)]
+        ax.plot(range(length), mean, label=f"v={v}")
+    ax.set(xlabel="optimizer step", ylabel=f"reward (mean of {args.seeds} seeds)", title="on- vs off-policy GRPO")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "comparison.png", dpi=100)
+    print(f"plot: {args.out / 'comparison.png'}")
+
+
+if __name__ == "__main__":
+    main()

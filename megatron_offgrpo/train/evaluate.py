@@ -1,0 +1,49 @@
+"""``offgrpo eval``: accuracy of a HF model directory on the recipe's eval split, through a local engine or the fleet.
+
+    offgrpo eval --config configs/tiny-cpu.yaml [--model DIR] [--prompts 200] [--engine transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point (one process; no megatron model is built)."""
+    parser = argparse.ArgumentParser(prog="offgrpo eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML recipe (data, reward, sampling length)")
+    parser.add_argument("--model", help="HF model directory (default: model.hf_path of the recipe)")
+    parser.add_argument("--prompts", type=int, default=None, help="number of eval prompts (default: train.eval_prompts)")
+    parser.add_argument("--engine", default=None, help="transformers | vllm | fleet | auto (default: rollout.engine)")
+    parser.add_argument("--out", help="write the result as JSON here")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    from megatron_offgrpo.config import load_config
+    from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.rollout import make_engine
+    from megatron_offgrpo.train._eval import evaluate
+    from megatron_offgrpo.train._setup import _prompts, load_tokenizer
+
+    config = load_config(args.config, args.overrides)
+    model = args.model or config.model.hf_path
+    kind = args.engine or config.rollout.engine
+    tokenizer = load_tokenizer(model)
+    prompts = _prompts(config, tokenizer, config.data.eval_split)[: args.prompts or config.train.eval_prompts]
+    engine = (make_engine("fleet", state=config.rollout.fleet_state) if kind == "fleet" else make_engine(kind, model))
+    try:
+        result = evaluate(engine, prompts, get_reward(config.data.reward), tokenizer, config.rollout.max_new_tokens)
+    finally:
+        engine.close()
+    result.update(model=str(model), split=config.data.eval_split, dataset=config.data.name)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
