@@ -50,6 +50,9 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport == "collective" and r.engine != "fleet":
         errors.append(f"rollout.transport='collective' needs rollout.engine='fleet' (got {r.engine!r})")
+    if r.overlap and r.behavior_logprobs == "recompute":
+        errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
+                      "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
     if m.init == "hf" and not m.hf_path:
         errors.append("model.hf_path is empty: give a HF model directory or hub id")
     if a.kl_beta < 0 or a.eps_low < 0 or a.eps_high < 0 or a.tau < 0:

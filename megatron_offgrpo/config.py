@@ -102,7 +102,7 @@ class RolloutConfig:
     behavior_logprobs: str = "fleet"
     """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights (exact)."""
     overlap: bool = False
-    """Generate step k+1 while training step k (adds one step of staleness)."""
+    """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
     verify_tolerance: float = 1e-4
     """Max |fleet - trainer| log-prob on the probe after a refresh (fp32; bf16 needs ~5e-2)."""
 

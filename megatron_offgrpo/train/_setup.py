@@ -44,10 +44,14 @@ class Run:
     engine: Any = None
     log: MetricsLog | None = None
     eval_prompts: list | None = None
+    executor: Any = None  # rank 0 with rollout.overlap: generates the next batch during this step's training
+    pending: Any = None  # the future of that batch
     version: int = 0
 
     def close(self) -> None:
         """Release the engine and flush the logs."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
         if self.engine is not None:
             self.engine.close()
         if self.log is not None:
@@ -112,6 +116,10 @@ def setup_run(config: Config) -> Run:
         if config.train.eval_every:
             run.eval_prompts = _prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
         run.log = MetricsLog(run_dir, config.train.steps)
+        if r.overlap:
+            import concurrent.futures
+
+            run.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, arch.model_type, ctx.tp_size,
                     ctx.pp_size, ctx.dp_size, type(run.engine).__name__, r.refresh_every, config.algo.objective)
     return run

@@ -36,21 +36,43 @@ def _behavior_and_ref(run: Run, microbatches) -> None:
             mb.ref_logp = logp
 
 
+def _generate(run: Run, step: int):
+    """Rank 0: the next prompts, G samples each, scored; with a fresh reproducible sampling seed per step."""
+    cfg = run.config
+    prompts = run.stream.next_batch(cfg.rollout.prompts_per_step)
+    params = dataclasses.replace(run.sampling, seed=cfg.parallel.seed + 100_003 * step)
+    return R.generate_and_score(run.engine, prompts, cfg.rollout.group_size, params, run.reward_fn, run.tokenizer)
+
+
+def _rollout(run: Run, step: int, times: dict) -> list:
+    """This step's samples on every rank; refreshes the engine when due (before generating, or, with overlap,
+    after collecting the batch generated during the previous step and before prefetching the next one)."""
+    cfg, rank0 = run.config, run.ctx.rank == 0
+    due = step - run.version >= cfg.rollout.refresh_every
+    samples = None
+    if not cfg.rollout.overlap:
+        if due:
+            times["time_sync_s"] = refresh_engine(run, step)
+        if rank0:
+            samples, times["time_generate_s"] = _generate(run, step)
+        return R.broadcast_samples(samples)
+    if rank0:
+        start = time.perf_counter()
+        samples, _ = run.pending.result() if run.pending is not None else _generate(run, step)
+        times["time_generate_s"] = time.perf_counter() - start  # only the wait is on the critical path
+    if due:
+        times["time_sync_s"] = refresh_engine(run, step)
+    if rank0 and step + 1 < cfg.train.steps:
+        run.pending = run.executor.submit(_generate, run, step + 1)
+    return R.broadcast_samples(samples)
+
+
 def train_one_step(run: Run, step: int) -> dict:
     """Refresh (every v), generate + score (rank 0), advantages, optimise. Returns the step's metrics."""
     cfg, ctx = run.config, run.ctx
     times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
-    if step - run.version >= cfg.rollout.refresh_every:
-        times["time_sync_s"] = refresh_engine(run, step)
-    samples = None
-    if ctx.rank == 0:
-        prompts = run.stream.next_batch(cfg.rollout.prompts_per_step)
-        # A fresh, reproducible sampling seed per step (a resumed run draws the same samples).
-        params = dataclasses.replace(run.sampling, seed=cfg.parallel.seed + 100_003 * step)
-        samples, times["time_generate_s"] = R.generate_and_score(run.engine, prompts, cfg.rollout.group_size,
-                                                                 params, run.reward_fn, run.tokenizer)
-    samples = R.broadcast_samples(samples)
-    stale = R.staleness(samples, step, cfg.rollout.refresh_every - 1)
+    samples = _rollout(run, step, times)
+    stale = R.staleness(samples, step, cfg.rollout.refresh_every - 1 + int(cfg.rollout.overlap))
     start = time.perf_counter()
     adv = compute_group_advantages(R.rewards_tensor(samples), cfg.rollout.group_size, run.adv_params)
     mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, cfg.rollout.group_size, ctx.dp_rank,

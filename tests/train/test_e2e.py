@@ -16,16 +16,18 @@ from tests.train.conftest import metrics, run_train, train_cmd, train_env
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("tp,pp,v", [(2, 1, 1), (1, 2, 4)], ids=["tp2-v1", "pp2-v4"])
-def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, v):
+@pytest.mark.parametrize("tp,pp,v,overlap", [(2, 1, 1, False), (1, 2, 4, False), (1, 1, 2, True)],
+                         ids=["tp2-v1", "pp2-v4", "tp1-v2-overlap"])
+def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, v, overlap):
     steps = 5
     records = run_train(tp * pp, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
-                        f"train.steps={steps}")
+                        f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}")
     assert [r["step"] for r in records] == list(range(steps))
     for r in records:
-        # the engine serves the weights pushed at the last multiple of v, and says so on every sample
+        # the engine is refreshed at every multiple of v; samples carry the version that generated them, and
+        # their staleness stays within v - 1 (v when the next batch is generated during this step's training)
         assert r["policy_version"] == v * (r["step"] // v)
-        assert 0 <= r["staleness_max"] <= v - 1
+        assert 0 <= r["staleness_max"] <= v - 1 + overlap
         assert math.isfinite(r["loss"]) and not r["skipped"]
     assert any(0 < r["reward_mean"] < 1 for r in records), "rewards did not flow"
     assert any(r["masked_group_fraction"] < 1 for r in records) and any(r["grad_norm"] > 0 for r in records)
