@@ -56,8 +56,8 @@ def test_resume_after_kill_reproduces_the_uninterrupted_losses(tmp_path):
     assert metrics(out)[0]["step"] == 0  # the log keeps the steps from before the kill
 
 
-def test_v1_exact_behavior_update_equals_on_policy_grpo(tmp_path):
+def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_skipped(tmp_path):
     from tests.helpers import run_torchrun
 
     proc = run_torchrun(REPO / "tests" / "workers" / "train_worker.py", 1, [str(tmp_path)])
-    assert "IDENTICAL" in proc.stdout
+    assert "IDENTICAL" in proc.stdout and "SKIPPED non-finite step" in proc.stdout

@@ -11,7 +11,7 @@ from megatron_offgrpo.config import load_config
 from megatron_offgrpo.train import _rollout_side as R
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
 from megatron_offgrpo.train._setup import setup_run
-from megatron_offgrpo.train._step import backward_pass
+from megatron_offgrpo.train._step import backward_pass, policy_step
 from megatron_offgrpo.train.builders import objective_params
 from megatron_offgrpo.train.loop import _behavior_and_ref
 from tests.train.conftest import TINY
@@ -46,6 +46,14 @@ def main() -> None:
     for name in clip:
         assert torch.equal(clip[name], on_policy[name]), f"{name}: GRPO-clip(v=1, exact) != on-policy GRPO"
     print(f"IDENTICAL {len(clip)} grads ({len(nonzero)} non-zero)")
+
+    # A non-finite loss (here: a NaN behavior log-prob on a valid token) skips the step and leaves the weights.
+    before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
+    mbs[0].behavior_logp[mbs[0].loss_mask.nonzero()[0].tolist()[0], mbs[0].loss_mask.nonzero()[0].tolist()[1]] = float("nan")
+    result = policy_step(run.policy.ddp, run.policy.optimizer, run.ctx, mbs, objective_params(config.algo), tokens, seqs)
+    assert result.skipped and result.loss != result.loss, result
+    assert all(torch.equal(before[n], p) for n, p in run.policy.model.named_parameters()), "a skipped step moved weights"
+    print("SKIPPED non-finite step")
     run.close()
 
 

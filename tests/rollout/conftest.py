@@ -1,0 +1,16 @@
+"""Fixtures of the rollout tests (the model and its helpers are in ``tests.rollout.tiny``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import save_hf_model
+from tests.rollout.tiny import TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2 as a HF directory (version 0: no manifest)."""
+    return save_hf_model(dict(TINY), tmp_path_factory.mktemp("rollout") / "tiny", seed=7)

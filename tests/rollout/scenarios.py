@@ -1,0 +1,88 @@
+"""The rollout test cases, written once against the ``RolloutEngine`` interface and run on every engine
+(the vLLM fleet, the in-process vLLM engine, the transformers engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_offgrpo.data import Prompt, SamplingParams
+from megatron_offgrpo.rollout import RefreshError, RefreshVerificationError, verify_refresh, version_dir, write_version_dir
+from tests.rollout.tiny import as_buckets, hf_probe_logprobs
+
+PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+SAMPLED = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+
+
+def greedy(engine, prompts=PROMPTS) -> list[list[int]]:
+    """One greedy continuation per prompt."""
+    return [s.response_ids for s in engine.generate(prompts, 1, GREEDY)]
+
+
+def check_groups(engine, n: int = 4) -> None:
+    """Groups come back complete, in order, each from one server and tagged with the served version."""
+    samples = engine.generate(PROMPTS, n, SAMPLED)
+    assert len(samples) == len(PROMPTS) * n
+    for index, prompt in enumerate(PROMPTS):
+        group = samples[index * n:(index + 1) * n]
+        assert {s.group_id for s in group} == {index} and {s.prompt_id for s in group} == {prompt.prompt_id}
+        assert len({s.server for s in group}) == 1 and {s.policy_version for s in group} == {engine.version()}
+        for s in group:
+            assert s.prompt_ids == list(prompt.prompt_ids) and 1 <= len(s.response_ids) <= SAMPLED.max_tokens
+            assert len(s.behavior_logprobs) == len(s.response_ids) and all(lp <= 0 for lp in s.behavior_logprobs)
+            assert s.finish_reason in ("stop", "length")
+    assert len({tuple(s.response_ids) for s in samples[:n]}) > 1  # sampled, not copies
+
+
+def check_refresh_matches_fresh(engine, weights, version: int, fresh_greedy: list[list[int]]) -> None:
+    """After a refresh, greedy outputs equal a freshly loaded engine's, and samples carry the new version."""
+    report = engine.update_weights(weights, version)
+    assert report.version == version == engine.version() and all(v == version for v in report.servers.values())
+    samples = engine.generate(PROMPTS, 1, GREEDY)
+    assert [s.response_ids for s in samples] == fresh_greedy
+    assert {s.policy_version for s in samples} == {version}
+
+
+def check_rejections(engine, tmp: Path, weights: dict[str, torch.Tensor], before: list[list[int]]) -> None:
+    """A corrupt file, a stale or mismatched version are rejected; the old weights keep serving."""
+    served = engine.version()
+    nxt = served + 1
+    path, _ = write_version_dir(version_dir(tmp, nxt), as_buckets(weights), nxt)
+    shard = path / "model-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) - 100] ^= 0xFF  # one flipped byte in a tensor's data
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(RefreshError, match=f"(?s)version {nxt}.*does not match the manifest"):
+        engine.update_weights(path, nxt)
+    with pytest.raises(ValueError, match=f"already serves version {served}"):
+        engine.update_weights(as_buckets(weights), served)
+    other, _ = write_version_dir(version_dir(tmp / "other", nxt + 5), as_buckets(weights), nxt + 5)
+    with pytest.raises((ValueError, RefreshError), match=f"(?s)version {nxt + 5}"):
+        engine.update_weights(other, nxt)
+    assert engine.version() == served and greedy(engine) == before
+
+
+def check_verification(engine, model_dir: Path, good: dict, stale_from: dict, probe: list[int], atol: float = 1e-3) -> None:
+    """The probe verification passes on the right weights and names the version when a tensor is wrong."""
+    version = engine.version() + 1
+    engine.update_weights(as_buckets(good), version)
+    expected = hf_probe_logprobs(model_dir, good, probe)
+    errors = verify_refresh(engine, probe, expected, version, atol)
+    assert all(err < atol for err in errors.values())
+    transposed = dict(good)
+    name = "model.layers.1.self_attn.o_proj.weight"  # [128, 128]: a transposed copy passes every shape check
+    transposed[name] = good[name].t().contiguous()
+    engine.update_weights(as_buckets(transposed), version + 1)
+    with pytest.raises(RefreshVerificationError, match=f"version {version + 1}") as caught:
+        verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 1, atol)
+    assert set(caught.value.servers) == set(engine.probe_logprobs(probe))  # every server is named
+    stale = dict(good)
+    stale["model.layers.0.mlp.gate_proj.weight"] = stale_from["model.layers.0.mlp.gate_proj.weight"]  # one tensor of an old version
+    engine.update_weights(as_buckets(stale), version + 2)
+    with pytest.raises(RefreshVerificationError, match=f"version {version + 2}"):
+        verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 2, atol)
+    with pytest.raises(RefreshVerificationError, match="serves version"):  # a refresh that did not happen
+        verify_refresh(engine, probe, expected, version + 3, atol)

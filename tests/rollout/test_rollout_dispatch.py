@@ -1,0 +1,90 @@
+"""Spreading groups over servers with retries and failover (fake servers: no vLLM, no sockets)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
+from megatron_offgrpo.rollout._errors import FleetError
+from megatron_offgrpo.rollout._http import RequestRejected, ServerDown
+from megatron_offgrpo.rollout._samples import BadResponse
+
+FAST = RetryPolicy(backoff_s=0.001, max_backoff_s=0.002, max_inflight_per_server=2)
+
+
+def test_every_group_once_in_order_and_spread():
+    pool = ServerPool(["a", "b"], FAST.dead_after)
+    used = []
+
+    def send(server, index):
+        used.append(server)
+        time.sleep(0.01)
+        return (index, server)
+
+    out = run_groups(pool, FAST, 10, send)
+    assert [i for i, _ in out] == list(range(10))
+    assert set(used) == {"a", "b"}  # least-loaded choice uses both
+
+
+def test_dead_server_fails_over_without_duplicates():
+    pool = ServerPool(["a", "b"], dead_after=1)
+    calls = {"a": 0, "b": 0}
+    lock = threading.Lock()
+
+    def send(server, index):
+        with lock:
+            calls[server] += 1
+        if server == "b":
+            raise ServerDown("connection reset")
+        time.sleep(0.02)  # a is busy: the least-loaded choice sends work to b too
+        return (index, server)
+
+    out = run_groups(pool, FAST, 12, send)
+    assert out == [(i, "a") for i in range(12)]  # all 12 groups, each once, all from the live server
+    # b is dead after its first failure; only the groups already sent to it (at most the 4 threads) reached it
+    assert "b" in pool.dead and 1 <= calls["b"] <= 4
+
+
+def test_retry_on_bad_answer_then_succeeds_elsewhere():
+    pool = ServerPool(["a", "b"], dead_after=2)
+    seen = []
+
+    def send(server, index):
+        seen.append(server)
+        if len(seen) == 1:
+            raise BadResponse("mixed versions")
+        return server
+
+    assert run_groups(pool, FAST, 1, send) == [seen[1]] and seen[0] != seen[1]
+    assert not pool.dead  # a bad answer is not a dead server
+
+
+def test_rejected_request_is_not_retried():
+    pool = ServerPool(["a", "b"], dead_after=2)
+    with pytest.raises(FleetError, match="rejected by server"):
+        run_groups(pool, FAST, 1, lambda s, i: (_ for _ in ()).throw(RequestRejected("HTTP 401", 401)))
+
+
+def test_all_dead_gives_a_clear_error():
+    pool = ServerPool(["a", "b"], dead_after=1)
+    with pytest.raises(FleetError, match="failed on every attempt|no serving server"):
+        run_groups(pool, FAST, 3, lambda s, i: (_ for _ in ()).throw(ServerDown("refused")))
+    assert set(pool.dead) == {"a", "b"}
+
+
+def test_benched_servers_get_no_work_until_restored():
+    pool = ServerPool(["a", "b"], dead_after=2)
+    pool.bench("b", "refresh failed")
+    assert {s for _, s in run_groups(pool, FAST, 6, lambda s, i: (i, s))} == {"a"}
+    pool.restore("b")
+    assert pool.serving() == ["a", "b"]
+
+
+def test_backoff_grows_and_is_bounded():
+    policy = RetryPolicy(backoff_s=1.0, max_backoff_s=4.0, jitter=0.0)
+    assert [policy.delay(a) for a in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match="max_attempts=0 must be >= 1"):
+        RetryPolicy(max_attempts=0)

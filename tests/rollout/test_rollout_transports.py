@@ -1,0 +1,170 @@
+"""Both refresh transports end to end into the worker extension, on fake workers (no vLLM needed).
+
+A fake worker is the extension mixed into an object with what vLLM's worker offers it (``model_runner`` with the
+model config, ``rank``, ``device``, ``reload_weights``); its ``reload_weights`` records what was installed.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, OffgrpoWorkerExtension, write_version_dir
+from megatron_offgrpo.rollout._tensors import expected_hf_shapes
+from megatron_offgrpo.rollout._worker_ext import DIRTY
+from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
+
+
+class FakeWorker(OffgrpoWorkerExtension):
+    def __init__(self, model_dir, rank=0, fail_reload=False):
+        config = types.SimpleNamespace(to_dict=lambda: dict(TINY))
+        self.model_runner = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(model_dir), hf_config=config, dtype=torch.float32))
+        self.rank, self.device, self.installed, self.fail_reload = rank, torch.device("cpu"), None, fail_reload
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+        if self.fail_reload:
+            raise RuntimeError("kernel repack failed")
+        self.installed = {n: t.clone() for n, t in weights_iterator}
+
+
+class FakeTarget:
+    """A server with ``workers`` fake workers, called like the HTTP ``/collective_rpc``."""
+
+    def __init__(self, name, model_dir, workers=1):
+        self.name = name
+        self.workers = [FakeWorker(model_dir, rank=r) for r in range(workers)]
+
+    def rpc(self, method, kwargs, timeout):
+        import threading
+
+        results = [None] * len(self.workers)
+
+        def run(i, worker):
+            results[i] = getattr(worker, method)(json.dumps(kwargs))
+
+        threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        return results
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_dir):
+    return perturbed(hf_weights(tiny_dir), seed=1)
+
+
+def _same(installed, weights):
+    return installed is not None and set(installed) == set(weights) and all(torch.equal(installed[n], weights[n]) for n in weights)
+
+
+def test_expected_shapes_match_the_hf_checkpoint(tiny_dir):
+    assert expected_hf_shapes(dict(TINY)) == {n: tuple(t.shape) for n, t in hf_weights(tiny_dir).items()}
+
+
+def test_disk_transport_installs_verified_version(tmp_path, tiny_dir, weights):
+    targets = [FakeTarget("s0", tiny_dir), FakeTarget("s1", tiny_dir, workers=2)]
+    transport = DiskTransport(tmp_path / "shared", keep=1)
+    path = transport.prepare(as_buckets(weights), 1)
+    answers = transport.install(targets, path, 1)
+    assert all(a["ok"] and a["version"] == 1 for a in answers.values()), answers
+    assert all(_same(w.installed, weights) for t in targets for w in t.workers)
+    assert answers["s1"]["workers"] == 2
+
+
+def test_disk_transport_rejections_leave_weights_untouched(tmp_path, tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    worker = target.workers[0]
+    transport = DiskTransport(tmp_path / "shared")
+    path = transport.prepare(as_buckets(weights), 2)
+    raw = bytearray((path / "model-00001.safetensors").read_bytes())
+    raw[len(raw) // 2] ^= 0x55
+    (path / "model-00001.safetensors").write_bytes(bytes(raw))
+    answer = transport.install([target], path, 2)["s0"]
+    assert not answer["ok"] and "does not match the manifest" in answer["error"] and worker.installed is None
+    good = transport.prepare(as_buckets(weights), 3)
+    assert not transport.install([target], good, 4)["s0"]["ok"]  # wrong version for the directory
+    with pytest.raises(ValueError, match="manifest is for version 3"):
+        transport.prepare(good, 4)
+    worker._offgrpo_current = 5
+    answer = transport.install([target], good, 3)["s0"]
+    assert "not newer than the served version 5" in answer["error"] and worker.installed is None
+
+
+def test_incomplete_or_misshapen_refresh_is_rejected(tmp_path, tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    transport = DiskTransport(tmp_path / "shared")
+    missing = {n: t for n, t in weights.items() if "layers.1.mlp.up_proj" not in n}
+    answer = transport.install([target], transport.prepare(as_buckets(missing), 1), 1)["s0"]
+    assert "1 tensor(s) missing" in answer["error"] and "up_proj" in answer["error"]
+    bad = dict(weights)
+    bad["model.layers.0.mlp.down_proj.weight"] = weights["model.layers.0.mlp.down_proj.weight"].t().contiguous()  # [128,256] -> [256,128]
+    answer = transport.install([target], transport.prepare(as_buckets(bad), 2), 2)["s0"]
+    assert "down_proj.weight' has shape [256, 128]" in answer["error"] and target.workers[0].installed is None
+
+
+def test_failed_reload_marks_the_worker_dirty(tmp_path, tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    target.workers[0].fail_reload = True
+    transport = DiskTransport(tmp_path / "shared")
+    answer = transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"]
+    assert not answer["ok"] and answer["version"] == DIRTY and "failed midway" in answer["error"]
+
+
+@pytest.mark.parametrize("bucket_bytes, per_call", [(0, False), (64 * 1024, False), (256 * 1024**2, False), (0, True)])
+def test_collective_transport_installs_bit_exact(tiny_dir, weights, bucket_bytes, per_call):
+    targets = [FakeTarget("s0", tiny_dir), FakeTarget("s1", tiny_dir, workers=2)]
+    transport = CollectiveTransport(bucket_bytes=bucket_bytes, timeout_s=60, call_per_bucket=per_call)
+    answers = transport.install(targets, transport.prepare(as_buckets(weights), 1), 1)
+    assert all(a["ok"] for a in answers.values()), answers
+    assert all(_same(w.installed, weights) for t in targets for w in t.workers)
+    expected_buckets = {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes)
+    if expected_buckets is not None:
+        assert transport.last_stats["buckets"] == expected_buckets
+    # a second refresh reuses the group; a changed fleet rebuilds it
+    assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(weights), 2), 2).values())
+    assert all(a["ok"] for a in transport.install(targets[:1], transport.prepare(as_buckets(weights), 3), 3).values())
+    transport.close()
+
+
+def test_collective_aborted_stream_installs_nothing(tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    transport = CollectiveTransport(timeout_s=60)
+
+    def broken():
+        yield list(weights.items())[:5]
+        raise RuntimeError("trainer export crashed")
+
+    with pytest.raises(RuntimeError, match="trainer export crashed"):
+        transport.install([target], transport.prepare(broken(), 1), 1)
+    assert target.workers[0].installed is None and target.workers[0]._offgrpo_version() == 0
+
+
+def test_collective_wrong_version_is_rejected_after_draining(tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    target.workers[0]._offgrpo_current = 7
+    transport = CollectiveTransport(timeout_s=60)
+    answer = transport.install([target], transport.prepare(as_buckets(weights), 7), 7)["s0"]
+    assert "not newer than the served version 7" in answer["error"] and target.workers[0].installed is None
+    # the group is still in step: the next (newer) version goes through
+    assert transport.install([target], transport.prepare(as_buckets(weights), 8), 8)["s0"]["ok"]
+
+
+def test_initial_version_comes_from_the_served_manifest(tmp_path, weights):
+    path, _ = write_version_dir(tmp_path / "v", as_buckets(weights), 12)
+    assert FakeWorker(path)._offgrpo_version() == 12
+
+
+def test_per_bucket_calls_stage_until_the_last_commit(tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    transport = CollectiveTransport(bucket_bytes=0, timeout_s=60, call_per_bucket=True)
+    installs = []
+    worker = target.workers[0]
+    original = worker.reload_weights
+    worker.reload_weights = lambda weights_iterator, is_checkpoint_format=True: (installs.append(1), original(weights_iterator))
+    assert transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"]["ok"]
+    assert installs == [1] and _same(worker.installed, weights)  # 27 calls, one complete install

@@ -1,0 +1,192 @@
+"""What travels between trainer and fleet: packed buckets, version directories, the gloo stream, answers, tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from checkpoint_tools import CheckpointError
+from megatron_offgrpo.data import Prompt, SamplingParams
+from megatron_offgrpo.rollout._auth import ControlTokenMiddleware
+from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, END, make_group, make_store, recv_stream, send_stream
+from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_prompt_logprobs, sampling_body
+from megatron_offgrpo.rollout._tensors import check_complete, pack_bucket, rebucket, unpack_bucket
+from megatron_offgrpo.rollout._weights_dir import manifest_version, prune_versions, read_version_dir, version_dir, write_version_dir
+
+
+def _bucket():
+    return [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([1, 2], dtype=torch.bfloat16)),
+            ("c", torch.arange(12, dtype=torch.float32).reshape(3, 4).t())]  # a non-contiguous view
+
+
+def test_pack_unpack_roundtrip_bit_exact():
+    header, buffer = pack_bucket(_bucket())
+    # 6*4 + 2*2 + 12*4 = 76 bytes, one contiguous buffer
+    assert buffer.numel() == 76 and buffer.is_contiguous()
+    for (n0, t0), (n1, t1) in zip(_bucket(), unpack_bucket(header, buffer)):
+        assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
+
+
+def test_rebucket_sizes():
+    tensors = [[(f"t{i}", torch.zeros(10))] for i in range(5)]  # 40 bytes each
+    assert [len(b) for b in rebucket(tensors, 100)] == [3, 2]  # 120 >= 100 closes the first bucket
+    assert [len(b) for b in rebucket(tensors, 0)] == [1] * 5  # 0: one tensor per bucket
+
+
+def test_check_complete_names_every_problem():
+    expected = {"x": (2, 2), "y": (3,)}
+    check_complete({"x": (2, 2), "y": (3,)}, expected)
+    with pytest.raises(ValueError, match="1 tensor\\(s\\) missing.*'y'"):
+        check_complete({"x": (2, 2)}, expected)
+    with pytest.raises(ValueError, match="unknown tensor name.*'z'"):
+        check_complete({"x": (2, 2), "y": (3,), "z": (1,)}, expected)
+    with pytest.raises(ValueError, match="'x' has shape \\[2, 3\\]"):
+        check_complete({"x": (2, 3), "y": (3,)}, expected)
+
+
+def test_version_dir_roundtrip_and_checks(tmp_path):
+    out, stats = write_version_dir(version_dir(tmp_path, 3), [_bucket()[:2], _bucket()[2:]], 3)
+    assert out.name == "v00000003" and stats == {"bytes": 76, "tensors": 3, "buckets": 2}
+    assert manifest_version(out) == 3
+    got = dict(read_version_dir(out, 3))
+    assert all(torch.equal(got[n], t) for n, t in _bucket())
+    with pytest.raises(CheckpointError, match="manifest is for version 3, the refresh asked for version 4"):
+        read_version_dir(out, 4)
+
+
+def test_version_dir_corrupt_byte_is_caught(tmp_path):
+    out, _ = write_version_dir(version_dir(tmp_path, 1), [_bucket()], 1)
+    shard = out / "model-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF  # one flipped byte in the last tensor's data
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="does not match the manifest"):
+        read_version_dir(out, 1)
+
+
+def test_version_dir_truncated_and_missing_manifest(tmp_path):
+    out, _ = write_version_dir(version_dir(tmp_path, 1), [_bucket()], 1)
+    shard = out / "model-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_version_dir(out, 1)
+    (out / "offgrpo_manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no offgrpo_manifest.json"):
+        read_version_dir(out, 1)
+
+
+def test_prune_keeps_newest_and_protected(tmp_path):
+    for v in (1, 2, 3, 4):
+        write_version_dir(version_dir(tmp_path, v), [_bucket()[:1]], v)
+    prune_versions(tmp_path, keep=2, protect=[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001", "v00000003", "v00000004"]
+
+
+def test_gloo_stream_between_two_ranks():
+    store = make_store("127.0.0.1", 0, None, True, 30)
+    received, errors = [], []
+
+    def worker():
+        try:
+            client = make_store("127.0.0.1", store.port, None, False, 30)
+            group = make_group(client, "g", 1, 2, 30)
+            received.extend(recv_stream(group))
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    group = make_group(store, "g", 0, 2, 30)
+    stats = send_stream(group, [_bucket(), _bucket()[:1]], version=5)
+    thread.join(30)
+    assert not errors and stats == {"bytes": 76 + 24, "buckets": 2, "tensors": 4}
+    kinds = [k for k, _ in received]
+    assert kinds == [BUCKET, BUCKET, END] and received[-1][1] == {"version": 5, "buckets": 2, "bytes": 100}
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(_bucket(), received[0][1]))
+
+
+def test_gloo_stream_abort_reaches_receivers():
+    store = make_store("127.0.0.1", 0, None, True, 30)
+    received = []
+
+    def worker():
+        group = make_group(make_store("127.0.0.1", store.port, None, False, 30), "g", 1, 2, 30)
+        received.extend(recv_stream(group))
+
+    def failing():
+        yield _bucket()
+        raise RuntimeError("export failed")
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    group = make_group(store, "g", 0, 2, 30)
+    with pytest.raises(RuntimeError, match="export failed"):
+        send_stream(group, failing(), version=1)
+    thread.join(30)
+    assert [k for k, _ in received] == [BUCKET, ABORT] and "export failed" in received[-1][1]["reason"]
+
+
+def _answer(versions=("4",), n=2, finish="length"):
+    choice = lambda i: {"index": i, "finish_reason": finish, "token_ids": [7, 8],  # noqa: E731
+                        "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}, {"token_id": 8, "logprob": -1.5}]},
+                        "weight_versions": [{"version": v, "start": 0, "end": 2} for v in versions]}
+    return {"choices": [choice(i) for i in range(n)]}
+
+
+def test_parse_group_reads_the_served_version():
+    prompt = Prompt("p", (1, 2, 3))
+    samples = parse_group(_answer(), prompt, group_id=5, n=2, server="s0")
+    assert [(s.group_id, s.policy_version, s.response_ids, s.behavior_logprobs, s.server) for s in samples] == [(5, 4, [7, 8], [-0.5, -1.5], "s0")] * 2
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_answer(versions=("4", "5")), "exactly one version"),
+    (_answer(versions=("default",)), "never given its version"),
+    (_answer(n=3), "3 choices for a group of 2"),
+    (_answer(finish="abort"), "aborted"),
+])
+def test_parse_group_refuses_bad_answers(answer, match):
+    with pytest.raises(BadResponse, match=match):
+        parse_group(answer, Prompt("p", (1,)), 0, 2, "s0")
+
+
+def test_greedy_groups_are_asked_once_and_replicated():
+    assert sampling_body(SamplingParams(temperature=0.0), 4, 0)["n"] == 1
+    samples = parse_group(_answer(n=1), Prompt("p", (1,)), 0, 4, "s0")
+    assert len(samples) == 4 and len({tuple(s.response_ids) for s in samples}) == 1
+    body = sampling_body(SamplingParams(seed=10, stop_token_ids=(9,), top_k=-1), 4, 3)
+    assert body["seed"] == 13 and body["stop_token_ids"] == [9] and body["top_k"] == 0 and body["repetition_penalty"] == 1.0
+
+
+def test_parse_prompt_logprobs():
+    answer = {"prompt_logprobs": [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.0}}],
+              "choices": [{"weight_versions": [{"version": "2", "start": 0, "end": 1}]}]}
+    assert parse_prompt_logprobs(answer, [4, 5, 6], "s0") == (2, [-1.0, -2.0])
+
+
+def _asgi_call(middleware, path, headers=()):
+    sent = []
+
+    async def app(scope, receive, send):
+        sent.append({"type": "app"})
+
+    async def send(message):
+        sent.append(message)
+
+    middleware.app = app
+    scope = {"type": "http", "path": path, "method": "POST", "headers": list(headers)}
+    asyncio.run(middleware(scope, None, send))
+    return sent[0].get("status", 200) if sent[0]["type"] != "app" else 200
+
+
+def test_token_middleware_guards_control_paths():
+    guard = ControlTokenMiddleware(None, token="s3cret")
+    assert _asgi_call(guard, "/health") == 200
+    assert _asgi_call(guard, "/collective_rpc") == 401
+    assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer wrong")]) == 401
+    assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer s3cret")]) == 200
+    assert _asgi_call(guard, "/inference/v1/generate") == 401
+    assert _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200  # no token configured: open (loopback only)

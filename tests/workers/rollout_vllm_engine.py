@@ -1,0 +1,52 @@
+"""The rollout test cases on the in-process ``VLLMEngine`` (run as a subprocess: vLLM's CPU worker patches
+process-wide torch settings, which must not leak into the pytest process).
+
+Usage: python rollout_vllm_engine.py MODEL_DIR WORK_DIR     (exit status 0 and a last line "OK ..." on success)
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> None:
+    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids, write_version_dir
+    from tests.rollout import scenarios
+    from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
+
+    model_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
+    base = hf_weights(model_dir)
+    new = {form: perturbed(base, seed) for form, seed in (("memory", 61), ("directory", 62))}
+    dirs = {form: write_version_dir(work / form, as_buckets(w), 1, hf_config=dict(TINY))[0] for form, w in new.items()}
+    fresh = {}
+    for form, path in dirs.items():  # fresh engines first: one vLLM engine alive at a time in this process
+        engine = VLLMEngine(path, dtype="float32", max_model_len=512)
+        fresh[form] = scenarios.greedy(engine)
+        engine.close()
+        del engine
+        gc.collect()
+    start = time.perf_counter()
+    engine = make_engine("auto", model_dir, dtype="float32", max_model_len=512)
+    assert isinstance(engine, VLLMEngine) and isinstance(engine, RolloutEngine) and engine.version() == 0
+    scenarios.check_groups(engine)
+    assert scenarios.greedy(engine) != fresh["memory"]
+    scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
+    refreshed = write_version_dir(work / "v2", as_buckets(new["directory"]), 2)[0]
+    scenarios.check_refresh_matches_fresh(engine, refreshed, 2, fresh["directory"])
+    scenarios.check_rejections(engine, work / "bad", perturbed(base, 63), scenarios.greedy(engine))
+    scenarios.check_verification(engine, model_dir, perturbed(base, 64), base, make_probe_ids(TINY["vocab_size"], 24))
+    engine.close()
+    print(f"OK in-process vLLM engine: all cases passed ({time.perf_counter() - start:.1f} s after the fresh engines)")
+
+
+if __name__ == "__main__":
+    main()
