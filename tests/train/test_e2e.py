@@ -61,3 +61,11 @@ def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_
 
     proc = run_torchrun(REPO / "tests" / "workers" / "train_worker.py", 1, [str(tmp_path)])
     assert "IDENTICAL" in proc.stdout and "SKIPPED non-finite step" in proc.stdout
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path, aggregation):
+    from tests.helpers import run_torchrun
+
+    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2, [str(tmp_path), aggregation])
+    assert "MATCH dp=2" in proc.stdout
