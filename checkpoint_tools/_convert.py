@@ -168,6 +168,15 @@ def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int
     return out
 
 
+def _installed_version(package: str, default: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return default
+
+
 def iter_hf_tensors(arch: QwenArch, full_fn: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs of the whole model from a full-tensor source, in model order."""
     for global_name in M.full_megatron_names(arch):
@@ -195,6 +204,8 @@ def write_hf(
         records = write_sharded(tmp, specs, tensors, max_shard_bytes)
         config = hf_config_dict(arch, hf_config)
         config["torch_dtype"] = str(specs[0][1]).removeprefix("torch.")
+        # As save_pretrained does; without it transformers >= 5 suspects an old Mistral tokenizer regex and warns.
+        config.setdefault("transformers_version", _installed_version("transformers", "5.0.0"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if extra_src is not None and extra_src.is_dir():
             copy_extra_files(extra_src, tmp)
