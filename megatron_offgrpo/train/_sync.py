@@ -30,20 +30,12 @@ def probe_logprobs(run, probe_ids: list[int]) -> list[float]:
     return logp.tolist()
 
 
-def refresh_engine(run, version: int) -> float:
-    """Install the current weights as ``version`` in the engine (rank 0) and verify them. Collective.
+def verify_engine(run, version: int) -> None:
+    """Check the engine scores the probe like the trainer's current weights (collective; raises on every rank).
 
     Raises:
         RefreshVerificationError (rank 0) / RuntimeError (other ranks): the engine does not serve these weights.
     """
-    start = time.perf_counter()
-    buckets = export_buckets(run.policy.model, run.arch, run.ctx, run.config.rollout.bucket_mb * 1024**2)
-    if run.ctx.rank == 0:
-        report = run.engine.update_weights(buckets, version)
-        logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)
-    else:
-        for _ in buckets:
-            pass
     expected = probe_logprobs(run, run.probe_ids)
     status = [None]
     if run.ctx.rank == 0:
@@ -57,7 +49,20 @@ def refresh_engine(run, version: int) -> float:
             raise
     dist.broadcast_object_list(status, src=0)
     if status[0] is not None:
-        raise RuntimeError(f"engine refresh to version {version} failed verification on rank 0: {status[0]}")
+        raise RuntimeError(f"engine at version {version} failed verification on rank 0: {status[0]}")
+
+
+def refresh_engine(run, version: int) -> float:
+    """Install the current weights as ``version`` in the engine (rank 0) and verify them. Collective."""
+    start = time.perf_counter()
+    buckets = export_buckets(run.policy.model, run.arch, run.ctx, run.config.rollout.bucket_mb * 1024**2)
+    if run.ctx.rank == 0:
+        report = run.engine.update_weights(buckets, version)
+        logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)
+    else:
+        for _ in buckets:
+            pass
+    verify_engine(run, version)
     if run.snapshot is not None:
         copy_weights(run.policy.model, run.snapshot)
     run.version = version

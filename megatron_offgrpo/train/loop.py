@@ -20,7 +20,7 @@ from megatron_offgrpo.train._eval import evaluate
 from megatron_offgrpo.train._checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_offgrpo.train._setup import Run, setup_run
 from megatron_offgrpo.train._step import policy_step, token_logprobs
-from megatron_offgrpo.train._sync import refresh_engine
+from megatron_offgrpo.train._sync import refresh_engine, verify_engine
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,9 @@ def train(config: Config) -> Path:
     cfg = run.config
     start_step, nonfinite = 0, 0
     ckpt = latest_checkpoint(cfg.train.out_dir) if cfg.train.resume else None
-    if ckpt is not None:
+    if ckpt is None:
+        verify_engine(run, 0)  # the engine started from the exported version 0: check it before sampling from it
+    else:
         state = load_checkpoint(ckpt, run.policy.model, run.policy.optimizer)
         start_step = state["step"]
         run.stream.load_state_dict(state["stream"])
