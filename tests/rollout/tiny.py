@@ -49,7 +49,8 @@ def hf_probe_logprobs(model_dir: Path, weights: dict[str, torch.Tensor] | None, 
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if weights is not None:
-        model.load_state_dict(weights, strict=True)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: lm_head is the embedding
     with torch.no_grad():
         ids = torch.tensor([probe])
         return model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()

@@ -18,6 +18,23 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
+def check_tied(work: Path) -> None:
+    """Tied embeddings: after a refresh the output layer follows the new embedding (vLLM CPU keeps a prepacked
+    copy of it that the in-place reload alone leaves stale; the worker extension re-derives it)."""
+    from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
+    from tests.helpers import save_hf_model
+    from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed
+
+    tied_dir = save_hf_model(dict(TINY, tie_word_embeddings=True), work / "tied", seed=5)
+    engine = VLLMEngine(tied_dir, dtype="float32", max_model_len=512)
+    probe = make_probe_ids(TINY["vocab_size"], 24)
+    new = perturbed(hf_weights(tied_dir), 71)
+    assert "lm_head.weight" not in new
+    engine.update_weights(as_buckets(new), 1)
+    verify_refresh(engine, probe, hf_probe_logprobs(tied_dir, new, probe), 1, 1e-3)
+    engine.close()
+
+
 def main() -> None:
     from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids, write_version_dir
     from tests.rollout import scenarios
@@ -38,6 +55,7 @@ def main() -> None:
     engine = make_engine("auto", model_dir, dtype="float32", max_model_len=512)
     assert isinstance(engine, VLLMEngine) and isinstance(engine, RolloutEngine) and engine.version() == 0
     scenarios.check_groups(engine)
+    scenarios.check_behavior_logprobs(engine, model_dir, None)
     assert scenarios.greedy(engine) != fresh["memory"]
     scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
     refreshed = write_version_dir(work / "v2", as_buckets(new["directory"]), 2)[0]
@@ -45,6 +63,9 @@ def main() -> None:
     scenarios.check_rejections(engine, work / "bad", perturbed(base, 63), scenarios.greedy(engine))
     scenarios.check_verification(engine, model_dir, perturbed(base, 64), base, make_probe_ids(TINY["vocab_size"], 24))
     engine.close()
+    del engine
+    gc.collect()
+    check_tied(work)
     print(f"OK in-process vLLM engine: all cases passed ({time.perf_counter() - start:.1f} s after the fresh engines)")
 
 

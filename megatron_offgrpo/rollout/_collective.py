@@ -1,0 +1,124 @@
+"""The collective transport: the trainer broadcasts bucketed tensors to every server worker over a private group.
+
+Rank 0 is the trainer (its rank 0, or one process per PP stage sending its own layers in turn); ranks 1.. are the
+workers of the servers, which join through the ``offgrpo_join_group`` worker RPC. The group is gloo over TCP on
+CPU and NCCL on GPU (``backend``). It is built on the first refresh and rebuilt whenever the set of servers
+changes (a server died or came back).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from megatron_offgrpo.rollout._gloo import make_group, make_store, send_stream
+from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
+from megatron_offgrpo.rollout._rpc import call_targets
+from megatron_offgrpo.rollout._tensors import rebucket
+from megatron_offgrpo.rollout._weights_dir import read_version_dir
+
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
+
+
+class CollectiveTransport:
+    """Broadcast buckets of >= ``bucket_bytes`` (0: one tensor per message, the slow baseline) to all workers.
+
+    Attributes:
+        host: address the servers reach the trainer's rendezvous store on. port: its port (0: pick a free one).
+        backend: "gloo" (CPU) or "nccl" (GPU). device: where rank 0's buffers live ("cuda" for NCCL).
+        timeout_s: bound on joining and on each collective operation (a dead peer surfaces within it).
+        call_per_bucket: one control round trip per bucket (staged on the workers, installed by a last call):
+            with ``bucket_bytes=0`` this is the per-tensor pattern of peer trainers, kept as a measured baseline.
+            (Their per-tensor *install* is not offered: vLLM's in-place reload of part of a fused layer, e.g.
+            q_proj alone, corrupts the rest of the layer; every install here is one complete reload.)
+    """
+
+    name = "collective"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0, call_per_bucket: bool = False) -> None:
+        if bucket_bytes < 0:
+            raise ValueError(f"CollectiveTransport bucket_bytes={bucket_bytes} must be >= 0 (0 = one tensor per message)")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"CollectiveTransport backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+        self.host, self.port, self.bucket_bytes = host, port, bucket_bytes
+        self.backend, self.device, self.timeout_s = backend, torch.device(device), timeout_s
+        self.call_per_bucket = call_per_bucket
+        self._store = None
+        self._group = None
+        self._group_id = ""
+        self._members: tuple[str, ...] = ()
+        self.last_stats: dict[str, float] = {}
+
+    def _ensure_group(self, targets: list[WorkerTarget]) -> None:
+        names = tuple(t.name for t in targets)
+        if self._group is not None and names == self._members:
+            return
+        if self._store is None:
+            self._store = make_store(self.host, self.port, None, True, self.timeout_s)
+        old = self._group_id
+        infos, _ = call_targets(targets, "offgrpo_info", lambda i, t: {}, self.timeout_s)
+        bad = {n: a.get("error") for n, a in infos.items() if not a.get("ok")}
+        if bad:
+            raise ConnectionError(f"cannot build the refresh group: servers {bad} did not answer offgrpo_info")
+        bases, world = [], 1
+        for target in targets:
+            bases.append(world)
+            world += int(infos[target.name]["workers"])
+        group_id = uuid.uuid4().hex[:12]
+        args = {"group_id": group_id, "host": self.host, "port": self._store.port, "world_size": world,
+                "timeout_s": self.timeout_s, "backend": self.backend}
+        answers, group = call_targets(targets, "offgrpo_join_group", lambda i, t: {**args, "rank_base": bases[i]}, self.timeout_s,
+                                      background=lambda: make_group(self._store, group_id, 0, world, self.timeout_s, self.backend))
+        bad = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
+        if bad:
+            raise ConnectionError(f"servers {bad} failed to join the refresh group")
+        self._group, self._group_id, self._members = group, group_id, names
+        if old:
+            call_targets(targets, "offgrpo_leave_group", lambda i, t: {"group_id": old}, 30.0)
+
+    def prepare(self, weights: Buckets | Any, version: int) -> Buckets:
+        """Wrap the lazy bucket stream (a directory is read and sent, for symmetry with the disk transport)."""
+        if isinstance(weights, (str, bytes)) or hasattr(weights, "is_dir"):
+            weights = [read_version_dir(weights, version)]
+        return rebucket(weights, self.bucket_bytes)
+
+    def install(self, targets: list[WorkerTarget], prepared: Buckets, version: int) -> dict[str, dict[str, Any]]:
+        """Join (or rebuild) the group, then broadcast while every worker receives, checks and loads."""
+        start = time.perf_counter()
+        self._ensure_group(targets)
+        joined = time.perf_counter()
+        try:
+            if self.call_per_bucket:
+                answers, stats = self._per_bucket(targets, prepared, version)
+            else:
+                answers, stats = self._stream(targets, prepared, version, commit=True)
+        except BaseException:
+            self._group, self._members = None, ()  # a failed stream may leave the group out of step: rebuild next time
+            raise
+        self.last_stats = {"join_s": joined - start, "send_s": time.perf_counter() - joined, **stats}
+        return answers
+
+    def _stream(self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool) -> tuple[dict, dict]:
+        payload = {"group_id": self._group_id, "version": version, "commit": commit}
+        return call_targets(targets, "offgrpo_receive", lambda i, t: payload, self.timeout_s,
+                            background=lambda: send_stream(self._group, buckets, version, self.device))
+
+    def _per_bucket(self, targets: list[WorkerTarget], buckets: Buckets, version: int) -> tuple[dict, dict]:
+        total = {"bytes": 0, "buckets": 0, "tensors": 0}
+        for bucket in buckets:
+            answers, stats = self._stream(targets, [bucket], version, commit=False)
+            if not all(a.get("ok") for a in answers.values()):
+                return answers, total
+            total = {k: total[k] + stats[k] for k in total}
+        answers, _ = self._stream(targets, [], version, commit=True)
+        return answers, total
+
+    def close(self) -> None:
+        """Drop the group and the store (the servers drop theirs on the next join)."""
+        self._group, self._store, self._members = None, None, ()
+
+

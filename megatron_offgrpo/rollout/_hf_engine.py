@@ -1,0 +1,127 @@
+"""``TransformersEngine``: the same ``RolloutEngine`` interface on plain ``transformers.generate``, for machines
+without vLLM. One process, one model, no server: clearly slower at real sizes (no paged attention, no continuous
+batching), chosen automatically only when vLLM is not installed.
+
+A sampled token's log-prob is log-softmax(logits / temperature) (the raw model's when greedy), like the fleet's
+``logprobs_mode=processed_logprobs`` when top-p and top-k are off (vLLM also renormalises over the kept tokens
+when they are on); probe log-probs are raw, as in vLLM. Refreshes go through the same checks as the fleet's workers (manifest
+version and CRCs for a directory; the complete name/shape set always) before any parameter is touched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.rollout._errors import RefreshError
+from megatron_offgrpo.rollout._protocol import Buckets
+from megatron_offgrpo.rollout._tensors import check_complete, expected_hf_shapes
+from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
+from megatron_offgrpo.rollout._weights_dir import manifest_version, read_version_dir
+
+
+class TransformersEngine:
+    """Generation with a HF ``AutoModelForCausalLM`` in this process.
+
+    Attributes:
+        name: server name put on samples ("transformers").
+    """
+
+    name = "transformers"
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        """Load ``model_dir`` (its version: the manifest's, else 0)."""
+        import transformers
+
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        config = self.model.config.to_dict()
+        self._expected = expected_hf_shapes(config)
+        self._eos = self._eos_ids()
+        self._version = manifest_version(self.model_dir) or 0
+        self._lock = threading.Lock()
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = self.model.config.eos_token_id if eos is None else eos
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def version(self) -> int:
+        """The version the model holds."""
+        return self._version
+
+    @torch.no_grad()
+    def _group(self, prompt: Prompt, group_id: int, n: int, params: SamplingParams) -> list[Sample]:
+        greedy = params.temperature == 0
+        rows = 1 if greedy else n
+        if params.seed is not None:
+            torch.manual_seed(params.seed + group_id)
+        ids = torch.tensor([list(prompt.prompt_ids)] * rows, device=self.device)
+        stops = self._eos + list(params.stop_token_ids)
+        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+        sampling["repetition_penalty"] = 1.0  # SamplingParams has no penalties: ignore the model's generation_config
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy, max_new_tokens=params.max_tokens,
+                                  min_new_tokens=0, eos_token_id=stops or None, pad_token_id=(stops or [0])[0],
+                                  output_logits=True, return_dict_in_generate=True, **sampling)
+        new = out.sequences[:, ids.shape[1]:]
+        scale = 1.0 if greedy else params.temperature
+        logits = torch.stack(out.logits, dim=1).float() / scale  # [rows, T, V] raw logits of each generated position
+        logps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [rows, T]
+        samples = []
+        for row in range(rows):
+            tokens, values = new[row].tolist(), logps[row].tolist()
+            end = next((t + 1 for t, tok in enumerate(tokens) if tok in stops), None)
+            finish = "stop" if end is not None else "length"
+            end = end or len(tokens)
+            samples.append(Sample(prompt.prompt_id, group_id, list(prompt.prompt_ids), tokens[:end], values[:end],
+                                  self._version, finish, server=self.name))
+        return samples * n if greedy else samples
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
+        """``len(prompts) * n`` samples, grouped by prompt (one ``generate`` call per group)."""
+        if n < 1:
+            raise ValueError(f"generate n={n}: the group size must be >= 1")
+        with self._lock:
+            return [s for i, p in enumerate(prompts) for s in self._group(p, i, n, params)]
+
+    def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
+        """Install ``version`` after checking it (a rejected refresh leaves the weights untouched).
+
+        Raises:
+            ValueError: a version that does not increase. RefreshError: a corrupt or incomplete refresh.
+        """
+        with self._lock:
+            if int(version) <= self._version:
+                raise ValueError(f"update_weights version={version}: the engine already serves version {self._version}; versions must increase")
+            start = time.perf_counter()
+            try:
+                tensors = read_version_dir(weights, version) if isinstance(weights, (str, Path)) else [t for b in weights for t in b]
+                check_complete({n: tuple(t.shape) for n, t in tensors}, self._expected)
+            except ValueError as exc:
+                raise RefreshError(int(version), {self.name: str(exc)}) from None
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in tensors:
+                    params[name].copy_(tensor)
+            self._version = int(version)
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            return RefreshReport(self._version, "local", time.perf_counter() - start, {self.name: self._version},
+                                 bytes=nbytes, tensors=len(tensors))
+
+    @torch.no_grad()
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
+        """log p(token_ids[t] | token_ids[:t]) for t >= 1, from one forward."""
+        with self._lock:
+            ids = torch.tensor([token_ids], device=self.device)
+            logits = self.model(ids).logits[0, :-1].float()
+            values = logits.log_softmax(-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+            return {self.name: ProbeResult(self._version, values)}
+
+    def close(self) -> None:
+        """Drop the model."""
+        self.model = None

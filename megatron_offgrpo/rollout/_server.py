@@ -1,0 +1,82 @@
+"""One vLLM server of the fleet, seen from the trainer: generation, control calls and worker RPCs over HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any
+
+from megatron_offgrpo.data import Prompt, SamplingParams
+from megatron_offgrpo.rollout._http import RequestRejected, ServerDown, call_json
+from megatron_offgrpo.rollout._samples import sampling_body
+
+
+@dataclasses.dataclass
+class ServerClient:
+    """HTTP client of one server (started by the fleet launcher, or any vLLM server with our worker extension).
+
+    Attributes:
+        name: label in logs, samples and errors (e.g. "s0@127.0.0.1:8100"). url: "http://host:port".
+        model: the served model name. token: the fleet token (None when the fleet has none).
+        generate_timeout_s: bound on one generation request. control_timeout_s: bound on a control call
+            (a pause waits for in-flight requests to drain; a reload of a large model takes seconds).
+    """
+
+    name: str
+    url: str
+    model: str = "policy"
+    token: str | None = None
+    generate_timeout_s: float = 600.0
+    control_timeout_s: float = 600.0
+
+    def _post(self, path: str, body: Any = None, timeout: float | None = None, query: str = "") -> Any:
+        return call_json("POST", self.url + path, body, self.token, timeout or self.control_timeout_s, query)
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when the server answers ``/health``."""
+        try:
+            call_json("GET", self.url + "/health", None, None, timeout)
+            return True
+        except (ServerDown, RequestRejected):
+            return False
+
+    def generate(self, prompt: Prompt, n: int, params: SamplingParams, group_id: int) -> dict[str, Any]:
+        """One group: all ``n`` samples of ``prompt`` in one request (so they share server and version)."""
+        body = {
+            "token_ids": list(prompt.prompt_ids), "model": self.model, "sampling_params": sampling_body(params, n, group_id),
+            "request_id": f"offgrpo-g{group_id}-{uuid.uuid4().hex[:12]}",
+        }
+        return self._post("/inference/v1/generate", body, self.generate_timeout_s)
+
+    def probe(self, token_ids: list[int]) -> dict[str, Any]:
+        """Score ``token_ids`` (prompt log-probs) with one greedy token generated after them."""
+        params = {"n": 1, "max_tokens": 1, "temperature": 0.0, "logprobs": 0, "prompt_logprobs": 0, "detokenize": False}
+        body = {"token_ids": list(token_ids), "model": self.model, "sampling_params": params}
+        return self._post("/inference/v1/generate", body, self.generate_timeout_s)
+
+    def pause(self) -> None:
+        """Stop scheduling new requests once the in-flight ones have finished (``/pause?mode=wait``)."""
+        self._post("/pause", query="mode=wait")
+
+    def resume(self) -> None:
+        """Resume scheduling."""
+        self._post("/resume")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks computed with the previous weights."""
+        self._post("/reset_prefix_cache")
+
+    def set_version_label(self, version: int) -> None:
+        """Label the tokens the engine produces from now on with ``version`` (vLLM's ``weight_versions``)."""
+        self._post("/update_weight_version", {"new_version": str(version)})
+
+    def version_label(self) -> str:
+        """The engine's current weight-version label."""
+        return str(call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"])
+
+    def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
+        """Call a worker-extension method on every worker of this server; one result dict per worker."""
+        body = {"method": method, "kwargs": {"payload": json.dumps(kwargs)}, "timeout": timeout}
+        answer = self._post("/collective_rpc", body, timeout + 30.0)
+        return list((answer or {}).get("results") or [])

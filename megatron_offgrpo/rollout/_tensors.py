@@ -1,0 +1,96 @@
+"""HF-named tensors on the wire: the expected set of a model, and buckets packed into one contiguous buffer.
+
+A refresh must install every tensor of the model with its exact shape: a missing tensor would leave stale
+weights serving unnoticed (the failure after a PP reshard), and vLLM's in-place reload cannot be rolled back
+once it starts. So both transports check the complete name/shape set *before* anything is loaded.
+
+A bucket travels as one flat ``uint8`` buffer plus a small JSON header (names, dtypes, shapes, byte offsets):
+one collective per bucket instead of one per tensor. The buffer is always a fresh contiguous tensor (gloo
+sends the wrong bytes from non-contiguous views).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+import torch
+
+from checkpoint_tools._mapping import hf_shapes
+from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES
+from megatron_offgrpo.model._arch import arch_from_hf_config
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the model described by ``hf_config`` -> its shape (tied lm_head excluded)."""
+    return hf_shapes(arch_from_hf_config(hf_config))
+
+
+def check_complete(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` unless ``shapes`` has exactly the expected names, each with the expected shape.
+
+    Args:
+        shapes: name -> shape of the tensors a refresh carries.
+        expected: name -> shape of the served model (``expected_hf_shapes``).
+    """
+    problems = []
+    missing = [n for n in expected if n not in shapes]
+    unknown = [n for n in shapes if n not in expected]
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) missing (e.g. {missing[:3]}): a refresh must carry the whole model")
+    if unknown:
+        problems.append(f"{len(unknown)} unknown tensor name(s) (e.g. {unknown[:3]}): not a tensor of the served model")
+    wrong = [(n, tuple(s), expected[n]) for n, s in shapes.items() if n in expected and tuple(s) != tuple(expected[n])]
+    for name, got, want in wrong[:5]:
+        problems.append(f"tensor {name!r} has shape {list(got)}, the served model needs {list(want)}")
+    if problems:
+        raise ValueError("refresh rejected before loading: " + "; ".join(problems))
+
+
+def pack_bucket(bucket: Named) -> tuple[bytes, torch.Tensor]:
+    """Flatten a bucket into (JSON header, one contiguous ``uint8`` buffer [total bytes]).
+
+    The header lists, per tensor, its name, safetensors dtype code, shape and ``[begin, end)`` byte offsets.
+    """
+    entries, offset = [], 0
+    for name, tensor in bucket:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append({"name": name, "dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "offsets": [offset, offset + nbytes]})
+        offset += nbytes
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for (name, tensor), entry in zip(bucket, entries):
+        begin, end = entry["offsets"]
+        if end > begin:
+            buffer[begin:end].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    return json.dumps({"tensors": entries}).encode(), buffer
+
+
+def unpack_bucket(header: bytes, buffer: torch.Tensor) -> Named:
+    """Inverse of ``pack_bucket``: views into ``buffer`` (which the caller owns), one per tensor."""
+    out = []
+    for entry in json.loads(header)["tensors"]:
+        begin, end = entry["offsets"]
+        dtype = CODE_DTYPES[entry["dtype"]]
+        out.append((entry["name"], buffer[begin:end].view(dtype).reshape(entry["shape"])))
+    return out
+
+
+def rebucket(weights: Iterable[Named], bucket_bytes: int) -> Iterable[Named]:
+    """Regroup a stream of buckets into buckets of at least ``bucket_bytes`` (0: one tensor per bucket).
+
+    A bucket is emitted as soon as it reaches ``bucket_bytes``, so memory stays at about one bucket plus one
+    tensor; the last bucket may be smaller.
+    """
+    bucket: Named = []
+    size = 0
+    for incoming in weights:
+        for name, tensor in incoming:
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -1,0 +1,139 @@
+"""``VLLMEngine``: the ``RolloutEngine`` interface on an in-process ``vllm.LLM``, with the fleet's refresh API.
+
+The engine runs the same worker extension as the fleet's servers, so refreshes are checked the same way. Buckets
+are handed to the worker in memory when the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+the default this class sets: it also starts in seconds instead of ~30 s on CPU); with a separate engine process
+they go through a temporary version directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.rollout._errors import RefreshError
+from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
+from megatron_offgrpo.rollout._protocol import Buckets
+from megatron_offgrpo.rollout._rpc import summarize
+from megatron_offgrpo.rollout._samples import BadResponse, parse_version, sampling_body
+from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
+from megatron_offgrpo.rollout._weights_dir import version_dir, write_version_dir
+
+
+def _install_in_worker(worker, tensors, version: int) -> dict[str, Any]:
+    """Runs inside the (in-process) worker: the extension's checks, then the reload."""
+    problem = worker._offgrpo_check_version(version)
+    return {"ok": False, "error": problem, "version": worker._offgrpo_version()} if problem else worker._offgrpo_install(tensors, version, {})
+
+
+class VLLMEngine:
+    """An in-process ``vllm.LLM`` behind the ``RolloutEngine`` interface."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, in_process: bool = True, **llm_kwargs: Any) -> None:
+        """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``)."""
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        from vllm import LLM
+
+        model_dir = Path(model_dir).resolve()
+        llm_kwargs.setdefault("enforce_eager", True)
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # the sampled distribution's log-probs (see FleetSpec)
+        llm_kwargs.setdefault("skip_tokenizer_init", not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
+        self.model_dir = model_dir
+        self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION, **llm_kwargs)
+        self._lock = threading.Lock()
+        self._version = int(self._rpc("offgrpo_info", {})["version"])
+        self.llm.llm_engine.set_weight_version(str(self._version))
+        self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
+
+    def _rpc(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
+
+    def version(self) -> int:
+        """The version the engine holds."""
+        return self._version
+
+    def _params(self, params: SamplingParams, n: int, group_id: int, **extra: Any):
+        from vllm import SamplingParams as VllmParams
+
+        return VllmParams(**{**sampling_body(params, n, group_id), **extra})
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
+        """``len(prompts) * n`` samples, grouped by prompt, tagged with the engine's version label spans."""
+        from vllm.inputs import TokensPrompt
+
+        if n < 1:
+            raise ValueError(f"generate n={n}: the group size must be >= 1")
+        with self._lock:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
+                                        [self._params(params, n, i) for i in range(len(prompts))], use_tqdm=False)
+        samples = []
+        for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            group = []
+            for completion in output.outputs:
+                where = f"prompt {prompt.prompt_id} (group {index})"
+                spans = [{"version": s.version} for s in completion.weight_versions or []]
+                logprobs = [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
+                if completion.finish_reason not in ("stop", "length"):
+                    raise BadResponse(f"{where}: finish_reason {completion.finish_reason!r}")
+                group.append(Sample(prompt.prompt_id, index, list(prompt.prompt_ids), list(completion.token_ids), logprobs,
+                                    parse_version(spans, where), completion.finish_reason, server=self.name))
+            samples.extend(group * n if len(group) == 1 and n > 1 else group)
+        return samples
+
+    def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
+        """Install ``version`` (a directory, or buckets in memory / via a temporary directory), reset the cache.
+
+        Raises:
+            ValueError: a version that does not increase. RefreshError: the worker rejected the weights.
+        """
+        with self._lock:
+            if int(version) <= self._version:
+                raise ValueError(f"update_weights version={version}: the engine already serves version {self._version}; versions must increase")
+            start = time.perf_counter()
+            if isinstance(weights, (str, Path)):
+                answer, transport = self._rpc("offgrpo_load_dir", {"path": str(Path(weights).resolve()), "version": int(version)}), "disk"
+            elif self.in_process:
+                tensors = [t for bucket in weights for t in bucket]
+                answer, transport = summarize(self.llm.collective_rpc(_install_in_worker, args=(tensors, int(version)))), "memory"
+            else:
+                path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
+                answer, transport = self._rpc("offgrpo_load_dir", {"path": str(path), "version": int(version)}), "disk"
+            if not answer["ok"]:
+                raise RefreshError(int(version), {self.name: answer["error"]})
+            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.set_weight_version(str(int(version)))
+            self._version = int(version)
+            detail = {k: float(v) for k, v in answer.items() if k.endswith("_s")}
+            return RefreshReport(self._version, transport, time.perf_counter() - start, {self.name: self._version},
+                                 tensors=int(answer.get("tensors", 0)), detail=detail)
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
+        """The engine's version and prompt log-probs of ``token_ids``."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+
+        params = VllmParams(n=1, max_tokens=1, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
+        with self._lock:
+            output = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+        values = [float(output.prompt_logprobs[t][token_ids[t]].logprob) for t in range(1, len(token_ids))]
+        spans = [{"version": s.version} for s in output.outputs[0].weight_versions or []]
+        return {self.name: ProbeResult(parse_version(spans, "probe"), values)}
+
+    def close(self) -> None:
+        """Shut the engine down and drop temporary refresh directories."""
+        if getattr(self, "llm", None) is not None:
+            shutdown = getattr(self.llm.llm_engine, "shutdown", None) or getattr(self.llm.llm_engine.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            self.llm = None
+        self._tmp.cleanup()

@@ -1,0 +1,186 @@
+"""The worker extension every fleet server (and the in-process vllm.LLM) runs: verified, versioned reloads.
+
+vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.rollout.OffgrpoWorkerExtension``)
+and exposes its methods through ``collective_rpc``. Each method takes one JSON string and returns a JSON dict with
+``ok`` and either the result or ``error``: a refresh is rejected *before* anything is loaded when the manifest's
+version is not the one asked for, the version does not increase, a file is truncated or fails its CRC-32, or the
+tensor set is not exactly the served model's (names and shapes). vLLM's in-place reload cannot be undone once it
+starts, so every check runs first; if the reload itself then fails, the worker marks itself dirty (version -1)
+and the client takes it out of rotation.
+
+This module imports no megatron code (the worker process never needs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from megatron_offgrpo.rollout._tensors import Named, check_complete, expected_hf_shapes
+
+DIRTY = -1
+
+
+def _ok(**kwargs: Any) -> dict[str, Any]:
+    return {"ok": True, **kwargs}
+
+
+def _fail(error: str, **kwargs: Any) -> dict[str, Any]:
+    return {"ok": False, "error": error, **kwargs}
+
+
+class OffgrpoWorkerExtension:
+    """Methods added to each vLLM worker (``self`` is the worker: it has ``model_runner``, ``rank``, ``device``)."""
+
+    # ----- state -----------------------------------------------------------------------------------------------
+    def _offgrpo_version(self) -> int:
+        if getattr(self, "_offgrpo_current", None) is None:
+            from megatron_offgrpo.rollout._weights_dir import manifest_version
+
+            try:
+                found = manifest_version(self.model_runner.model_config.model)
+            except Exception:  # a served directory without our manifest: version 0
+                found = None
+            self._offgrpo_current = 0 if found is None else found
+        return self._offgrpo_current
+
+    def _offgrpo_expected(self) -> dict[str, tuple[int, ...]]:
+        if getattr(self, "_offgrpo_shapes", None) is None:
+            self._offgrpo_shapes = expected_hf_shapes(self.model_runner.model_config.hf_config.to_dict())
+        return self._offgrpo_shapes
+
+    def _offgrpo_check_version(self, version: int) -> str | None:
+        current = self._offgrpo_version()
+        if current == DIRTY:
+            return None  # a dirty worker accepts any version: a full refresh repairs it
+        if version <= current:
+            return f"version {version} is not newer than the served version {current}: versions must increase"
+        return None
+
+    # ----- RPC methods -----------------------------------------------------------------------------------------
+    def offgrpo_info(self, payload: str = "{}") -> dict[str, Any]:
+        """{"version", "rank", "pid", "dtype", "tensors"} of this worker."""
+        return _ok(version=self._offgrpo_version(), rank=int(getattr(self, "rank", 0)), pid=os.getpid(),
+                   dtype=str(self.model_runner.model_config.dtype).removeprefix("torch."), tensors=len(self._offgrpo_expected()))
+
+    def offgrpo_load_dir(self, payload: str) -> dict[str, Any]:
+        """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
+        from megatron_offgrpo.rollout._weights_dir import read_version_dir
+
+        args = json.loads(payload)
+        version = int(args["version"])
+        problem = self._offgrpo_check_version(version)
+        if problem:
+            return _fail(problem, version=self._offgrpo_version())
+        start = time.perf_counter()
+        try:
+            tensors = read_version_dir(args["path"], version)
+        except Exception as exc:
+            return _fail(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
+        read_s = time.perf_counter() - start
+        return self._offgrpo_install(tensors, version, {"read_s": read_s})
+
+    def offgrpo_join_group(self, payload: str) -> dict[str, Any]:
+        """Join broadcast group ``{"group_id", "host", "port", "rank_base", "world_size", "timeout_s", "backend"}``."""
+        from megatron_offgrpo.rollout._gloo import make_group, make_store
+
+        args = json.loads(payload)
+        rank = int(args["rank_base"]) + int(getattr(self, "rank", 0))
+        try:
+            store = make_store(args["host"], int(args["port"]), int(args["world_size"]), False, float(args["timeout_s"]))
+            group = make_group(store, args["group_id"], rank, int(args["world_size"]), float(args["timeout_s"]), args.get("backend", "gloo"))
+        except Exception as exc:
+            return _fail(f"joining refresh group {args['group_id']} failed: {type(exc).__name__}: {exc}")
+        groups = getattr(self, "_offgrpo_groups", None) or {}
+        groups[args["group_id"]] = (store, group)
+        self._offgrpo_groups = groups
+        return _ok(rank=rank)
+
+    def offgrpo_leave_group(self, payload: str) -> dict[str, Any]:
+        """Forget broadcast group ``{"group_id"}`` (its sockets close with it)."""
+        group_id = json.loads(payload)["group_id"]
+        (getattr(self, "_offgrpo_groups", None) or {}).pop(group_id, None)
+        return _ok()
+
+    def offgrpo_receive(self, payload: str) -> dict[str, Any]:
+        """Receive one stream on group ``{"group_id", "version", "commit"}``; with ``commit`` (default) check the
+        streams received for this version so far and install them, else stage them for a later commit."""
+        from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, recv_stream
+
+        args = json.loads(payload)
+        version = int(args["version"])
+        entry = (getattr(self, "_offgrpo_groups", None) or {}).get(args["group_id"])
+        if entry is None:
+            return _fail(f"not a member of refresh group {args['group_id']!r}: join it first")
+        staged = getattr(self, "_offgrpo_staged", None)
+        if staged is None or staged[0] != version:
+            staged = self._offgrpo_staged = (version, [])
+        start = time.perf_counter()
+        buckets, end = 0, {"version": None, "buckets": None}
+        device = torch.device("cpu") if getattr(self, "device", None) is None else self.device
+        for kind, body in recv_stream(entry[1], device):  # always drain the whole stream, even when rejecting
+            if kind == BUCKET:
+                staged[1].extend(body)
+                buckets += 1
+            elif kind == ABORT:
+                self._offgrpo_staged = None
+                return _fail(f"the trainer aborted the stream of version {version}: {body.get('reason')}", version=self._offgrpo_version())
+            else:
+                end = body
+        recv_s = time.perf_counter() - start
+        problem = self._offgrpo_check_version(version)
+        if end["version"] is None or int(end["version"]) != version or int(end["buckets"]) != buckets:
+            problem = (f"stream is for version {end['version']} with {end['buckets']} buckets, expected version {version} "
+                       f"and received {buckets} buckets")
+        if problem:
+            self._offgrpo_staged = None
+            return _fail(problem, version=self._offgrpo_version())
+        if not args.get("commit", True):
+            return _ok(version=self._offgrpo_version(), staged=len(staged[1]), recv_s=recv_s)
+        self._offgrpo_staged = None
+        return self._offgrpo_install(staged[1], version, {"recv_s": recv_s})
+
+    # ----- install ---------------------------------------------------------------------------------------------
+    def _offgrpo_install(self, tensors: Named, version: int, timings: dict[str, float]) -> dict[str, Any]:
+        """Check the complete name/shape set, then reload in place (one call: all-or-dirty)."""
+        try:
+            check_complete({n: tuple(t.shape) for n, t in tensors}, self._offgrpo_expected())
+        except ValueError as exc:
+            return _fail(str(exc), version=self._offgrpo_version())
+        start = time.perf_counter()
+        try:
+            self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        except Exception as exc:
+            self._offgrpo_current = DIRTY
+            return _fail(f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}", version=DIRTY)
+        try:
+            tied = self._offgrpo_refresh_tied_head()
+        except Exception as exc:
+            self._offgrpo_current = DIRTY
+            return _fail(f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}", version=DIRTY)
+        self._offgrpo_current = version
+        timings["load_s"] = time.perf_counter() - start
+        return _ok(version=version, tensors=len(tensors), tied_head_refreshed=tied, **timings)
+
+    def _offgrpo_refresh_tied_head(self) -> bool:
+        """Re-derive the output layer's kernel state from the (reloaded) shared embedding of a tied model.
+
+        vLLM 0.32's in-place reload re-processes the layers that received weights; with tied embeddings the LM
+        head receives none (it shares the embedding's parameter), so on CPU its prepacked GEMM weight keeps the
+        previous version (measured: probe |delta| 1.4 nats after a refresh). Re-running its post-load processing
+        repacks it from the new embedding; on GPU that processing is a no-op.
+        """
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+            return False
+        method = getattr(head, "quant_method", None)
+        if method is None or not hasattr(method, "process_weights_after_loading"):
+            return False
+        method.process_weights_after_loading(head)
+        return True

