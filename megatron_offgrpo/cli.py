@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     if command == "convert":
         if not rest or rest[0] not in CONVERT:
             _usage(f"unknown convert command {rest[0] if rest else ''!r}; valid: {', '.join(CONVERT)}")
-        importlib.import_module(CONVERT[rest[0]]).main(rest[1:])
+        sys.exit(importlib.import_module(CONVERT[rest[0]]).main(rest[1:]) or 0)
     elif command in COMMANDS:
-        importlib.import_module(COMMANDS[command]).main(rest)
+        sys.exit(importlib.import_module(COMMANDS[command]).main(rest) or 0)  # fleet status: 1 = unhealthy
     else:
         _usage(f"unknown command {command!r}; valid: {', '.join([*COMMANDS, 'convert'])}")
 

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError
 from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
@@ -46,6 +48,10 @@ class VLLMEngine:
 
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
+        if not torch.cuda.is_available():
+            # On CPU this fraction is of host RAM (default 0.92): vLLM refuses to start when other processes (the
+            # trainer itself) hold memory. A tenth is ample KV cache for a local engine.
+            llm_kwargs.setdefault("gpu_memory_utilization", 0.1)
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # the sampled distribution's log-probs (see FleetSpec)
         llm_kwargs.setdefault("skip_tokenizer_init", not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
         self.model_dir = model_dir

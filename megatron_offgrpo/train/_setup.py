@@ -112,7 +112,7 @@ def setup_run(config: Config) -> Run:
     if ctx.rank == 0:
         from megatron_offgrpo.train._rollout_side import make_rollout_engine
 
-        run.engine = make_rollout_engine(config, v0, run_dir, arch.max_position_embeddings, arch.tie_word_embeddings)
+        run.engine = make_rollout_engine(config, v0, run_dir, arch.max_position_embeddings)
         if config.train.eval_every:
             run.eval_prompts = _prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
         run.log = MetricsLog(run_dir, config.train.steps)

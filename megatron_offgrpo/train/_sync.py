@@ -17,12 +17,16 @@ logger = logging.getLogger(__name__)
 
 
 def probe_logprobs(run, probe_ids: list[int]) -> list[float]:
-    """The trainer's log p(probe[t] | probe[:t]), t >= 1, on every rank (collective)."""
+    """The trainer's log p(probe[t] | probe[:t]), t >= 1, on every rank (collective).
+
+    At temperature 1 whatever the sampling temperature: engines score a given sequence (vLLM's prompt log-probs)
+    with the raw distribution, and the probe checks the weights, not the sampler.
+    """
     ids = torch.tensor(probe_ids[:-1]).unsqueeze(0)
     zeros = torch.zeros_like(ids, dtype=torch.float32)
     mb = MicroBatch(ids, torch.arange(ids.shape[1]).unsqueeze(0), torch.tensor(probe_ids[1:]).unsqueeze(0),
                     torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids))
-    out = token_logprobs(run.policy.model, run.ctx, [mb], run.config.rollout.temperature)
+    out = token_logprobs(run.policy.model, run.ctx, [mb], temperature=1.0)
     logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64)
     if run.ctx.tp_rank != 0:
         logp = torch.zeros_like(logp)  # TP ranks hold copies: count one
