@@ -14,6 +14,7 @@ import torch
 from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import PromptStream, SamplingParams, build_prompt, get_reward, load_records
+from megatron_offgrpo.data._datasets import ASSETS
 from megatron_offgrpo.model import QwenArch, load_arch
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
 from megatron_offgrpo.train._metrics import MetricsLog
@@ -21,7 +22,6 @@ from megatron_offgrpo.train._policy import Policy, build_policy, frozen_copy
 from megatron_offgrpo.train.builders import advantage_params, objective_params, sampling_params
 
 logger = logging.getLogger(__name__)
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 @dataclasses.dataclass

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from checkpoint_tools import stream_hf_buckets, write_hf
 from checkpoint_tools._io import copy_extra_files
+from megatron_offgrpo.data._datasets import ASSETS
 from megatron_offgrpo.model import QwenArch, hf_config_dict
 from megatron_offgrpo.runtime import ParallelContext
 
 Bucket = list[tuple[str, torch.Tensor]]
-BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "qwen2-tokenizer"
 
 
 def _send_bucket(bucket: Bucket | None, dst: int) -> None:
@@ -93,5 +93,5 @@ def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source
     source_config = json.loads((source_dir / "config.json").read_text()) if (source_dir / "config.json").exists() else {}
     written = write_hf(out, arch, hf_config_dict(arch, source_config), pairs, lambda _: dtype, source_dir, overwrite=True)
     if not (written / "tokenizer_config.json").exists():
-        copy_extra_files(BUNDLED_TOKENIZER, written)
+        copy_extra_files(ASSETS / "qwen2-tokenizer", written)
     return written
