@@ -34,8 +34,9 @@ from megatron_offgrpo.kernels._triton_ops import triton_usable
 Count = Union[float, int, torch.Tensor]  # as in algo.aggregate: a (data-parallel) count, float or 0-dim tensor
 
 DEFAULT_CHUNK_BYTES = 256 << 20
-"""Default size of the [chunk, V/tp] logits buffer(s): 256 MiB. At Qwen2.5's V = 151,936 (tp = 1, float32) that
-is 441 tokens per chunk, large enough that the chunked GEMMs run at the speed of unchunked ones on CPU."""
+"""Default size of the [chunk, V/tp] logits buffer(s): 256 MiB. At Qwen2.5's V = 151,936 (tp = 1, float32) that is
+441 tokens per chunk: forward+backward at N = 2048 measured 1.06-1.10x the three unchunked GEMMs on a 2-core CPU
+(220-token chunks: 1.10-1.24x; 882: 1.04-1.09x)."""
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
