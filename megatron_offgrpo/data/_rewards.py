@@ -7,7 +7,7 @@ with ``@register_reward("name")``; ``get_reward`` lists the valid names on a mis
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 from typing import Callable
 
 RewardFn = Callable[[str, "str | None"], float]
@@ -80,9 +80,13 @@ def normalize_number(text: str) -> str | None:
         value = Decimal(raw)
     except InvalidOperation:
         return None
-    value = value.normalize()
-    if value == value.to_integral():
-        value = value.quantize(Decimal(1))
+    # a sampled completion may hold any digit string: with Decimal's default 28 digits, normalize() would round
+    # a longer number (two different answers would compare equal) and quantize() would raise
+    with localcontext() as ctx:
+        ctx.prec = max(ctx.prec, len(raw) + 1)
+        value = value.normalize()
+        if value == value.to_integral():
+            value = value.quantize(Decimal(1))  # "1E+2" -> "100"
     return format(value, "f")
 
 

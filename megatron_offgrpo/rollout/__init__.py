@@ -13,7 +13,15 @@ from megatron_offgrpo.rollout._errors import FleetError, RefreshError, RefreshVe
 from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
-from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, load_state, servers_of, start_fleet, stop_fleet
+from megatron_offgrpo.rollout._launcher import (
+    FleetSpec,
+    fleet_status,
+    load_state,
+    merge_states,
+    servers_of,
+    start_fleet,
+    stop_fleet,
+)
 from megatron_offgrpo.rollout._protocol import Buckets, ProbeEngine, RolloutEngine, WeightTransport, WorkerTarget
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol
@@ -47,6 +55,7 @@ __all__ = [
     "load_state",
     "make_engine",
     "make_probe_ids",
+    "merge_states",
     "probe_atol",
     "read_version_dir",
     "servers_of",

@@ -31,8 +31,10 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
         model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
         **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk" or
             "collective", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
-            temporary directory, enough when the servers run on this machine), ``bucket_bytes``, ``policy``; for
-            "vllm" and "transformers": the engine's constructor arguments.
+            temporary directory, enough when the servers run on this machine), ``bucket_bytes``,
+            ``collective_host`` (collective: the address the servers' workers dial to reach this process; default
+            127.0.0.1, enough when they run on this machine), ``policy``; for "vllm" and "transformers": the
+            engine's constructor arguments.
 
     Raises:
         ValueError: an unknown kind, or missing arguments for it.
@@ -60,7 +62,8 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
 
 
 def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,
-           bucket_bytes: int | None = None, hf_config: dict | None = None, **kwargs: Any) -> RolloutEngine:
+           bucket_bytes: int | None = None, hf_config: dict | None = None, collective_host: str | None = None,
+           **kwargs: Any) -> RolloutEngine:
     from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, CollectiveTransport
     from megatron_offgrpo.rollout._disk import DiskTransport
     from megatron_offgrpo.rollout._fleet import FleetEngine
@@ -72,7 +75,9 @@ def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir:
             shared_dir = tempfile.mkdtemp(prefix="offgrpo-weights-")
         transport = DiskTransport(shared_dir, bucket_bytes=bucket_bytes, hf_config=hf_config)
     elif transport == "collective":
-        transport = CollectiveTransport(bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        host = {} if collective_host is None else {"host": collective_host}  # None: the transport's own default
+        transport = CollectiveTransport(bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+                                        **host)
     elif isinstance(transport, str):
         raise ValueError(f"make_engine transport={transport!r}: choose 'disk' or 'collective' (or pass a transport object)")
     return FleetEngine.from_state(state, transport, **kwargs)

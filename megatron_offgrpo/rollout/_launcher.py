@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from megatron_offgrpo.rollout._auth import TOKEN_ENV
 from megatron_offgrpo.rollout._server import ServerClient
@@ -99,6 +99,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host if _is_loopback(host) else "", 0))
         return sock.getsockname()[1]
+
+
+def server_url(host: str, port: int) -> str:
+    """The URL clients reach a server bound to ``host``:``port`` at (a wildcard bind is reached on loopback)."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
 def _gpu_count() -> int:
@@ -198,8 +203,8 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         argv, env, cores = server_command(spec, index, port, gpus)
         log = state_dir / f"server{index}.log"
         proc = _spawn(argv, env, cores, log)
-        connect = "127.0.0.1" if spec.host in ("0.0.0.0", "::") else spec.host
-        state["servers"].append({"name": f"s{index}@{connect}:{port}", "url": f"http://{connect}:{port}", "port": port,
+        url = server_url(spec.host, port)
+        state["servers"].append({"name": f"s{index}@{url.removeprefix('http://')}", "url": url, "port": port,
                                  "pid": proc.pid, "log": str(log), "cores": cores})
     (state_dir / "fleet.json").write_text(json.dumps(state, indent=1))
     if wait:
@@ -271,6 +276,9 @@ def _group_is_ours(server: dict[str, Any]) -> bool:
 def stop_fleet(state_file: str | Path, grace_s: float = 20.0) -> list[str]:
     """SIGTERM each server's process group (by recorded pid), SIGKILL after ``grace_s``; returns names stopped."""
     state = load_state(state_file)
+    if state.get("merged_from"):
+        raise ValueError(f"{state_file} is a merged view of the fleets {state['merged_from']}: their pids live on "
+                         "their own nodes; stop each there (offgrpo fleet stop --state-dir SOURCE)")
     targets = [s for s in state["servers"] if _group_alive(s["pid"]) and _group_is_ours(s)]
     for server in targets:
         os.killpg(server["pid"], signal.SIGTERM)
@@ -293,15 +301,60 @@ def _reap(pid: int) -> None:
 
 
 def fleet_status(state_file: str | Path) -> list[dict[str, Any]]:
-    """Per server: name, url, pid, whether the process runs, answers /health, and its version label."""
+    """Per server: name, url, pid, whether the process runs, answers /health, and its version label.
+
+    A merged state (``merge_states``) records no pids: ``running`` is None there and ``healthy`` is /health alone.
+    """
     state = load_state(state_file)
     rows = []
     for server, client in zip(state["servers"], servers_of(state, control_timeout_s=5.0)):
-        row = {"name": server["name"], "url": server["url"], "pid": server["pid"], "running": _pid_runs_server(server)}
-        row["healthy"] = row["running"] and client.health(2.0)
+        running = _pid_runs_server(server) if "pid" in server else None
+        row = {"name": server["name"], "url": server["url"], "pid": server.get("pid"), "running": running}
+        row["healthy"] = running is not False and client.health(2.0)
         try:
             row["version"] = client.version_label() if row["healthy"] else None
         except Exception as exc:
             row["version"] = f"? ({exc})"
         rows.append(row)
     return rows
+
+
+def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> dict[str, Any]:
+    """Write ``<target_dir>/fleet.json``: one client view of the servers of several fleets (e.g. one per node).
+
+    The trainer reads one fleet state (``rollout.fleet_state``); a multi-node job starts one fleet per node and
+    merges their states. The merged state keeps each server's name and URL but no pid (a pid means something
+    only on its own node), so ``stop_fleet`` refuses it and ``fleet_status`` reports health only.
+
+    Raises:
+        ValueError: no sources, or fleets that differ in model, served name or token, or share a server name/URL.
+        FileNotFoundError: a source has no fleet state.
+    """
+    if not sources:
+        raise ValueError("merge: give at least one source fleet state (the --state-dir of each `offgrpo fleet start`)")
+    states = [load_state(source) for source in sources]
+    errors = []
+    for key in ("model_dir", "served_model_name"):
+        values = sorted({str(state[key]) for state in states})
+        if len(values) > 1:
+            errors.append(f"{key} differs between the fleets ({values}): every fleet must serve the same model")
+    tokens = {Path(s["token_file"]).read_text().strip() if s.get("token_file") else None for s in states}
+    if len(tokens) > 1:
+        errors.append("the fleets have different tokens: start them with one token (the same $" + TOKEN_ENV + ")")
+    servers = [{k: server[k] for k in ("name", "url", "port", "log")} for state in states for server in state["servers"]]
+    for key in ("name", "url"):
+        values = [server[key] for server in servers]
+        if len(set(values)) != len(values):
+            errors.append(f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
+                          "host name (--host), not a loopback or wildcard address")
+    if errors:
+        raise ValueError("cannot merge the fleet states:\n  " + "\n  ".join(errors))
+    merged = {"model_dir": states[0]["model_dir"], "served_model_name": states[0]["served_model_name"],
+              "token_file": states[0].get("token_file"), "servers": servers,
+              "merged_from": [str(Path(source).resolve()) for source in sources]}
+    target = Path(target_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = target / "fleet.json.tmp"
+    tmp.write_text(json.dumps(merged, indent=1))
+    os.replace(tmp, target / "fleet.json")  # readers (the trainer, status) never see a half-written file
+    return merged

@@ -5,6 +5,7 @@ Examples:
     offgrpo fleet start --model runs/hf/v0 --host 0.0.0.0 --new-token --state-dir runs/fleet
     offgrpo fleet status --state-dir runs/fleet
     offgrpo fleet stop --state-dir runs/fleet
+    offgrpo fleet merge --state-dir runs/fleet runs/fleet-node0 runs/fleet-node1   # one view of per-node fleets
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, start_fleet, stop_fleet
+from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, merge_states, start_fleet, stop_fleet
+
+PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
+"""Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -39,8 +45,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     start.add_argument("--cpu-bind", choices=["spread", "none"], default="spread")
     start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
     start.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1")
+    start.add_argument("--python", default=os.environ.get(PYTHON_ENV) or sys.executable,
+                       help=f"interpreter with vLLM that runs the servers (default ${PYTHON_ENV}, else this one)")
+    start.add_argument("--foreground", action="store_true",
+                       help="stay running while every server is healthy; stop the fleet on SIGTERM/SIGINT (containers)")
     for name in ("stop", "status"):
         sub.add_parser(name, help=f"{name} the fleet recorded in --state-dir")
+    merge = sub.add_parser("merge", help="write one state in --state-dir listing the servers of several fleets")
+    merge.add_argument("sources", nargs="+", type=Path, help="the --state-dir of each fleet (e.g. one per node)")
     for action in sub.choices.values():
         action.add_argument("--state-dir", type=Path, default=Path("runs/fleet"), help="where fleet.json, token and logs live")
     return parser
@@ -54,13 +66,38 @@ def _start(args: argparse.Namespace) -> int:
     num = args.num_servers or (max(1, gpus // args.tp) if gpus else 2)
     spec = FleetSpec(model_dir=args.model, num_servers=num, tp=args.tp, host=args.host, base_port=args.base_port, token=token,
                      dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                     kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind, extra_args=tuple(args.vllm_arg))
+                     kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind, extra_args=tuple(args.vllm_arg),
+                     python=args.python)
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
     for server in state["servers"]:
         print(f"{server['name']}  pid {server['pid']}  {server['url']}  log {server['log']}")
     if state["token_file"]:
         print(f"token in {state['token_file']} (clients read it from there or from ${TOKEN_ENV})")
-    return 0
+    return watch(args.state_dir) if args.foreground else 0
+
+
+def watch(state_dir: Path, every_s: float = 30.0) -> int:
+    """Block while every server of the fleet is healthy, then stop the fleet.
+
+    A container's main process must outlive the servers it started (they die with it), so ``start --foreground``
+    ends here: 0 after SIGTERM/SIGINT (``docker stop``, Slurm ending the step), 1 when a server stopped answering.
+    """
+    stopping = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    sys.stdout.flush()
+    try:
+        while not stopping.wait(every_s):
+            down = [row["name"] for row in fleet_status(state_dir) if not row["healthy"]]
+            if down:
+                print(f"offgrpo fleet: server(s) {down} stopped answering: stopping the fleet", file=sys.stderr)
+                status = 1
+                break
+    finally:
+        stop_fleet(state_dir)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "start":
             return _start(args)
+        if args.action == "merge":
+            merged = merge_states(args.sources, args.state_dir)
+            print(f"{args.state_dir / 'fleet.json'}: {len(merged['servers'])} server(s) of {len(args.sources)} fleet(s)")
+            for server in merged["servers"]:
+                print(f"{server['name']}  {server['url']}")
+            return 0
         if args.action == "stop":
             stopped = stop_fleet(args.state_dir)
             print(f"stopped {len(stopped)} server(s): {', '.join(stopped) or '-'}")

@@ -46,6 +46,16 @@ class MicroBatch:
         """A field as ``[b * s]`` in the order of ``hidden.reshape(-1, H)`` of a ``[b, s, H]`` output."""
         return getattr(self, name).reshape(-1)
 
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """This micro-batch with every tensor on ``device`` (dtypes kept; a tensor already there is not copied).
+
+        The one place that moves a micro-batch: the step runs where the model lives (``ParallelContext.device``),
+        and NCCL collectives and megatron's forward need every input there.
+        """
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if getattr(self, f.name) is not None}
+        return dataclasses.replace(self, **moved)
+
 
 def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int) -> tuple[int, int, int]:
     """(positions s, samples per micro-batch b, micro-batches per rank), identical on every rank."""
@@ -69,13 +79,16 @@ def build_microbatches(
     dp_rank: int = 0,
     dp_size: int = 1,
     token_budget: int = 4096,
+    device: torch.device | str = "cpu",
 ) -> list[MicroBatch]:
-    """This rank's micro-batches of one step.
+    """This rank's micro-batches of one step, on ``device``.
 
     Args:
         samples: every sample of the step (all DP ranks), grouped: sample ``i`` is in group ``i // group_size``.
         advantages: [B*G] per-sample advantages. sample_valid: [B*G] bool, True = enters the loss.
         group_size: G. dp_rank, dp_size: this rank and the DP size. token_budget: ~tokens per micro-batch.
+        device: where the step runs (``ParallelContext.device``). The rows are filled on the CPU (one small write
+            per sample) and each micro-batch is moved once, which is cheaper than many tiny device writes.
     """
     if len(samples) % group_size or len(samples) != advantages.numel():
         raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
@@ -103,7 +116,7 @@ def build_microbatches(
     for k in range(count):
         rows = slice(k * per_micro, (k + 1) * per_micro)
         out.append(MicroBatch(tokens[rows], positions[rows], targets[rows], loss_mask[rows], behavior[rows], adv[rows],
-                              behavior[rows].clone(), seq_ids))
+                              behavior[rows].clone(), seq_ids).to(device))
     return out
 
 

@@ -26,13 +26,28 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path, max_posi
     r = config.rollout
     if r.engine == "fleet":
         return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=run_dir / "weights",
-                           bucket_bytes=r.bucket_mb * 1024**2)
+                           bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r))
     if r.engine == "vllm" or (r.engine == "auto" and have_vllm()):
         max_len = min(max_positions, config.data.max_prompt_tokens + r.max_new_tokens)
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
         dtype = "float32" if config.model.precision == "fp32" else "bfloat16"
         return make_engine("vllm", model_dir, max_model_len=max_len, dtype=dtype)
     return make_engine(r.engine, model_dir)
+
+
+def _collective_host(r) -> str | None:
+    """Where the fleet's workers reach this process (rank 0) for a collective refresh: ``rollout.collective_host``,
+    else loopback when every server is on this machine, else this node's name. Rank 0's node is only known at run
+    time (c10d rendezvous picks it), so a multi-node launcher cannot write it into the recipe."""
+    if r.collective_host is not None or r.transport != "collective":
+        return r.collective_host
+    import socket
+    from urllib.parse import urlparse
+
+    from megatron_offgrpo.rollout import load_state
+
+    hosts = {urlparse(s["url"]).hostname for s in load_state(r.fleet_state)["servers"]}
+    return None if hosts <= {"127.0.0.1", "localhost", "::1"} else socket.getfqdn()
 
 
 def generate_and_score(engine, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, reward_fn,

@@ -7,6 +7,10 @@ calls ``kernels.fused_linear_grpo_loss`` with this rank's output-layer shard and
 Normalisation: each micro-batch's loss is ``local_sum / global_normaliser`` (the normaliser counted over the whole
 step and every DP rank). Megatron divides the closure's loss by the number of micro-batches and DDP averages
 grads over DP; the closure multiplies by both, so the gradient is exactly that of the global objective.
+
+Devices: the micro-batches must already be on ``ctx.device`` (``build_microbatches(..., device=ctx.device)`` or
+``MicroBatch.to``); the running totals live there too, since the closure adds device tensors into them and NCCL
+all-reduces only CUDA tensors. Results leave as Python floats.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def _selected(mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[
     h = hidden.reshape(-1, hidden.shape[-1])
     rows = mb.flat("loss_mask").nonzero().squeeze(1)
     if rows.numel() == 0:
-        rows = torch.zeros(1, dtype=torch.long)  # keep the graph: PP backward needs a grad for every stage
+        # keep the graph: PP backward needs a grad for every stage
+        rows = torch.zeros(1, dtype=torch.long, device=h.device)
     fields = {k: mb.flat(k).index_select(0, rows) for k in ("targets", "behavior_logp", "advantages", "loss_mask",
                                                            "fleet_logp", "seq_ids")}
     if mb.ref_logp is not None:
@@ -51,9 +56,27 @@ def _selected(mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[
     return h.index_select(0, rows), fields
 
 
-def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callable, forward_only: bool) -> None:
-    """Drive megatron's forward-backward schedule over ``microbatches`` with ``loss_closure(mb, hidden)``."""
+def _check_devices(microbatches: Sequence[MicroBatch], device: torch.device) -> None:
+    """Raise a ValueError naming the fix when a micro-batch tensor is not on ``device`` (checked once here,
+    rather than failing deep inside megatron's forward or in an NCCL call)."""
+    for i, mb in enumerate(microbatches):
+        stray = {f.name: str(getattr(mb, f.name).device) for f in dataclasses.fields(mb)
+                 if getattr(mb, f.name) is not None and getattr(mb, f.name).device != device}
+        if stray:
+            raise ValueError(f"micro-batch {i} has tensors {stray} off the model's device {device}: build it with "
+                             "build_microbatches(..., device=ctx.device) or move it with MicroBatch.to(ctx.device)")
+
+
+def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callable, forward_only: bool,
+                 device: torch.device) -> None:
+    """Drive megatron's forward-backward schedule over ``microbatches`` with ``loss_closure(mb, hidden)``.
+
+    Raises:
+        ValueError: a micro-batch tensor is not on ``device`` (the model's, ``ParallelContext.device``).
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _check_devices(microbatches, device)
 
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
@@ -85,9 +108,10 @@ def backward_pass(
     """Forward and backward of every micro-batch; grads land in DDP's buffers. Returns the global loss and the
     metric totals (identical on every rank). Collective over all ranks."""
     stage = ddp_model.module
-    sums: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float64) for k in SUMMED_METRICS}
-    extremes = torch.full((2,), -math.inf, dtype=torch.float64)  # [max raw IS ratio, -min raw IS ratio]
-    loss_total = torch.zeros((), dtype=torch.float64)
+    dev = ctx.device  # the closure adds device tensors into these, and they are all-reduced (NCCL: CUDA only)
+    sums: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in SUMMED_METRICS}
+    extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=dev)  # [max raw IS ratio, -min raw IS ratio]
+    loss_total = torch.zeros((), dtype=torch.float64, device=dev)
     scale = len(microbatches) * ctx.dp_size
 
     def closure(mb: MicroBatch, hidden: torch.Tensor):
@@ -109,7 +133,7 @@ def backward_pass(
         return loss * scale, {}
 
     ddp_model.zero_grad_buffer()
-    run_schedule(ddp_model, microbatches, closure, forward_only=False)
+    run_schedule(ddp_model, microbatches, closure, forward_only=False, device=ctx.device)
     packed = torch.stack([loss_total] + [sums[k] for k in SUMMED_METRICS])
     # Only the last stage computed them; TP ranks hold identical copies. Sum over PP, then over DP.
     for group in (ctx.pp_group, ctx.dp_group):
@@ -151,5 +175,5 @@ def token_logprobs(model, ctx: ParallelContext, microbatches: Sequence[MicroBatc
         out.append(logp.reshape(mb.targets.shape).float())
         return hidden.sum() * 0.0, {}
 
-    run_schedule(model, microbatches, closure, forward_only=True)
+    run_schedule(model, microbatches, closure, forward_only=True, device=ctx.device)
     return out

@@ -25,9 +25,9 @@ def probe_logprobs(run, probe_ids: list[int]) -> list[float]:
     ids = torch.tensor(probe_ids[:-1]).unsqueeze(0)
     zeros = torch.zeros_like(ids, dtype=torch.float32)
     mb = MicroBatch(ids, torch.arange(ids.shape[1]).unsqueeze(0), torch.tensor(probe_ids[1:]).unsqueeze(0),
-                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids))
+                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids)).to(run.ctx.device)
     out = token_logprobs(run.policy.model, run.ctx, [mb], temperature=1.0)
-    logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64)
+    logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64, device=run.ctx.device)
     if run.ctx.tp_rank != 0:
         logp = torch.zeros_like(logp)  # TP ranks hold copies: count one
     dist.all_reduce(logp, group=run.ctx.pp_group)  # only the last stage computed it
@@ -60,14 +60,44 @@ def refresh_engine(run, version: int) -> float:
     """Install the current weights as ``version`` in the engine (rank 0) and verify them. Collective."""
     start = time.perf_counter()
     buckets = export_buckets(run.policy.model, run.arch, run.ctx, run.config.rollout.bucket_mb * 1024**2)
+    status = [None]
     if run.ctx.rank == 0:
-        report = run.engine.update_weights(buckets, version)
-        logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)
+        try:
+            _install(run.engine, buckets, version)
+        except Exception as exc:  # every rank must learn of it, or the others hang in the next collective
+            status = [f"{type(exc).__name__}: {exc}"]
+            raise
+        finally:
+            for _ in buckets:  # the export is collective: finish it even when the install stopped early
+                pass
+            dist.broadcast_object_list(status, src=0)
     else:
         for _ in buckets:
             pass
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None:
+            raise RuntimeError(f"refresh to version {version} failed on rank 0: {status[0]}")
     verify_engine(run, version)
     if run.snapshot is not None:
         copy_weights(run.policy.model, run.snapshot)
     run.version = version
     return time.perf_counter() - start
+
+
+def _install(engine, buckets, version: int) -> None:
+    """``engine.update_weights``, tolerating servers that failed when the others installed the version.
+
+    A fleet server that died (or failed to install) since the last refresh leaves the rotation and the run goes
+    on with the rest (a later refresh brings it back if it recovers); only a refresh that no server installed
+    stops the run.
+    """
+    from megatron_offgrpo.rollout import RefreshError
+
+    try:
+        report = engine.update_weights(buckets, version)
+    except RefreshError as exc:
+        if engine.version() != version:
+            raise
+        logger.warning("%s\ntraining goes on with the servers that installed version %d", exc, version)
+        return
+    logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)

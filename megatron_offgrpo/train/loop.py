@@ -76,7 +76,7 @@ def train_one_step(run: Run, step: int) -> dict:
     start = time.perf_counter()
     adv = compute_group_advantages(R.rewards_tensor(samples), cfg.rollout.group_size, run.adv_params)
     mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, cfg.rollout.group_size, ctx.dp_rank,
-                             ctx.dp_size, cfg.optim.micro_batch_tokens)
+                             ctx.dp_size, cfg.optim.micro_batch_tokens, device=ctx.device)
     _behavior_and_ref(run, mbs)
     result = policy_step(run.policy.ddp, run.policy.optimizer, ctx, mbs, run.obj_params,
                          global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid),

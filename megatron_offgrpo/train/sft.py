@@ -52,7 +52,7 @@ def sft(config: Config) -> Path:
         samples = [reference_sample(p, i, tokenizer) for i, p in enumerate(stream.next_batch(batch))]
         ones = torch.ones(len(samples), dtype=torch.float64)
         mbs = build_microbatches(samples, ones, torch.ones(len(samples), dtype=torch.bool), 1, ctx.dp_rank,
-                                 ctx.dp_size, config.optim.micro_batch_tokens)
+                                 ctx.dp_size, config.optim.micro_batch_tokens, device=ctx.device)
         tokens = sum(len(s.response_ids) for s in samples)
         result = policy_step(policy.ddp, policy.optimizer, ctx, mbs, SFT_OBJECTIVE, tokens, len(samples))
         policy.scheduler.step(increment=1)

@@ -56,3 +56,12 @@ def test_reward_registry_lists_valid_names():
     assert get_reward("megatron_offgrpo.data._rewards:math_exact_reward") is math_exact_reward
     with pytest.raises(ValueError, match="cannot import"):
         get_reward("megatron_offgrpo.data._rewards:missing")
+
+
+def test_integers_longer_than_decimal_precision_are_scored_not_raised():
+    # a sampled completion may hold any digit string; Decimal's 28-digit context made quantize() raise
+    long = "1" * 40
+    assert extract_answer(f"#### {long}") == long
+    assert extract_answer(f"#### {long}.000") == long
+    assert math_exact_reward(f"#### {long}", "#### 2") == 0.0
+    assert math_exact_reward(f"#### {long}", f"#### {long}") == 1.0

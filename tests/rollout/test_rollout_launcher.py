@@ -76,3 +76,74 @@ def test_rollout_never_imports_megatron():
             "print(bad); sys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _node_state(directory, host: str, ports: list[int], token: str = "tok", served: str = "policy") -> None:
+    """A fleet state as `offgrpo fleet start --host HOST` records it (servers that are not running)."""
+    directory.mkdir(parents=True)
+    (directory / "token").write_text(token)
+    servers = [{"name": f"s{i}@{host}:{port}", "url": f"http://{host}:{port}", "port": port, "pid": 999_999_999,
+                "log": str(directory / f"server{i}.log"), "cores": None} for i, port in enumerate(ports)]
+    (directory / "fleet.json").write_text(json.dumps({"model_dir": "/models/m", "served_model_name": served,
+                                                      "token_file": str(directory / "token"), "servers": servers}))
+
+
+def test_merge_lists_every_node_and_keeps_no_pids(tmp_path, capsys):
+    from megatron_offgrpo.rollout import fleet_status, merge_states
+
+    _node_state(tmp_path / "a", "127.0.0.1", [1, 2])
+    _node_state(tmp_path / "b", "127.0.0.2", [1])
+    assert fleet_main(["merge", "--state-dir", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert "3 server(s) of 2 fleet(s)" in capsys.readouterr().out
+    merged = load_state(tmp_path / "all")
+    assert [s["url"] for s in merged["servers"]] == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.2:1"]
+    assert all("pid" not in s for s in merged["servers"]) and merged["token_file"] == str(tmp_path / "a" / "token")
+    with pytest.raises(ValueError, match="merged view"):
+        stop_fleet(tmp_path / "all")  # pids belong to their nodes: never signalled from here
+    rows = fleet_status(tmp_path / "all")  # nothing listens on ports 1 and 2: unhealthy, and no pid to judge
+    assert [(r["running"], r["healthy"]) for r in rows] == [(None, False)] * 3
+    assert merge_states([tmp_path / "a"], tmp_path / "one")["servers"] == merged["servers"][:2]
+
+
+def test_merge_refuses_fleets_that_disagree(tmp_path, capsys):
+    _node_state(tmp_path / "a", "0.0.0.0", [5], token="t1")
+    _node_state(tmp_path / "b", "0.0.0.0", [5], token="t2", served="other")
+    assert fleet_main(["merge", "--state-dir", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "served_model_name differs" in err and "different tokens" in err and "server urls repeat" in err
+    assert not (tmp_path / "all" / "fleet.json").exists()
+
+
+def test_servers_run_under_the_fleet_python(tiny_dir, monkeypatch):
+    # The container keeps vLLM (and its own torch) in a separate environment named by this variable.
+    from megatron_offgrpo.rollout.fleet_cli import PYTHON_ENV, build_parser
+
+    monkeypatch.setenv(PYTHON_ENV, "/opt/vllm/bin/python")
+    assert build_parser().parse_args(["start", "--model", str(tiny_dir)]).python == "/opt/vllm/bin/python"
+    monkeypatch.delenv(PYTHON_ENV)
+    assert build_parser().parse_args(["start", "--model", str(tiny_dir)]).python == sys.executable
+    argv, _, _ = server_command(FleetSpec(model_dir=tiny_dir, python="/opt/vllm/bin/python"), 0, 8000, gpus=0)
+    assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_foreground_watch_stops_on_sigterm_or_a_dead_server(tmp_path, capsys):
+    import signal
+    import threading
+
+    from megatron_offgrpo.rollout.fleet_cli import watch
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        state = {"model_dir": "x", "served_model_name": "policy", "token_file": None,
+                 "servers": [{"name": "s0", "url": "http://127.0.0.1:1", "port": 1, "pid": sleeper.pid, "log": "x"}]}
+        (tmp_path / "fleet.json").write_text(json.dumps(state))
+        # port 1 never answers: the first check finds the server down, stops the fleet and reports failure
+        assert watch(tmp_path, every_s=0.01) == 1 and "['s0'] stopped answering" in capsys.readouterr().err
+        before = signal.getsignal(signal.SIGTERM)
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert watch(tmp_path, every_s=60) == 0  # SIGTERM (docker stop) ends the watch at once, cleanly
+        assert signal.getsignal(signal.SIGTERM) is before  # this process's own handlers come back
+        assert sleeper.poll() is None  # stop_fleet ran, and left a process that is not our server alone
+    finally:
+        sleeper.kill()
+        sleeper.wait()
