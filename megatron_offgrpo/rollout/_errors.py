@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def require_newer(version: int, served: int, holder: str = "engine") -> None:
+    """The check every ``update_weights`` makes first: a refresh must install a newer version than ``served``.
+
+    Raises:
+        ValueError: naming both versions.
+    """
+    if int(version) <= served:
+        raise ValueError(f"update_weights version={version}: the {holder} already serves version {served}; "
+                         "versions must increase")
+
+
 class FleetError(RuntimeError):
     """The fleet cannot serve a request: every server is dead, or a group failed on all attempts."""
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
-from megatron_offgrpo.rollout._errors import FleetError, RefreshError
+from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
 from megatron_offgrpo.rollout._protocol import Buckets, WeightTransport
 from megatron_offgrpo.rollout._rpc import summarize
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
@@ -181,8 +181,7 @@ class FleetEngine:
                 it (they keep their previous weights; with at least one success they leave the rotation).
         """
         with self._refresh_lock:
-            if int(version) <= self._version:
-                raise ValueError(f"update_weights version={version}: the fleet already serves version {self._version}; versions must increase")
+            require_newer(version, self._version, "fleet")
             start = time.perf_counter()
             prepared = self.transport.prepare(weights, version)
             staged = time.perf_counter()

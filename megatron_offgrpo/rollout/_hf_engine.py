@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.rollout._errors import RefreshError
+from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._protocol import Buckets
 from megatron_offgrpo.rollout._tensors import check_complete, expected_hf_shapes
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
@@ -96,8 +96,7 @@ class TransformersEngine:
             ValueError: a version that does not increase. RefreshError: a corrupt or incomplete refresh.
         """
         with self._lock:
-            if int(version) <= self._version:
-                raise ValueError(f"update_weights version={version}: the engine already serves version {self._version}; versions must increase")
+            require_newer(version, self._version)
             start = time.perf_counter()
             try:
                 tensors = read_version_dir(weights, version) if isinstance(weights, (str, Path)) else [t for b in weights for t in b]

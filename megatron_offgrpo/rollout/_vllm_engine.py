@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.rollout._errors import RefreshError
+from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
 from megatron_offgrpo.rollout._protocol import Buckets
 from megatron_offgrpo.rollout._rpc import summarize
@@ -103,8 +103,7 @@ class VLLMEngine:
             ValueError: a version that does not increase. RefreshError: the worker rejected the weights.
         """
         with self._lock:
-            if int(version) <= self._version:
-                raise ValueError(f"update_weights version={version}: the engine already serves version {self._version}; versions must increase")
+            require_newer(version, self._version)
             start = time.perf_counter()
             if isinstance(weights, (str, Path)):
                 answer, transport = self._rpc("offgrpo_load_dir", {"path": str(Path(weights).resolve()), "version": int(version)}), "disk"

@@ -41,47 +41,54 @@ def verify_engine(run, version: int) -> None:
         RefreshVerificationError (rank 0) / RuntimeError (other ranks): the engine does not serve these weights.
     """
     expected = probe_logprobs(run, run.probe_ids)
-    status = [None]
-    if run.ctx.rank == 0:
+
+    def check() -> None:
         from megatron_offgrpo.rollout import verify_refresh
 
-        try:
-            verify_refresh(run.engine, run.probe_ids, expected, version, run.config.rollout.verify_tolerance)
-        except Exception as exc:  # every rank must learn of it, or the others hang in the next collective
-            status = [f"{type(exc).__name__}: {exc}"]
-            dist.broadcast_object_list(status, src=0)
-            raise
-    dist.broadcast_object_list(status, src=0)
-    if status[0] is not None:
-        raise RuntimeError(f"engine at version {version} failed verification on rank 0: {status[0]}")
+        verify_refresh(run.engine, run.probe_ids, expected, version, run.config.rollout.verify_tolerance)
+
+    _on_rank0_shared(run, check, f"engine at version {version} failed verification")
 
 
 def refresh_engine(run, version: int) -> float:
     """Install the current weights as ``version`` in the engine (rank 0) and verify them. Collective."""
     start = time.perf_counter()
     buckets = export_buckets(run.policy.model, run.arch, run.ctx, run.config.rollout.bucket_mb * 1024**2)
-    status = [None]
-    if run.ctx.rank == 0:
+
+    def install() -> None:
         try:
             _install(run.engine, buckets, version)
-        except Exception as exc:  # every rank must learn of it, or the others hang in the next collective
-            status = [f"{type(exc).__name__}: {exc}"]
-            raise
         finally:
             for _ in buckets:  # the export is collective: finish it even when the install stopped early
                 pass
-            dist.broadcast_object_list(status, src=0)
-    else:
+
+    if run.ctx.rank != 0:
         for _ in buckets:
             pass
-        dist.broadcast_object_list(status, src=0)
-        if status[0] is not None:
-            raise RuntimeError(f"refresh to version {version} failed on rank 0: {status[0]}")
+    _on_rank0_shared(run, install, f"refresh to version {version} failed")
     verify_engine(run, version)
     if run.snapshot is not None:
         copy_weights(run.policy.model, run.snapshot)
     run.version = version
     return time.perf_counter() - start
+
+
+def _on_rank0_shared(run, action, failure: str) -> None:
+    """Run ``action`` on rank 0 and share its outcome (collective): rank 0 re-raises its own error, the other
+    ranks raise ``RuntimeError(failure + reason)``; without this they would hang in the next collective."""
+    status = [None]
+    if run.ctx.rank == 0:
+        try:
+            action()
+        except Exception as exc:
+            status = [f"{type(exc).__name__}: {exc}"]
+            raise
+        finally:
+            dist.broadcast_object_list(status, src=0)
+        return
+    dist.broadcast_object_list(status, src=0)
+    if status[0] is not None:
+        raise RuntimeError(f"{failure} on rank 0: {status[0]}")
 
 
 def _install(engine, buckets, version: int) -> None:
