@@ -9,7 +9,7 @@ from checkpoint_tools._convert import (
     write_hf,
 )
 from checkpoint_tools._io import CheckpointError, atomic_output_dir, open_safetensors_dir
-from checkpoint_tools._live import load_hf_into_stage, stream_hf_buckets
+from checkpoint_tools._live import load_hf_into_stage, rebucket, stream_hf_buckets
 from checkpoint_tools._mapping import UnknownTensorError, hf_names
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "load_hf_into_stage",
     "megatron_to_hf_dir",
     "open_safetensors_dir",
+    "rebucket",
     "reshard_dir",
     "stream_hf_buckets",
     "write_hf",

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Callable
 
 from checkpoint_tools._io import CheckpointError
 from checkpoint_tools._mapping import UnknownTensorError
 from megatron_offgrpo.model._arch import UnsupportedConfigError
+from megatron_offgrpo.runtime import use_huge_pages
 
 
 def run_cli(fn: Callable[[], object]) -> None:
     """Run a conversion; user errors print one line naming file/tensor/field and exit 2 (no traceback)."""
-    # Conversions allocate GBs of short-lived buffers; with 4 KiB pages every first touch faults (measured here:
-    # 0.2-1 s per 512 MB), with transparent huge pages ~0.04 s. torch reads this once, at its first large CPU
-    # allocation, so setting it here (a CLI process, before any tensor work) covers the whole conversion.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    use_huge_pages()  # a CLI process, before any tensor work: covers the whole conversion
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         fn()

@@ -7,13 +7,15 @@ the whole model, and each PP stage exports its own layers (with global layer ind
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from checkpoint_tools import _mapping as M
 from megatron_offgrpo.model._arch import QwenArch
+
+Named = list[tuple[str, torch.Tensor]]
 
 
 def _stage_params(model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
@@ -65,7 +67,7 @@ def stream_hf_buckets(
     tp_group=None,
     bucket_bytes: int = 256 * 1024**2,
     dtype: torch.dtype | None = None,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+) -> Iterator[Named]:
     """Yield lists of HF ``(name, tensor)`` of about ``bucket_bytes`` from a live model stage.
 
     Every rank of the stage's TP group must iterate (the gathers are collective); buckets are yielded only on TP
@@ -79,18 +81,32 @@ def stream_hf_buckets(
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     offset = M.layers_of_stage(arch, pp, pp_rank).start
-    bucket: list[tuple[str, torch.Tensor]] = []
+
+    def per_parameter() -> Iterator[Named]:
+        for name, param in _stage_params(model, arch, pp, pp_rank):
+            full = _gather_full(param, M.split_kind(name), tp_group, tp_size, tp_rank)
+            if full is not None:
+                yield [(hf_name, (tensor.to(dtype) if dtype is not None else tensor).contiguous())
+                       for hf_name, tensor in M.megatron_to_hf(name, full, arch, layer_offset=offset)]
+
+    yield from rebucket(per_parameter(), bucket_bytes)
+
+
+def rebucket(weights: Iterable[Named], bucket_bytes: int) -> Iterator[Named]:
+    """Regroup a stream of lists of HF ``(name, tensor)`` into buckets of at least ``bucket_bytes`` (0: one tensor
+    per bucket); the one bucketing loop of the export and of both fleet transports.
+
+    A bucket is emitted as soon as it reaches ``bucket_bytes``, so memory stays at about one bucket plus one
+    tensor; the last bucket may be smaller.
+    """
+    bucket: Named = []
     size = 0
-    for name, param in _stage_params(model, arch, pp, pp_rank):
-        full = _gather_full(param, M.split_kind(name), tp_group, tp_size, tp_rank)
-        if full is None:
-            continue
-        for hf_name, tensor in M.megatron_to_hf(name, full, arch, layer_offset=offset):
-            tensor = tensor.to(dtype) if dtype is not None else tensor
-            bucket.append((hf_name, tensor.contiguous()))
+    for incoming in weights:
+        for name, tensor in incoming:
+            bucket.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
     if bucket:
         yield bucket

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from checkpoint_tools import rebucket
 from megatron_offgrpo.rollout._gloo import make_group, make_store, send_stream
 from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
 from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import rebucket
 from megatron_offgrpo.rollout._weights_dir import read_version_dir
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2

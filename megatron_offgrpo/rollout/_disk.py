@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkpoint_tools import rebucket
 from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
 from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import rebucket
 from megatron_offgrpo.rollout._weights_dir import manifest_version, prune_versions, version_dir, write_version_dir
 
 

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from megatron_offgrpo.rollout._auth import TOKEN_ENV
 from megatron_offgrpo.rollout._server import ServerClient
+from megatron_offgrpo.runtime import use_huge_pages
 
 EXTENSION = "megatron_offgrpo.rollout.OffgrpoWorkerExtension"
 MIDDLEWARE = "megatron_offgrpo.rollout._auth.ControlTokenMiddleware"
@@ -128,6 +129,7 @@ def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[l
         argv.append("--skip-tokenizer-init")  # token ids in and out: the fleet never needs text
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     env.pop(TOKEN_ENV, None)
+    use_huge_pages(env)  # a refresh receives and repacks the whole model into fresh buffers
     if spec.token:
         env[TOKEN_ENV] = spec.token
     cores = None

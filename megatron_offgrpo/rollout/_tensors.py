@@ -12,15 +12,14 @@ sends the wrong bytes from non-contiguous views).
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
+from checkpoint_tools._live import Named
 from checkpoint_tools._mapping import hf_shapes
 from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES
 from megatron_offgrpo.model._arch import arch_from_hf_config
-
-Named = list[tuple[str, torch.Tensor]]
 
 
 def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -75,22 +74,3 @@ def unpack_bucket(header: bytes, buffer: torch.Tensor) -> Named:
         dtype = CODE_DTYPES[entry["dtype"]]
         out.append((entry["name"], buffer[begin:end].view(dtype).reshape(entry["shape"])))
     return out
-
-
-def rebucket(weights: Iterable[Named], bucket_bytes: int) -> Iterable[Named]:
-    """Regroup a stream of buckets into buckets of at least ``bucket_bytes`` (0: one tensor per bucket).
-
-    A bucket is emitted as soon as it reaches ``bucket_bytes``, so memory stays at about one bucket plus one
-    tensor; the last bucket may be smaller.
-    """
-    bucket: Named = []
-    size = 0
-    for incoming in weights:
-        for name, tensor in incoming:
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-    if bucket:
-        yield bucket

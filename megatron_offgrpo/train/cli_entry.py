@@ -17,7 +17,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from megatron_offgrpo.config import ConfigError, load_config
+    from megatron_offgrpo.runtime import use_huge_pages
     from megatron_offgrpo.train.loop import train
+
+    use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
 
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:

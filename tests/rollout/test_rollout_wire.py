@@ -8,12 +8,12 @@ import threading
 import pytest
 import torch
 
-from checkpoint_tools import CheckpointError
+from checkpoint_tools import CheckpointError, rebucket
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.rollout._auth import ControlTokenMiddleware
 from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, END, make_group, make_store, recv_stream, send_stream
 from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_prompt_logprobs, sampling_body
-from megatron_offgrpo.rollout._tensors import check_complete, pack_bucket, rebucket, unpack_bucket
+from megatron_offgrpo.rollout._tensors import check_complete, pack_bucket, unpack_bucket
 from megatron_offgrpo.rollout._weights_dir import manifest_version, prune_versions, read_version_dir, version_dir, write_version_dir
 
 
