@@ -10,8 +10,9 @@ One run, one table. For each model (the tiny test Qwen2, and the real Qwen2.5-0.
        collective per-tensor   one control call + one gloo broadcast per tensor (the peers' pattern; staged on
                                the workers and installed once: a per-tensor in-place install corrupts fused layers)
        collective bucketed     one broadcast per >= --bucket-mb bucket, one control call
-     and verify the last refresh of each case (probe log-probs of the fleet vs the megatron forward, fp32 atol;
-     every parameter is moved by 2% of its std before each refresh, so a stale tensor would fail the probe).
+     round-robin over the cases (each sees the same drift of the machine), and verify the last refresh of each case
+     (probe log-probs of the fleet vs the megatron forward, fp32 atol; every parameter is moved by 2% of its std
+     before each refresh, so a stale tensor would fail the probe).
 Reported: median refresh seconds, the part that moves the weights (everything but the server's in-place reload),
 the reload itself, bucketed/per-tensor ratios, and t_sync / v against the measured step for v in {1, 2, 4, 8}.
 Goals: bucketed >= 5x faster than per-tensor; t_sync / v <= 5% of the step at v = 4.
@@ -138,18 +139,25 @@ def trainer(args: argparse.Namespace) -> None:
               "params": arch.num_params(), "cases": {}}
     bucket_bytes = int(args.bucket_mb * 1024**2)
     probe = make_probe_ids(arch.vocab_size, 32)
-    for case in CASES:
-        engine = FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes))
-        reports = []
-        for _ in range(args.repeats):
+    # Round-robin over the cases, so that every case sees the same drift of the machine (page cache filled by the
+    # disk cases, memory fragmentation): one engine per case, one version counter over all of them.
+    engines = {case: FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes)) for case in CASES}
+    version = max(engine.version() for engine in engines.values())
+    reports: dict[tuple[str, str], list[dict]] = {case: [] for case in CASES}
+    for repeat in range(args.repeats):
+        for case, engine in engines.items():
             _perturb(model)  # a visible update every refresh: a stale tensor on the fleet would fail the probe
+            version += 1
             export_bytes = 1 if case[1] == "per-tensor" else bucket_bytes
-            report = engine.update_weights(stream_hf_buckets(model, arch, bucket_bytes=export_bytes), engine.version() + 1)
-            reports.append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets, **report.detail})
-        errors = verify_refresh(engine, probe, _probe_logprobs(model, probe), engine.version(), probe_atol("float32"))
+            report = engine.update_weights(stream_hf_buckets(model, arch, bucket_bytes=export_bytes), version)
+            reports[case].append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets, **report.detail})
+            if repeat == args.repeats - 1:
+                errors = verify_refresh(engine, probe, _probe_logprobs(model, probe), version, probe_atol("float32"))
+                result["cases"][" ".join(case)] = {"reports": reports[case], "verify_max_err": max(errors.values())}
+                print(f"{case}: {[round(r['seconds'], 3) for r in reports[case]]} s, verify max err {max(errors.values()):.2e}",
+                      file=sys.stderr, flush=True)
+    for engine in engines.values():
         engine.close()
-        result["cases"][" ".join(case)] = {"reports": reports, "verify_max_err": max(errors.values())}
-        print(f"{case}: {[round(r['seconds'], 3) for r in reports]} s, verify max err {max(errors.values()):.2e}", file=sys.stderr, flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
