@@ -17,7 +17,7 @@ Reported: median refresh seconds, the part that moves the weights (everything bu
 the reload itself, bucketed/per-tensor ratios, and t_sync / v against the measured step for v in {1, 2, 4, 8}.
 Goals: bucketed >= 5x faster than per-tensor; t_sync / v <= 5% of the step at v = 4.
 
-Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3] [--workdir DIR]
+Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3] [--transports disk,collective] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -141,9 +141,10 @@ def trainer(args: argparse.Namespace) -> None:
     probe = make_probe_ids(arch.vocab_size, 32)
     # Round-robin over the cases, so that every case sees the same drift of the machine (page cache filled by the
     # disk cases, memory fragmentation): one engine per case, one version counter over all of them.
-    engines = {case: FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes)) for case in CASES}
+    cases = [case for case in CASES if case[0] in args.transports.split(",")]
+    engines = {case: FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes)) for case in cases}
     version = max(engine.version() for engine in engines.values())
-    reports: dict[tuple[str, str], list[dict]] = {case: [] for case in CASES}
+    reports: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
     for repeat in range(args.repeats):
         for case, engine in engines.items():
             _perturb(model)  # a visible update every refresh: a stale tensor on the fleet would fail the probe
@@ -203,7 +204,8 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
         batch, seq = (args.batch, args.seq) if name != "tiny" else (args.tiny_batch, args.seq)
         cmd = [sys.executable, __file__, "--trainer", "--hf", str(model_dir), "--state", str(state_dir), "--out", str(out),
                "--workdir", str(workdir / name), "--repeats", str(args.tiny_repeats if name == "tiny" else args.repeats), "--steps", str(args.steps),
-               "--batch", str(batch), "--seq", str(seq), "--bucket-mb", str(args.bucket_mb), "--optimizer", args.optimizer]
+               "--batch", str(batch), "--seq", str(seq), "--bucket-mb", str(args.bucket_mb), "--optimizer", args.optimizer,
+               "--transports", args.transports]
         subprocess.run(cmd, env=env, check=True, timeout=3600)
         result = json.loads(out.read_text())
         result["fleet_start_s"] = started
@@ -261,6 +263,8 @@ def main() -> None:
     parser.add_argument("--tiny-batch", type=int, default=16, help="sequences per trainer step (tiny)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--transports", default="disk,collective",
+                        help="transports to compare (one alone: the other's disk writes and reads do not share the machine)")
     parser.add_argument("--v", default="1,2,4,8")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
