@@ -273,6 +273,9 @@ def main() -> None:
     parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = set(args.transports.split(",")) - {kind for kind, _ in CASES}
+    if unknown:
+        parser.error(f"--transports {args.transports}: unknown {sorted(unknown)}; choose from disk, collective")
     if args.trainer or args.install_cost:
         (trainer if args.trainer else install_cost)(args)
         return

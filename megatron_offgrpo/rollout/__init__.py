@@ -16,6 +16,7 @@ from megatron_offgrpo.rollout._hf_engine import TransformersEngine
 from megatron_offgrpo.rollout._launcher import (
     FleetSpec,
     fleet_status,
+    is_loopback,
     load_state,
     merge_states,
     servers_of,
@@ -52,6 +53,7 @@ __all__ = [
     "WorkerTarget",
     "fleet_status",
     "have_vllm",
+    "is_loopback",
     "load_state",
     "make_engine",
     "make_probe_ids",

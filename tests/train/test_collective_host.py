@@ -53,6 +53,8 @@ def test_collective_host_reaches_the_transport(transport_of):
 def test_default_is_loopback_for_a_local_fleet_and_this_node_for_a_remote_one(transport_of):
     transport = transport_of("rollout.transport=collective")
     assert isinstance(transport, CollectiveTransport) and transport.host == "127.0.0.1"
+    # any loopback address is this machine (Debian names its host 127.0.1.1)
+    assert transport_of("rollout.transport=collective", hosts=("localhost", "127.0.1.1")).host == "127.0.0.1"
     # servers on other nodes dial rank 0's node, which only the running trainer knows
     assert transport_of("rollout.transport=collective", hosts=("127.0.0.1", "gpu-node-7")).host == socket.getfqdn()
 
