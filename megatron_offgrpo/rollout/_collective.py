@@ -23,6 +23,13 @@ from megatron_offgrpo.rollout._weights_dir import read_version_dir
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
 
+def bucket_stream(weights: Buckets | Any, version: int, bucket_bytes: int) -> Buckets:
+    """``weights`` regrouped into buckets of >= ``bucket_bytes`` (lazily); a version directory is read first."""
+    if isinstance(weights, (str, bytes)) or hasattr(weights, "is_dir"):
+        weights = [read_version_dir(weights, version)]
+    return rebucket(weights, bucket_bytes)
+
+
 class CollectiveTransport:
     """Broadcast buckets of >= ``bucket_bytes`` (0: one tensor per message, the slow baseline) to all workers.
 
@@ -82,9 +89,7 @@ class CollectiveTransport:
 
     def prepare(self, weights: Buckets | Any, version: int) -> Buckets:
         """Wrap the lazy bucket stream (a directory is read and sent, for symmetry with the disk transport)."""
-        if isinstance(weights, (str, bytes)) or hasattr(weights, "is_dir"):
-            weights = [read_version_dir(weights, version)]
-        return rebucket(weights, self.bucket_bytes)
+        return bucket_stream(weights, version, self.bucket_bytes)
 
     def install(self, targets: list[WorkerTarget], prepared: Buckets, version: int) -> dict[str, dict[str, Any]]:
         """Join (or rebuild) the group, then broadcast while every worker receives, checks and loads."""

@@ -29,12 +29,13 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
             "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed, else "transformers"
             with a warning).
         model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
-        **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk" or
-            "collective", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
+        **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk",
+            "collective", "shm", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
             temporary directory, enough when the servers run on this machine), ``bucket_bytes``,
             ``collective_host`` (collective: the address the servers' workers dial to reach this process; default
-            127.0.0.1, enough when they run on this machine), ``policy``; for "vllm" and "transformers": the
-            engine's constructor arguments.
+            127.0.0.1, enough when they run on this machine), ``shm_dir`` (shm: a RAM-backed directory the servers
+            see too, default /dev/shm), ``policy``; for "vllm" and "transformers": the engine's constructor
+            arguments.
 
     Raises:
         ValueError: an unknown kind, or missing arguments for it.
@@ -63,10 +64,11 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
 
 def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,
            bucket_bytes: int | None = None, hf_config: dict | None = None, collective_host: str | None = None,
-           **kwargs: Any) -> RolloutEngine:
+           shm_dir: str | Path = "/dev/shm", **kwargs: Any) -> RolloutEngine:
     from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, CollectiveTransport
     from megatron_offgrpo.rollout._disk import DiskTransport
     from megatron_offgrpo.rollout._fleet import FleetEngine
+    from megatron_offgrpo.rollout._shm import SharedMemoryTransport
 
     if state is None:
         raise ValueError("make_engine kind='fleet' needs state=<the fleet's --state-dir or fleet.json>")
@@ -78,6 +80,8 @@ def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir:
         host = {} if collective_host is None else {"host": collective_host}  # None: the transport's own default
         transport = CollectiveTransport(bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
                                         **host)
+    elif transport == "shm":
+        transport = SharedMemoryTransport(shm_dir, bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
     elif isinstance(transport, str):
-        raise ValueError(f"make_engine transport={transport!r}: choose 'disk' or 'collective' (or pass a transport object)")
+        raise ValueError(f"make_engine transport={transport!r}: choose 'disk', 'collective' or 'shm' (or pass a transport object)")
     return FleetEngine.from_state(state, transport, **kwargs)

@@ -2,11 +2,11 @@
 
 A refresh must install every tensor of the model with its exact shape: a missing tensor would leave stale
 weights serving unnoticed (the failure after a PP reshard), and vLLM's in-place reload cannot be rolled back
-once it starts. So both transports check the complete name/shape set *before* anything is loaded.
+once it starts. So every transport checks the complete name/shape set *before* anything is loaded.
 
 A bucket travels as one flat ``uint8`` buffer plus a small JSON header (names, dtypes, shapes, byte offsets):
-one collective per bucket instead of one per tensor. The buffer is always a fresh contiguous tensor (gloo
-sends the wrong bytes from non-contiguous views).
+one broadcast (or one shared-memory file) per bucket instead of one per tensor. The buffer is always one
+contiguous tensor (gloo sends the wrong bytes from non-contiguous views).
 """
 
 from __future__ import annotations
@@ -48,28 +48,44 @@ def check_complete(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple
         raise ValueError("refresh rejected before loading: " + "; ".join(problems))
 
 
-def pack_bucket(bucket: Named) -> tuple[bytes, torch.Tensor]:
-    """Flatten a bucket into (JSON header, one contiguous ``uint8`` buffer [total bytes]).
+def bucket_layout(bucket: Named) -> tuple[list[dict[str, Any]], int]:
+    """Where each tensor of ``bucket`` sits in its packed buffer: (entries, total bytes).
 
-    The header lists, per tensor, its name, safetensors dtype code, shape and ``[begin, end)`` byte offsets.
+    Each entry holds the tensor's name, safetensors dtype code, shape and ``[begin, end)`` byte offsets.
     """
     entries, offset = [], 0
     for name, tensor in bucket:
         nbytes = tensor.numel() * tensor.element_size()
         entries.append({"name": name, "dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "offsets": [offset, offset + nbytes]})
         offset += nbytes
-    buffer = torch.empty(offset, dtype=torch.uint8)
-    for (name, tensor), entry in zip(bucket, entries):
+    return entries, offset
+
+
+def pack_into(bucket: Named, entries: list[dict[str, Any]], buffer: torch.Tensor) -> None:
+    """Copy each tensor of ``bucket`` to its ``[begin, end)`` bytes of ``buffer`` (``uint8``, from ``bucket_layout``)."""
+    for (_, tensor), entry in zip(bucket, entries):
         begin, end = entry["offsets"]
         if end > begin:
             buffer[begin:end].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def pack_bucket(bucket: Named) -> tuple[bytes, torch.Tensor]:
+    """Flatten a bucket into (JSON header, one fresh contiguous ``uint8`` buffer [total bytes])."""
+    entries, total = bucket_layout(bucket)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    pack_into(bucket, entries, buffer)
     return json.dumps({"tensors": entries}).encode(), buffer
 
 
 def unpack_bucket(header: bytes, buffer: torch.Tensor) -> Named:
     """Inverse of ``pack_bucket``: views into ``buffer`` (which the caller owns), one per tensor."""
+    return unpack_entries(json.loads(header)["tensors"], buffer)
+
+
+def unpack_entries(entries: list[dict[str, Any]], buffer: torch.Tensor) -> Named:
+    """Views into ``buffer``, one per ``bucket_layout`` entry."""
     out = []
-    for entry in json.loads(header)["tensors"]:
+    for entry in entries:
         begin, end = entry["offsets"]
         dtype = CODE_DTYPES[entry["dtype"]]
         out.append((entry["name"], buffer[begin:end].view(dtype).reshape(entry["shape"])))

@@ -144,6 +144,33 @@ class OffgrpoWorkerExtension:
         self._offgrpo_staged = None
         return self._offgrpo_install(staged[1], version, {"recv_s": recv_s})
 
+    def offgrpo_load_shm(self, payload: str) -> dict[str, Any]:
+        """Install the shared-memory buckets ``{"dir", "version", "buckets": [{"file", "bytes", "tensors"}]}``:
+        map each file, view the tensors in place, check and reload (the mappings are gone when this returns)."""
+        from megatron_offgrpo.rollout._tensors import unpack_entries
+
+        args = json.loads(payload)
+        version = int(args["version"])
+        problem = self._offgrpo_check_version(version)
+        if problem:
+            return _fail(problem, version=self._offgrpo_version())
+        start = time.perf_counter()
+        tensors: Named = []
+        for bucket in args["buckets"]:
+            path = os.path.join(args["dir"], bucket["file"])
+            try:
+                size = os.stat(path).st_size
+                if size < bucket["bytes"]:
+                    raise ValueError(f"holds {size} bytes, the trainer wrote {bucket['bytes']}")
+                # shared=False: a private read-only mapping of the trainer's pages (no copy; no write permission needed)
+                tensors.extend(unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8)))
+            except FileNotFoundError:
+                return _fail(f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
+                             "that see its directory (use the collective or disk transport across hosts)", version=self._offgrpo_version())
+            except Exception as exc:
+                return _fail(f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version())
+        return self._offgrpo_install(tensors, version, {"map_s": time.perf_counter() - start})
+
     # ----- install ---------------------------------------------------------------------------------------------
     def _offgrpo_install(self, tensors: Named, version: int, timings: dict[str, float]) -> dict[str, Any]:
         """Check the complete name/shape set, then reload in place (one call: all-or-dirty)."""

@@ -26,7 +26,7 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path, max_posi
     r = config.rollout
     if r.engine == "fleet":
         return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=run_dir / "weights",
-                           bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r))
+                           bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir)
     if r.engine == "vllm" or (r.engine == "auto" and have_vllm()):
         max_len = min(max_positions, config.data.max_prompt_tokens + r.max_new_tokens)
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail

@@ -11,7 +11,9 @@ from megatron_offgrpo.kernels import fused_linear_grpo_loss, vocab_parallel_logp
 from tests.helpers import REPO, run_torchrun
 from tests.kernels._cases import TP_CASES, rel_err, tp_case
 
-TOL = 1e-6  # fp32; merging shard log-sum-exps reorders a few roundings (measured <= 4e-7)
+# fp32; merging shard log-sum-exps reorders a few roundings: measured <= 4e-7 on an Intel Xeon VM and up to
+# 1.1e-6 on an AMD EPYC VM (other SIMD widths, other summation orders). A wrong merge is off by >= 1e-3.
+TOL = 4e-6
 
 
 @pytest.fixture(scope="module")

