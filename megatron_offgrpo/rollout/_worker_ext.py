@@ -61,6 +61,13 @@ class OffgrpoWorkerExtension:
             return f"version {version} is not newer than the served version {current}: versions must increase"
         return None
 
+    def _offgrpo_versioned(self, payload: str) -> tuple[dict[str, Any], int, dict[str, Any] | None]:
+        """(arguments, version, the refusal to return or None) of a load call whose payload names a version."""
+        args = json.loads(payload)
+        version = int(args["version"])
+        problem = self._offgrpo_check_version(version)
+        return args, version, (_fail(problem, version=self._offgrpo_version()) if problem else None)
+
     # ----- RPC methods -----------------------------------------------------------------------------------------
     def offgrpo_info(self, payload: str = "{}") -> dict[str, Any]:
         """{"version", "rank", "pid", "dtype", "tensors"} of this worker."""
@@ -71,11 +78,9 @@ class OffgrpoWorkerExtension:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
         from megatron_offgrpo.rollout._weights_dir import read_version_dir
 
-        args = json.loads(payload)
-        version = int(args["version"])
-        problem = self._offgrpo_check_version(version)
-        if problem:
-            return _fail(problem, version=self._offgrpo_version())
+        args, version, refused = self._offgrpo_versioned(payload)
+        if refused:
+            return refused
         start = time.perf_counter()
         try:
             tensors = read_version_dir(args["path"], version)
@@ -149,11 +154,9 @@ class OffgrpoWorkerExtension:
         map each file, view the tensors in place, check and reload (the mappings are gone when this returns)."""
         from megatron_offgrpo.rollout._tensors import unpack_entries
 
-        args = json.loads(payload)
-        version = int(args["version"])
-        problem = self._offgrpo_check_version(version)
-        if problem:
-            return _fail(problem, version=self._offgrpo_version())
+        args, version, refused = self._offgrpo_versioned(payload)
+        if refused:
+            return refused
         start = time.perf_counter()
         tensors: Named = []
         for bucket in args["buckets"]:
