@@ -81,7 +81,20 @@ def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir:
         transport = CollectiveTransport(bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
                                         **host)
     elif transport == "shm":
+        _require_servers_here(state)
         transport = SharedMemoryTransport(shm_dir, bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
     elif isinstance(transport, str):
         raise ValueError(f"make_engine transport={transport!r}: choose 'disk', 'collective' or 'shm' (or pass a transport object)")
     return FleetEngine.from_state(state, transport, **kwargs)
+
+
+def _require_servers_here(state: str | Path) -> None:
+    """The shm transport's servers map files on this machine: refuse a fleet elsewhere now, not at the first refresh."""
+    from urllib.parse import urlparse
+
+    from megatron_offgrpo.rollout._launcher import is_this_machine, load_state
+
+    elsewhere = [s["name"] for s in load_state(state)["servers"] if not is_this_machine(urlparse(s["url"]).hostname or "")]
+    if elsewhere:
+        raise ValueError(f"transport 'shm' needs every fleet server on this machine (they map the trainer's files in its "
+                         f"shm directory), but {elsewhere} run elsewhere: use transport 'collective' or 'disk'")

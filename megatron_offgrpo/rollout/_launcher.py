@@ -96,6 +96,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` (a name or IP) is this machine: loopback, or an address a socket here can bind (binding sends
+    nothing, and succeeds only for a local interface's address)."""
+    if is_loopback(host):
+        return True
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:  # a name that does not resolve here
+        return False
+    for family, _, _, _, address in addresses:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((address[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` right now."""
     with socket.socket() as sock:

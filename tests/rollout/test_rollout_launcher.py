@@ -11,7 +11,7 @@ import pytest
 
 from megatron_offgrpo.rollout import FleetSpec, load_state, stop_fleet
 from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import server_command
+from megatron_offgrpo.rollout._launcher import is_this_machine, server_command
 from megatron_offgrpo.rollout.fleet_cli import main as fleet_main
 from tests.helpers import REPO
 
@@ -28,6 +28,17 @@ def test_validate_reports_every_problem(tmp_path):
         FleetSpec(model_dir=tmp_path, num_servers=4, tp=2, cpu_bind="x").validate(gpus=4)
     text = str(caught.value)
     assert "no config.json" in text and "needs 8 GPUs, 4 visible" in text and "cpu_bind='x'" in text
+
+
+def test_is_this_machine():
+    import psutil
+
+    local = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name == "AF_INET"]
+    assert local and all(is_this_machine(address) for address in local)  # loopback and every interface's address
+    assert is_this_machine("localhost") and is_this_machine("127.0.1.1") and is_this_machine("::1")
+    # documentation ranges (RFC 5737) are never an interface of this machine; an unresolvable name is not here either
+    assert not is_this_machine("198.51.100.7") and not is_this_machine("203.0.113.9")
+    assert not is_this_machine("no-such-host.invalid")
 
 
 def test_cpu_server_command(tiny_dir):
