@@ -182,21 +182,21 @@ class OffgrpoWorkerExtension:
         except ValueError as exc:
             return _fail(str(exc), version=self._offgrpo_version())
         start = time.perf_counter()
-        tied = self._offgrpo_tied_modules()
-        embed_kernel_before = getattr(tied[1], "cpu_linear", None) if tied else None
+        tied_pair = self._offgrpo_tied_modules()
+        embed_kernel_before = getattr(tied_pair[1], "cpu_linear", None) if tied_pair else None
         try:
             self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         except Exception as exc:
             self._offgrpo_current = DIRTY
             return _fail(f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}", version=DIRTY)
         try:
-            tied = self._offgrpo_refresh_tied_head(tied, embed_kernel_before)
+            tied_refreshed = self._offgrpo_refresh_tied_head(tied_pair, embed_kernel_before)
         except Exception as exc:
             self._offgrpo_current = DIRTY
             return _fail(f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}", version=DIRTY)
         self._offgrpo_current = version
         timings["load_s"] = time.perf_counter() - start
-        return _ok(version=version, tensors=len(tensors), tied_head_refreshed=tied, **timings)
+        return _ok(version=version, tensors=len(tensors), tied_head_refreshed=tied_refreshed, **timings)
 
     def _offgrpo_tied_modules(self) -> tuple[Any, Any] | None:
         """(output layer, embedding) when the model ties them (one shared weight), else None."""
