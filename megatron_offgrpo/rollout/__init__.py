@@ -6,7 +6,7 @@ a ``TransformersEngine`` for machines without vLLM. ``verify_refresh`` checks a 
 log-probs. Nothing here imports megatron: the rollout side runs where megatron is not installed.
 """
 
-from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, CollectiveTransport
+from megatron_offgrpo.rollout._collective import CollectiveTransport
 from megatron_offgrpo.rollout._disk import DiskTransport
 from megatron_offgrpo.rollout._dispatch import RetryPolicy
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, RefreshVerificationError
@@ -27,6 +27,7 @@ from megatron_offgrpo.rollout._launcher import (
 from megatron_offgrpo.rollout._protocol import Buckets, ProbeEngine, RolloutEngine, WeightTransport, WorkerTarget
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._shm import SharedMemoryTransport
+from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES
 from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 from megatron_offgrpo.rollout._weights_dir import read_version_dir, version_dir, write_version_dir

@@ -14,20 +14,10 @@ from typing import Any
 
 import torch
 
-from checkpoint_tools import rebucket
 from megatron_offgrpo.rollout._gloo import make_group, make_store, send_stream
 from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
 from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._weights_dir import read_version_dir
-
-DEFAULT_BUCKET_BYTES = 256 * 1024**2
-
-
-def bucket_stream(weights: Buckets | Any, version: int, bucket_bytes: int) -> Buckets:
-    """``weights`` regrouped into buckets of >= ``bucket_bytes`` (lazily); a version directory is read first."""
-    if isinstance(weights, (str, bytes)) or hasattr(weights, "is_dir"):
-        weights = [read_version_dir(weights, version)]
-    return rebucket(weights, bucket_bytes)
+from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_stream
 
 
 class CollectiveTransport:

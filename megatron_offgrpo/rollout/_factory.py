@@ -65,10 +65,11 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
 def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,
            bucket_bytes: int | None = None, hf_config: dict | None = None, collective_host: str | None = None,
            shm_dir: str | Path = "/dev/shm", **kwargs: Any) -> RolloutEngine:
-    from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, CollectiveTransport
+    from megatron_offgrpo.rollout._collective import CollectiveTransport
     from megatron_offgrpo.rollout._disk import DiskTransport
     from megatron_offgrpo.rollout._fleet import FleetEngine
     from megatron_offgrpo.rollout._shm import SharedMemoryTransport
+    from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES
 
     if state is None:
         raise ValueError("make_engine kind='fleet' needs state=<the fleet's --state-dir or fleet.json>")

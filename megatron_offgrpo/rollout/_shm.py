@@ -37,10 +37,9 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._collective import DEFAULT_BUCKET_BYTES, bucket_stream
 from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
 from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import bucket_layout, pack_into
+from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
 
 SESSION_PREFIX = "offgrpo-shm-"
 LOCK_NAME = "owner.lock"
@@ -136,7 +135,7 @@ class SharedMemoryTransport:
     def prepare(self, weights: Buckets | Any, version: int) -> list[dict[str, Any]]:
         """Pack every bucket into its file (the servers still serve meanwhile); returns the layout they load."""
         start = time.perf_counter()
-        layout, stats = [], {"bytes": 0, "buckets": 0, "tensors": 0}
+        layout = []
         try:
             for bucket in bucket_stream(weights, version, self.bucket_bytes):
                 if not bucket:
@@ -145,14 +144,14 @@ class SharedMemoryTransport:
                 buffer = self._buffer(len(layout), nbytes)
                 pack_into(bucket, entries, buffer.data)
                 layout.append({"file": buffer.file, "bytes": nbytes, "tensors": entries})
-                stats = {"bytes": stats["bytes"] + nbytes, "buckets": stats["buckets"] + 1, "tensors": stats["tensors"] + len(entries)}
         except BaseException:
             self._drop()
             raise
         for stale in self._buffers[len(layout):]:  # the model needs fewer files than last time
             (self._session / stale.file).unlink(missing_ok=True)
         del self._buffers[len(layout):]
-        self.last_stats = {"write_s": time.perf_counter() - start, **stats}
+        self.last_stats = {"write_s": time.perf_counter() - start, "bytes": sum(b["bytes"] for b in layout), "buckets": len(layout),
+                           "tensors": sum(len(b["tensors"]) for b in layout)}
         return layout
 
     def install(self, targets: list[WorkerTarget], prepared: list[dict[str, Any]], version: int) -> dict[str, dict[str, Any]]:

@@ -12,14 +12,17 @@ contiguous tensor (gloo sends the wrong bytes from non-contiguous views).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from checkpoint_tools._live import Named
+from checkpoint_tools._live import Named, rebucket
 from checkpoint_tools._mapping import hf_shapes
 from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES
 from megatron_offgrpo.model._arch import arch_from_hf_config
+from megatron_offgrpo.rollout._weights_dir import read_version_dir
+
+DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
 
 def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -46,6 +49,13 @@ def check_complete(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple
         problems.append(f"tensor {name!r} has shape {list(got)}, the served model needs {list(want)}")
     if problems:
         raise ValueError("refresh rejected before loading: " + "; ".join(problems))
+
+
+def bucket_stream(weights: Any, version: int, bucket_bytes: int) -> Iterator[Named]:
+    """``weights`` regrouped into buckets of >= ``bucket_bytes`` (lazily); a version directory is read first."""
+    if isinstance(weights, (str, bytes)) or hasattr(weights, "is_dir"):
+        weights = [read_version_dir(weights, version)]
+    return rebucket(weights, bucket_bytes)
 
 
 def bucket_layout(bucket: Named) -> tuple[list[dict[str, Any]], int]:
