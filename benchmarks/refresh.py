@@ -171,16 +171,20 @@ def trainer(args: argparse.Namespace) -> None:
 def install_cost(args: argparse.Namespace) -> None:
     """Runs in its own process: the in-place install of every tensor at once vs one install per tensor (the peers'
     pattern), on an in-process vLLM engine. Timing only: per-tensor installs leave fused layers (qkv, gate/up)
-    corrupted in vLLM 0.32, which is why the transports never install part of a model."""
+    corrupted in vLLM 0.32, which is why the transports never install part of a model. For a tied model also the
+    install plus the output layer's refresh, repacking its kernel vs taking the one the reload rebuilt for the
+    embedding (what the worker extension does)."""
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     from vllm import LLM
 
     from megatron_offgrpo.rollout import read_version_dir
+    from megatron_offgrpo.rollout._launcher import EXTENSION
     from megatron_offgrpo.runtime import use_huge_pages
 
     use_huge_pages()  # as the fleet's servers run
 
-    llm = LLM(model=args.hf, dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True)
+    llm = LLM(model=args.hf, dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True,
+              worker_extension_cls=EXTENSION)
     tensors = read_version_dir(Path(args.hf), 0)
 
     def timed(worker, groups):
@@ -189,9 +193,28 @@ def install_cost(args: argparse.Namespace) -> None:
             worker.reload_weights(weights_iterator=iter(group))
         return time.perf_counter() - start
 
+    def timed_tied(worker, tensors, share):
+        pair = worker._offgrpo_tied_modules()
+        if pair is None:
+            return None
+        head, embed = pair
+        start = time.perf_counter()
+        before = getattr(embed, "cpu_linear", None)
+        worker.reload_weights(weights_iterator=iter(tensors))
+        if share:
+            worker._offgrpo_refresh_tied_head(pair, before)
+        else:  # what the extension did before: repack the head's kernel from the shared weight
+            head.quant_method.process_weights_after_loading(head)
+        return time.perf_counter() - start
+
     once = [llm.collective_rpc(timed, args=([tensors],))[0] for _ in range(2)]
     per_tensor = llm.collective_rpc(timed, args=([[t] for t in tensors],))[0]
-    Path(args.out).write_text(json.dumps({"once_s": statistics.median(once), "per_tensor_s": per_tensor, "tensors": len(tensors)}))
+    tied = {"repack": [], "shared": []}
+    for _ in range(3):  # alternating, so both see the same drift
+        for mode in tied:
+            tied[mode].append(llm.collective_rpc(timed_tied, args=(tensors, mode == "shared"))[0])
+    tied_s = {f"tied_{mode}_s": None if None in times else statistics.median(times) for mode, times in tied.items()}
+    Path(args.out).write_text(json.dumps({"once_s": statistics.median(once), "per_tensor_s": per_tensor, "tensors": len(tensors), **tied_s}))
 
 
 # ----- orchestration ---------------------------------------------------------------------------------------------
@@ -248,10 +271,13 @@ def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
         print(f"{name}: a transport that moved the weights in zero time (the server's reload stays) would be "
               f"{ceiling:.1f}x collective per-tensor")
     print("\nIn-place install on the server alone (in-process vLLM engine): all tensors in one reload vs one reload per tensor")
-    print(f"{'model':<14}{'tensors':>8}{'once s':>9}{'per-tensor s':>14}{'ratio':>8}")
+    print("(tied models: once + the output layer's refresh, repacking its kernel vs sharing the embedding's rebuilt one)")
+    print(f"{'model':<14}{'tensors':>8}{'once s':>9}{'per-tensor s':>14}{'ratio':>8}{'tied repack s':>15}{'tied shared s':>15}{'ratio':>8}")
     for name, res in results.items():
         inst = res["install"]
-        print(f"{name:<14}{inst['tensors']:>8}{inst['once_s']:>9.3f}{inst['per_tensor_s']:>14.3f}{inst['per_tensor_s'] / inst['once_s']:>7.1f}x")
+        repack, shared = inst.get("tied_repack_s"), inst.get("tied_shared_s")
+        tied = f"{repack:>15.3f}{shared:>15.3f}{repack / shared:>7.2f}x" if repack and shared else f"{'-':>15}{'-':>15}{'-':>8}"
+        print(f"{name:<14}{inst['tensors']:>8}{inst['once_s']:>9.3f}{inst['per_tensor_s']:>14.3f}{inst['per_tensor_s'] / inst['once_s']:>7.1f}x{tied}")
     print("\nAmortised sync cost t_sync / v against a measured trainer step (t_sync = best bucketed refresh)")
     print(f"{'model':<14}{'params':>9}{'tokens/step':>12}{'optim':>7}{'step s':>9}{'t_sync s':>10}{'via':>12}"
           + "".join(f"{'v=' + str(v):>9}" for v in vs))
