@@ -5,12 +5,14 @@
     offgrpo eval    --config RECIPE [--model DIR] [--prompts N]    accuracy on the eval split
     offgrpo report  RUN_DIR                                         PNG plots + summary of a run
     offgrpo fleet   start|stop|status ...                          the vLLM generation fleet
-    offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...
+    offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...   (offgrpo convert --help)
+    offgrpo --version
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 COMMANDS = {
@@ -20,12 +22,28 @@ COMMANDS = {
     "report": "megatron_offgrpo.train.report",
     "fleet": "megatron_offgrpo.rollout.fleet_cli",
 }
-CONVERT = {
-    "hf-to-megatron": "checkpoint_tools.hf_to_megatron",
-    "megatron-to-hf": "checkpoint_tools.megatron_to_hf",
-    "reshard": "checkpoint_tools.reshard",
-    "roundtrip": "checkpoint_tools.roundtrip",
+CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
+    "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron TP x PP checkpoint"),
+    "megatron-to-hf": ("checkpoint_tools.megatron_to_hf", "megatron checkpoint of any layout -> HF directory"),
+    "reshard": ("checkpoint_tools.reshard", "megatron checkpoint -> another TP x PP layout (bit-exact)"),
+    "roundtrip": ("checkpoint_tools.roundtrip", "HF -> megatron -> reshard -> HF on the embedded default, verified"),
 }
+DISTRIBUTION = "megatron-offgrpo"
+
+
+def version() -> str:
+    """The installed package's version (pyproject.toml's, as pip recorded it)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never pip-installed
+        return "unknown (not installed: pip install -e .)"
+
+
+def convert_help() -> str:
+    """``offgrpo convert``'s usage: each sub-command with its one-line description."""
+    width = max(map(len, CONVERT))
+    rows = [f"  {name:<{width}}  {text}" for name, (_, text) in CONVERT.items()]
+    return "\n".join(["usage: offgrpo convert SUB [ARGS ...]   (offgrpo convert SUB --help: its flags)", "", *rows])
 
 
 def _usage(message: str) -> None:
@@ -34,17 +52,31 @@ def _usage(message: str) -> None:
     sys.exit(2)
 
 
+def _convert(rest: list[str]) -> None:
+    if rest and rest[0] in ("-h", "--help"):
+        print(convert_help())
+        return
+    if not rest:
+        print(convert_help(), file=sys.stderr)
+        print("error: name a convert sub-command", file=sys.stderr)
+        sys.exit(2)
+    if rest[0] not in CONVERT:
+        _usage(f"unknown convert command {rest[0]!r}; valid: {', '.join(CONVERT)}")
+    sys.exit(importlib.import_module(CONVERT[rest[0]][0]).main(rest[1:]) or 0)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Dispatch ``offgrpo COMMAND ...``; unknown names list the valid ones."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return
+    if argv[0] in ("-V", "--version"):
+        print(f"offgrpo {version()}")
+        return
     command, rest = argv[0], argv[1:]
     if command == "convert":
-        if not rest or rest[0] not in CONVERT:
-            _usage(f"unknown convert command {rest[0] if rest else ''!r}; valid: {', '.join(CONVERT)}")
-        sys.exit(importlib.import_module(CONVERT[rest[0]]).main(rest[1:]) or 0)
+        _convert(rest)
     elif command in COMMANDS:
         sys.exit(importlib.import_module(COMMANDS[command]).main(rest) or 0)  # fleet status: 1 = unhealthy
     else:

@@ -1,0 +1,29 @@
+"""The ``offgrpo`` dispatcher as a new user meets it: --version, and the convert sub-commands listed by --help."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from megatron_offgrpo.cli import CONVERT, main
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_installed_version(flag, capsys):
+    main([flag])  # returns: exit status 0
+    assert capsys.readouterr().out.strip() == f"offgrpo {importlib.metadata.version('megatron-offgrpo')}"
+
+
+def test_convert_help_lists_each_sub_command_with_its_description(capsys):
+    main(["convert", "--help"])
+    out = capsys.readouterr().out
+    for name, (_, description) in CONVERT.items():
+        assert any(line.split() == [name, *description.split()] for line in out.splitlines()), (name, out)
+
+
+def test_convert_without_a_sub_command_lists_them_and_fails(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["convert"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "reshard" in err and "name a convert sub-command" in err
