@@ -12,6 +12,17 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+def plain_scalar(value: Any) -> Any:
+    """A 0-d torch tensor or numpy scalar as the Python number it holds; anything else unchanged.
+
+    Metrics arrive as whatever computed them (a loss tensor, a ``np.float64`` mean): TensorBoard takes Python numbers
+    only, and JSON's ``default=float`` would turn an integer or bool scalar into a float.
+    """
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        return value.item()  # torch.Tensor (0-d) and np.generic both have ndim 0 and item()
+    return value
+
+
 class MetricsLog:
     """Writes ``RUN/metrics.jsonl`` and ``RUN/tensorboard/``; only rank 0 creates one."""
 
@@ -31,6 +42,7 @@ class MetricsLog:
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record one step and print its progress line."""
+        values = {key: plain_scalar(value) for key, value in values.items()}
         record = {"step": step, "wall_s": round(time.time() - self._start, 3), **values}
         self._file.write(json.dumps(record, default=float) + "\n")
         if self._tb is not None:
