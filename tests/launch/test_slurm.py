@@ -1,6 +1,6 @@
 """The launch scripts without a cluster: shell syntax, and the Slurm batch file's node split, fleet commands, server
-URLs and trainer command read from its DRY_RUN=1 output (Slurm's `scontrol` replaced by a stub that expands the
-node list: Slurm itself cannot run here)."""
+URLs and trainer command read from its DRY_RUN=1 output: inside a (faked) allocation, with Slurm's `scontrol`
+replaced by a stub that expands the node list, and outside any allocation with the nodes named in NODES."""
 
 from __future__ import annotations
 
@@ -32,14 +32,19 @@ def test_launch_scripts_parse(script):
     assert proc.returncode == 0, proc.stderr
 
 
-def dry_run(tmp_path: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+def dry_run(tmp_path: Path, *overrides: str, allocation: bool = True, **env: str) -> subprocess.CompletedProcess:
+    """DRY_RUN=1 of the batch file; ``allocation``: inside a faked Slurm job (scontrol stub, SLURM_* set), else with
+    no Slurm variable and no scontrol at all."""
     stub = tmp_path / "bin"
     stub.mkdir(exist_ok=True)
-    (stub / "scontrol").write_text(SCONTROL)
-    (stub / "scontrol").chmod(0o755)
-    full = dict(os.environ, PATH=f"{stub}:{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO),
-                PYTHON=sys.executable, DRY_RUN="1", SLURM_JOB_NODELIST="gpu[01-04]", SLURM_JOB_ID="77",
-                SHARED_DIR=str(tmp_path / "shared"), **env)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(REPO), PYTHON=sys.executable,
+                DRY_RUN="1", SHARED_DIR=str(tmp_path / "shared"))
+    if allocation:
+        (stub / "scontrol").write_text(SCONTROL)
+        (stub / "scontrol").chmod(0o755)
+        base.update(PATH=f"{stub}:{base['PATH']}", SLURM_JOB_NODELIST="gpu[01-04]", SLURM_JOB_ID="77")
+    full = dict(base, **env)
     return subprocess.run(["bash", str(SBATCH), str(RECIPE), *overrides], cwd=tmp_path, env=full,
                           capture_output=True, text=True, timeout=120)
 
@@ -72,6 +77,7 @@ def test_two_fleet_nodes_of_four(tmp_path):
     recorded = []
     for i, args in enumerate(fleet_starts(proc.stdout)):
         assert (args.model, args.num_servers, args.tp, args.host) == (Path("models/Qwen2.5-7B-Instruct"), 2, 2, f"gpu0{i + 1}")
+        assert args.max_model_len == 512 + 1024  # the recipe's max_prompt_tokens + max_new_tokens, not 32768
         assert args.state_dir == shared / f"fleet-{i}"
         recorded += [server_url(args.host, args.base_port + k) for k in range(args.num_servers)]
     assert recorded == urls  # the URLs the script announces are the ones `fleet start` records
@@ -100,6 +106,20 @@ def test_overrides_reach_the_fleet_model(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert [args.model for args in fleet_starts(proc.stdout)] == [Path("/models/other")]
     assert "trainer nodes: gpu02 gpu03 gpu04" in proc.stdout
+
+
+def test_dry_run_needs_no_allocation_with_nodes_named(tmp_path):
+    proc = dry_run(tmp_path, allocation=False, NODES="n0 n1 n2", GPUS_PER_NODE="2")
+    assert proc.returncode == 0, proc.stderr
+    assert "fleet nodes: n0" in proc.stdout and "trainer nodes: n1 n2" in proc.stdout
+    assert "fleet servers: http://n0:8100 http://n0:8101" in proc.stdout
+    assert [args.host for args in fleet_starts(proc.stdout)] == ["n0"]
+    assert "--rdzv_id dry-run" in proc.stdout and str(tmp_path / "shared" / "fleet") in proc.stdout
+
+
+def test_no_allocation_and_no_nodes_says_how_to_dry_run(tmp_path):
+    proc = dry_run(tmp_path, allocation=False)
+    assert proc.returncode == 2 and "no Slurm allocation" in proc.stderr and 'NODES="n0 n1" DRY_RUN=1' in proc.stderr
 
 
 @pytest.mark.parametrize("env, message", [
