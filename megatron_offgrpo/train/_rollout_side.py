@@ -12,27 +12,33 @@ import torch.distributed as dist
 
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.train._eval import EVAL_BATCH
 
 
-def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path, max_positions: int):
+def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int):
     """The engine of ``rollout.engine``, serving the weights in ``model_dir`` as version 0 (rank 0 only).
 
     Args:
+        run_dir: the run directory (a disk refresh writes its versions under it; None: an engine never refreshed).
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
     """
     from megatron_offgrpo.rollout import make_engine
-    from megatron_offgrpo.rollout._factory import have_vllm
 
     r = config.rollout
     if r.engine == "fleet":
-        return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=run_dir / "weights",
+        return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
                            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir)
-    if r.engine == "vllm" or (r.engine == "auto" and have_vllm()):
-        max_len = min(max_positions, config.data.max_prompt_tokens + r.max_new_tokens)
+    if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
         dtype = "float32" if config.model.precision == "fp32" else "bfloat16"
-        return make_engine("vllm", model_dir, max_model_len=max_len, dtype=dtype)
+        return make_engine(r.engine, model_dir, dtype=dtype, max_model_len=generation_length(config, max_positions),
+                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH))
     return make_engine(r.engine, model_dir)
+
+
+def generation_length(config: Config, max_positions: int) -> int:
+    """The longest sequence a run generates (prompt + completion), capped by the model's positions."""
+    return min(max_positions, config.data.max_prompt_tokens + config.rollout.max_new_tokens)
 
 
 def _collective_host(r) -> str | None:

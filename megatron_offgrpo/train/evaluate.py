@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from megatron_offgrpo.config import load_config
     from megatron_offgrpo.data import get_reward
-    from megatron_offgrpo.rollout import make_engine
     from megatron_offgrpo.train._eval import evaluate
+    from megatron_offgrpo.train._rollout_side import make_rollout_engine
     from megatron_offgrpo.train._setup import _prompts, load_tokenizer
 
     config = load_config(args.config, args.overrides)
@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     kind = args.engine or config.rollout.engine
     tokenizer = load_tokenizer(model)
     prompts = _prompts(config, tokenizer, config.data.eval_split)[: args.prompts or config.train.eval_prompts]
-    engine = (make_engine("fleet", state=config.rollout.fleet_state) if kind == "fleet" else make_engine(kind, model))
+    config.rollout.engine = kind
+    positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
+    # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
+    engine = make_rollout_engine(config, Path(model), None, positions)
     try:
         result = evaluate(engine, prompts, get_reward(config.data.reward), tokenizer, config.rollout.max_new_tokens)
     finally:

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -32,6 +31,22 @@ def check_tied(work: Path) -> None:
     assert "lm_head.weight" not in new
     engine.update_weights(as_buckets(new), 1)
     verify_refresh(engine, probe, hf_probe_logprobs(tied_dir, new, probe), 1, 1e-3)
+    engine.close()
+
+
+def check_auto_fallback(model_dir: Path) -> None:
+    """engine=auto falls back to the transformers engine, with one warning line naming why, when vLLM cannot start
+    (here: a model length past the model's positions, which vLLM refuses)."""
+    import warnings
+
+    from megatron_offgrpo.rollout import TransformersEngine, make_engine
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = make_engine("auto", model_dir, dtype="float32", max_model_len=1_000_000)
+    assert isinstance(engine, TransformersEngine), type(engine)
+    lines = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "rollout.engine=auto" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0] and "vLLM did not start" in lines[0], lines
     engine.close()
 
 
@@ -66,6 +81,7 @@ def main() -> None:
     del engine
     gc.collect()
     check_tied(work)
+    check_auto_fallback(model_dir)
     print(f"OK in-process vLLM engine: all cases passed ({time.perf_counter() - start:.1f} s after the fresh engines)")
 
 
