@@ -8,23 +8,39 @@ from checkpoint_tools._convert import (
     reshard_dir,
     write_hf,
 )
+from checkpoint_tools._dist import (
+    DIST_MODEL_KEY,
+    DistModelCard,
+    checkpoint_kind,
+    dist_checkpoint_to_hf_dir,
+    megatron_to_hf_any,
+    read_model_card,
+    write_model_card,
+)
 from checkpoint_tools._io import CheckpointError, atomic_output_dir, open_safetensors_dir
 from checkpoint_tools._live import load_hf_into_stage, rebucket, stream_hf_buckets
 from checkpoint_tools._mapping import UnknownTensorError, hf_names
 
 __all__ = [
+    "DIST_MODEL_KEY",
     "CheckpointError",
+    "DistModelCard",
     "MegatronCheckpoint",
     "UnknownTensorError",
     "atomic_output_dir",
+    "checkpoint_kind",
+    "dist_checkpoint_to_hf_dir",
     "hf_names",
     "hf_to_megatron_dir",
     "iter_hf_tensors",
     "load_hf_into_stage",
+    "megatron_to_hf_any",
     "megatron_to_hf_dir",
     "open_safetensors_dir",
+    "read_model_card",
     "rebucket",
     "reshard_dir",
     "stream_hf_buckets",
     "write_hf",
+    "write_model_card",
 ]

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -189,7 +189,7 @@ def write_hf(
     hf_config: dict,
     tensors: Iterator[tuple[str, torch.Tensor]],
     dtype_fn: Callable[[str], torch.dtype],
-    extra_src: Path | None,
+    extra_src: Path | Sequence[Path] | None,
     max_shard_bytes: int = 2 * 1024**3,
     overwrite: bool = False,
 ) -> Path:
@@ -198,6 +198,8 @@ def write_hf(
     Args:
         tensors: HF (name, tensor) pairs in ``hf_names(arch)`` order, produced lazily.
         dtype_fn: the dtype each HF tensor will have (declared in the shard headers before data is written).
+        extra_src: directories the generation config and tokenizer files are copied from, in order (later files
+            win), inside the atomic write.
     """
     specs = [(name, dtype_fn(name), shape) for name, shape in M.hf_shapes(arch).items()]
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
@@ -207,8 +209,9 @@ def write_hf(
         # As save_pretrained does; without it transformers >= 5 suspects an old Mistral tokenizer regex and warns.
         config.setdefault("transformers_version", _installed_version("transformers", "5.0.0"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if extra_src is not None and extra_src.is_dir():
-            copy_extra_files(extra_src, tmp)
+        for src in [extra_src] if isinstance(extra_src, Path) else extra_src or ():
+            if src.is_dir():
+                copy_extra_files(src, tmp)
         write_manifest(tmp, "hf", records, {"architecture": arch.hf_architecture})
     return out
 

@@ -1,7 +1,10 @@
 """Convert a megatron checkpoint of any TP x PP layout into a Hugging Face directory.
 
-Writes sharded safetensors + index, config.json, generation_config.json and the tokenizer files; the result
-loads with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+``--ckpt`` is either a checkpoint_tools directory (``hf_to_megatron`` / ``reshard``: ``megatron_meta.json``) or a
+trainer checkpoint ``RUN/checkpoints/step_N`` of any TP x PP x DP layout (megatron dist checkpoint, resharded to
+TP1/PP1 in this one process); the kind is detected from its files. Writes sharded safetensors + index, config.json,
+generation_config.json and the tokenizer files; the result loads with ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained``.
 
 Usage: python -m checkpoint_tools.megatron_to_hf --ckpt DIR --out DIR [--max-shard-size 2GB] [--overwrite]
 """
@@ -12,7 +15,7 @@ import argparse
 import re
 
 from checkpoint_tools._cli import run_cli
-from checkpoint_tools._convert import megatron_to_hf_dir
+from checkpoint_tools._dist import megatron_to_hf_any
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -28,12 +31,13 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="megatron checkpoint directory (from hf_to_megatron/reshard)")
+    parser.add_argument("--ckpt", required=True, help="megatron checkpoint directory: from hf_to_megatron/reshard, or a "
+                        "trainer checkpoint RUN/checkpoints/step_N")
     parser.add_argument("--out", required=True, help="output HF directory (written atomically)")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"), help="largest safetensors shard")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists (after the new one is complete)")
     args = parser.parse_args(argv)
-    run_cli(lambda: megatron_to_hf_dir(args.ckpt, args.out, args.max_shard_size, args.overwrite))
+    run_cli(lambda: megatron_to_hf_any(args.ckpt, args.out, args.max_shard_size, args.overwrite))
 
 
 if __name__ == "__main__":

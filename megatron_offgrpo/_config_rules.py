@@ -63,8 +63,9 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append(f"algo.dual_clip={a.dual_clip}: must be > 1 (or null)")
     if a.tis_cap is not None and a.tis_cap <= 0:
         errors.append(f"algo.tis_cap={a.tis_cap}: must be > 0 (or null)")
-    if config.train.save_every < 0 or config.train.eval_every < 0:
-        errors.append("train.save_every and train.eval_every must be >= 0 (0 = off)")
+    for key in ("train.save_every", "train.eval_every", "train.export_every"):
+        if _get(config, key) < 0:
+            errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
     return errors
 

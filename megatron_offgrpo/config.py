@@ -189,6 +189,9 @@ class TrainConfig:
     """Run directory: config, metrics (JSONL, TensorBoard), checkpoints, plots."""
     save_every: int = 50
     """Checkpoint every N steps (0: only at the end)."""
+    export_every: int = 0
+    """Also write the policy as a HF directory every N steps, out_dir/exports/step_N (0: only the final out_dir/hf,
+    which every run writes after its last step)."""
     eval_every: int = 0
     """Evaluate every N steps (0: never)."""
     eval_prompts: int = 200

@@ -1,7 +1,9 @@
 """Training checkpoints: megatron distributed checkpoint of model + optimizer, plus everything a resume needs.
 
 Layout of ``RUN/checkpoints/step_00000040/``: megatron ``dist_checkpointing`` files (model and optimizer, sharded by
-every rank), ``rng_rank{r}.pt`` (CPU and model-parallel RNG states of each rank) and ``trainer_state.json`` (step,
+every rank), ``rng_rank{r}.pt`` (CPU and model-parallel RNG states of each rank), ``offgrpo_model.json`` and
+``hf_extra/`` (the model's HF config, dtype, tokenizer and generation config: ``checkpoint_tools``' card, so
+``offgrpo convert megatron-to-hf`` exports the checkpoint without the recipe) and ``trainer_state.json`` (step,
 engine version, prompt-stream position, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
 by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete.
 """
@@ -13,10 +15,12 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, write_model_card
 
 logger = logging.getLogger(__name__)
 STATE = "trainer_state.json"
@@ -56,13 +60,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
     model_sd = model.sharded_state_dict()
     return {
-        "model": model_sd,
+        DIST_MODEL_KEY: model_sd,  # the part checkpoint_tools' HF export reads back
         "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading, metadata=OPTIM_META),
     }
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict[str, Any], keep: int = 2) -> Path:
-    """Save step ``step`` (collective: every rank calls it). Keeps the newest ``keep`` checkpoints."""
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict[str, Any], keep: int = 2, *,
+                    card: DistModelCard, extra_dirs: Sequence[Path] = ()) -> Path:
+    """Save step ``step`` (collective: every rank calls it). Keeps the newest ``keep`` checkpoints.
+
+    Args:
+        card: the model's description (``_weights.model_card``). extra_dirs: tokenizer / generation config sources.
+    """
     from megatron.core import dist_checkpointing
 
     root = Path(run_dir) / "checkpoints"
@@ -76,6 +85,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
     torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
+        write_model_card(tmp, card, extra_dirs)
         (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
         fd = os.open(tmp, os.O_RDONLY)
         os.fsync(fd)
@@ -97,7 +107,7 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
     path = Path(path)
     state = json.loads((path / STATE).read_text())
     loaded = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path))
-    model.load_state_dict(loaded["model"])
+    model.load_state_dict(loaded[DIST_MODEL_KEY])
     with torch.no_grad():  # fp32 params are their own main params: the optimizer copies into views of leaves
         optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"

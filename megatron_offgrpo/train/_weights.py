@@ -1,4 +1,5 @@
-"""The trainer's weights as HF buckets on global rank 0, for the engine refresh and the initial HF export.
+"""The trainer's weights as HF buckets on global rank 0, for the engine refresh and the HF exports (v0, the
+periodic and final exports of a run, the warm-up's result), and the description its checkpoints carry.
 
 Every pipeline stage streams its own layers (``checkpoint_tools.stream_hf_buckets``: TP-gathered one parameter at a
 time onto the stage's TP rank 0); stages other than the first send their buckets to global rank 0 point to point,
@@ -14,8 +15,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import stream_hf_buckets, write_hf
-from checkpoint_tools._io import copy_extra_files
+from checkpoint_tools import DistModelCard, stream_hf_buckets, write_hf
 from megatron_offgrpo.data._datasets import ASSETS
 from megatron_offgrpo.model import QwenArch, hf_config_dict
 from megatron_offgrpo.runtime import ParallelContext
@@ -77,11 +77,32 @@ def export_buckets(model, arch: QwenArch, ctx: ParallelContext, bucket_bytes: in
         _send_bucket(None, root)
 
 
+def source_hf_config(arch: QwenArch, source_dir: Path) -> dict:
+    """The HF config of an export: the arch over ``source_dir``'s config (token ids and other fields it lacks)."""
+    source_config = json.loads((source_dir / "config.json").read_text()) if (source_dir / "config.json").exists() else {}
+    return hf_config_dict(arch, source_config)
+
+
+def hf_extra_dirs(source_dir: Path) -> list[Path]:
+    """Where an export's generation config and tokenizer come from, in copy order: ``source_dir`` (the run's
+    ``model.hf_path``), then the bundled Qwen tokenizer when that directory has none."""
+    has_tokenizer = (source_dir / "tokenizer_config.json").exists()
+    return [source_dir] if has_tokenizer else [source_dir, ASSETS / "qwen2-tokenizer"]
+
+
+def model_card(model, arch: QwenArch, ctx: ParallelContext, source_dir: Path) -> DistModelCard:
+    """What a checkpoint of this run needs to be exported without the recipe (``checkpoint_tools``' format)."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return DistModelCard(source_hf_config(arch, source_dir), dtype,
+                         {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size})
+
+
 def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source_dir: Path) -> Path | None:
     """Write the model as a loadable HF directory (atomic) from global rank 0; collective. Returns it on rank 0.
 
     ``source_dir`` (the run's ``model.hf_path``) provides the config fields the arch does not hold (token ids,
-    ...), the generation config and the tokenizer; the bundled Qwen tokenizer fills in when it has none.
+    ...), the generation config and the tokenizer (``hf_extra_dirs``). An existing ``out`` is replaced only once
+    the new directory is complete.
     """
     buckets = export_buckets(model, arch, ctx)
     if ctx.rank != 0:
@@ -90,8 +111,5 @@ def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source
         return None
     dtype = next(model.parameters()).dtype
     pairs = (pair for bucket in buckets for pair in bucket)
-    source_config = json.loads((source_dir / "config.json").read_text()) if (source_dir / "config.json").exists() else {}
-    written = write_hf(out, arch, hf_config_dict(arch, source_config), pairs, lambda _: dtype, source_dir, overwrite=True)
-    if not (written / "tokenizer_config.json").exists():
-        copy_extra_files(ASSETS / "qwen2-tokenizer", written)
-    return written
+    return write_hf(out, arch, source_hf_config(arch, source_dir), pairs, lambda _: dtype, hf_extra_dirs(source_dir),
+                    overwrite=True)

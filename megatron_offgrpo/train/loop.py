@@ -1,4 +1,6 @@
-"""The off-policy GRPO driver: refresh every v steps, generate, score, advantages, optimise. No formulas here.
+"""The off-policy GRPO driver: refresh every v steps, generate, score, advantages, optimise, and at the end write
+the trained policy as a HF directory (``out_dir/hf``; ``out_dir/exports/step_N`` every ``train.export_every``).
+No formulas here.
 
     torchrun --nproc_per_node N -m megatron_offgrpo.train --config configs/tiny-cpu.yaml [key=value ...]
 """
@@ -21,6 +23,7 @@ from megatron_offgrpo.train._checkpoint import latest_checkpoint, load_checkpoin
 from megatron_offgrpo.train._setup import Run, setup_run
 from megatron_offgrpo.train._step import policy_step, token_logprobs
 from megatron_offgrpo.train._sync import refresh_engine, verify_engine
+from megatron_offgrpo.train._weights import export_hf_dir, hf_extra_dirs, model_card
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +127,27 @@ def train(config: Config) -> Path:
         if nonfinite >= cfg.train.max_nonfinite_steps:
             raise RuntimeError(f"{nonfinite} non-finite losses in a row (step {step}): stopping; lower optim.lr "
                                f"or check the data, then resume from {latest_checkpoint(cfg.train.out_dir)}")
-        done = step + 1
-        if (cfg.train.save_every and done % cfg.train.save_every == 0) or done == cfg.train.steps:
-            save_checkpoint(cfg.train.out_dir, done, run.policy.model, run.policy.optimizer,
-                            {"version": run.version, "stream": run.stream.state_dict(),
-                             "scheduler": run.policy.scheduler.state_dict()})
+        _persist(run, step + 1)
+    _export(run, Path(cfg.train.out_dir) / "hf")  # the trained policy, loadable by transformers
     run.close()
     return Path(cfg.train.out_dir)
+
+
+def _export(run: Run, out: Path) -> None:
+    """The current policy as a HF directory at ``out`` (atomic, replaces an older one; collective)."""
+    if export_hf_dir(run.policy.model, run.arch, run.ctx, out, Path(run.config.model.hf_path)) is not None:
+        logger.info("policy exported to %s", out)
+
+
+def _persist(run: Run, done: int) -> None:
+    """After ``done`` steps: the checkpoint (every save_every, and the last) and the periodic HF export (every
+    export_every before the last, whose export is ``out_dir/hf``). Collective."""
+    cfg = run.config.train
+    if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
+        source = Path(run.config.model.hf_path)
+        save_checkpoint(cfg.out_dir, done, run.policy.model, run.policy.optimizer,
+                        {"version": run.version, "stream": run.stream.state_dict(),
+                         "scheduler": run.policy.scheduler.state_dict()},
+                        card=model_card(run.policy.model, run.arch, run.ctx, source), extra_dirs=hf_extra_dirs(source))
+    if cfg.export_every and done % cfg.export_every == 0 and done < cfg.steps:
+        _export(run, Path(cfg.out_dir) / "exports" / f"step_{done:08d}")

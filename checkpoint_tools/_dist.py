@@ -1,0 +1,200 @@
+"""The trainer's megatron distributed checkpoints: their self-description and their export to a HF directory.
+
+``offgrpo train`` saves megatron ``dist_checkpointing`` directories (``RUN/checkpoints/step_N``), sharded by every
+rank of whatever TP x PP x DP layout (and distributed optimizer) the run used. Such a checkpoint is reshardable, so
+one process can read it back at TP1/PP1: build the model from the checkpoint's own description, load only the
+model part of the sharded state dict, stream it through the one weight map into ``write_hf``.
+
+Where this lives: checkpoint_tools, not train/. The reader needs only the model room (architecture, builder), the
+runtime room (a one-process gloo group and megatron's CPU layer) and this room's weight map, so both
+``python -m checkpoint_tools.megatron_to_hf`` and ``offgrpo convert megatron-to-hf`` accept a trainer checkpoint
+without checkpoint_tools importing train/ (which imports checkpoint_tools: that would be a cycle). The trainer
+writes its checkpoints' description through this module's public API (``DistModelCard``, ``write_model_card``,
+``DIST_MODEL_KEY``), so the format has one owner.
+
+A trainer checkpoint directory, besides megatron's files (``metadata.json``, ``common.pt``, ``*.distcp``):
+    offgrpo_model.json   {"format", "hf_config", "params_dtype", "layout"}: rebuilds the model without the recipe
+    hf_extra/            generation config and tokenizer files carried to the HF export
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from checkpoint_tools._convert import META, megatron_to_hf_dir, write_hf
+from checkpoint_tools._io import CheckpointError, copy_extra_files
+from checkpoint_tools._live import stream_hf_buckets
+from megatron_offgrpo.model import QwenArch, arch_from_hf_config
+
+logger = logging.getLogger(__name__)
+CARD = "offgrpo_model.json"
+CARD_FORMAT = "megatron-offgrpo-dist/1"
+DIST_METADATA = "metadata.json"  # written by megatron dist_checkpointing.save
+DIST_MODEL_KEY = "model"  # the model's part of the trainer's sharded state dict (the optimizer's is "optimizer")
+HF_EXTRA = "hf_extra"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistModelCard:
+    """What rebuilds the model of a trainer checkpoint without the recipe (``offgrpo_model.json``).
+
+    Attributes:
+        hf_config: the HF ``config.json`` of the architecture (with the source model's token ids).
+        params_dtype: dtype name of the saved parameters ("float32", "bfloat16"), and of the HF export.
+        layout: {"tp", "pp", "dp"} of the run that saved it (informational: loading reshards).
+    """
+
+    hf_config: dict
+    params_dtype: str
+    layout: dict
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' torch dtype."""
+        return getattr(torch, self.params_dtype)
+
+
+def write_model_card(directory: Path, card: DistModelCard, extra_dirs: Sequence[Path] = ()) -> None:
+    """Describe the model of the checkpoint being written at ``directory``; rank 0 only.
+
+    Args:
+        extra_dirs: where the generation config and tokenizer files come from, copied in order (later files win),
+            so the export never depends on the recipe's relative paths.
+    """
+    (directory / HF_EXTRA).mkdir(exist_ok=True)
+    for src in extra_dirs:
+        if src.is_dir():
+            copy_extra_files(src, directory / HF_EXTRA)
+    body = {"format": CARD_FORMAT, **dataclasses.asdict(card)}
+    (directory / CARD).write_text(json.dumps(body, indent=1))
+
+
+def read_model_card(directory: Path) -> DistModelCard:
+    """The card of a trainer checkpoint. Raises: CheckpointError naming the file when it is missing or corrupt."""
+    path = directory / CARD
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing: this trainer checkpoint predates HF export (resume the run with "
+                              "the current offgrpo to write a checkpoint that carries its model)")
+    try:
+        body = json.loads(path.read_text())
+        card = DistModelCard(body["hf_config"], body["params_dtype"], body["layout"])
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: corrupt model card ({type(exc).__name__}: {exc})") from None
+    if not isinstance(getattr(torch, card.params_dtype, None), torch.dtype):
+        raise CheckpointError(f"{path}: params_dtype={card.params_dtype!r} is not a torch dtype")
+    return card
+
+
+def checkpoint_kind(path: str | Path) -> str:
+    """"tools" (a checkpoint_tools TP x PP directory) or "trainer" (``RUN/checkpoints/step_N``).
+
+    Raises:
+        CheckpointError: one line naming the path when it is neither.
+    """
+    path = Path(path)
+    if (path / META).is_file():
+        return "tools"
+    if (path / DIST_METADATA).is_file():
+        return "trainer"
+    hint = ""
+    if (path / "checkpoints").is_dir():
+        hint = f" ({path} is a run directory: pass one of its checkpoints, {path}/checkpoints/step_N)"
+    elif path.name.endswith(".tmp"):
+        hint = " (an unfinished save: pass a complete step_N directory)"
+    raise CheckpointError(f"{path}: not a megatron checkpoint: expected a checkpoint_tools directory ({META}) or a "
+                          f"trainer checkpoint RUN/checkpoints/step_N ({DIST_METADATA}, {CARD}){hint}")
+
+
+def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights; the process group must exist."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_offgrpo.model import build_gpt_stage, transformer_config
+
+    # No random init: every parameter is overwritten by the load. CPU: the export streams from host memory.
+    config = transformer_config(arch, 1, 1, params_dtype=dtype, use_cpu_initialization=True,
+                                perform_initialization=False)
+    model = build_gpt_stage(arch, config, pre_process=True, post_process=True, use_te=False)
+    # Only the model's tensors are requested: the optimizer's part (any DP sharding) is left on disk.
+    try:
+        loaded = dist_checkpointing.load({DIST_MODEL_KEY: model.sharded_state_dict()}, str(ckpt))
+    except (CheckpointingException, CheckpointException) as exc:
+        raise CheckpointError(f"{ckpt}: megatron could not read the model part ({_reason(exc)}): the checkpoint "
+                              "is incomplete or corrupt") from None
+    model.load_state_dict(loaded[DIST_MODEL_KEY])
+    return model.eval()
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for a failed load: torch's ``CheckpointException`` wraps each rank's error with its traceback."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _single_process_group() -> bool:
+    """Start a one-process group and megatron's state at TP1/PP1 (with the CPU layer); True when started here.
+
+    Raises:
+        ValueError: already inside a group of several processes (the reader reshards in one process).
+    """
+    import torch.distributed as dist
+
+    from megatron_offgrpo.runtime import init_parallel
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ValueError(f"the trainer-checkpoint export runs in one process, not under torchrun "
+                             f"(world_size={dist.get_world_size()})")
+        return False
+    init_parallel(1, 1, backend="gloo")
+    return True
+
+
+def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3,
+                              overwrite: bool = False) -> Path:
+    """Export a trainer checkpoint of any TP x PP x DP layout to a HF directory at ``out`` (atomic, one process).
+
+    Raises:
+        CheckpointError: ``ckpt`` is not a complete trainer checkpoint. FileExistsError: ``out`` exists.
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    if checkpoint_kind(ckpt) != "trainer":
+        raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a trainer checkpoint")
+    card = read_model_card(ckpt)
+    arch = arch_from_hf_config(card.hf_config)
+    if out.exists() and not overwrite:  # before the load: fail in a second, not after reading the model
+        raise FileExistsError(f"{out} already exists: pass --overwrite to replace it, or choose another --out")
+    start = time.perf_counter()
+    started = _single_process_group()
+    try:
+        model = _load_model(ckpt, arch, card.dtype)
+        pairs = (pair for bucket in stream_hf_buckets(model, arch) for pair in bucket)
+        write_hf(out, arch, card.hf_config, pairs, lambda _: card.dtype, ckpt / HF_EXTRA, max_shard_bytes, overwrite)
+    finally:
+        if started:
+            from megatron_offgrpo.runtime import destroy_parallel
+
+            destroy_parallel()
+    logger.info("trainer checkpoint (saved at tp=%s pp=%s dp=%s) -> HF in %.2f s: %s", card.layout.get("tp"),
+                card.layout.get("pp"), card.layout.get("dp"), time.perf_counter() - start, out)
+    return out
+
+
+def megatron_to_hf_any(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3,
+                       overwrite: bool = False) -> Path:
+    """``megatron-to-hf`` for either kind of checkpoint (detected from its files)."""
+    if checkpoint_kind(ckpt) == "trainer":
+        return dist_checkpoint_to_hf_dir(ckpt, out, max_shard_bytes, overwrite)
+    return megatron_to_hf_dir(ckpt, out, max_shard_bytes, overwrite)
