@@ -24,7 +24,7 @@
 # Run (GPUs through the NVIDIA container toolkit; mount the models and a run directory):
 #   docker run --gpus all --ipc=host -v $PWD/runs:/workspace/megatron-offgrpo/runs megatron-offgrpo:0.1.0 offgrpo train --config configs/qwen2.5-0.5b-gsm8k.yaml
 #   docker run --gpus all --ipc=host megatron-offgrpo:0.1.0 torchrun --nproc_per_node 8 -m megatron_offgrpo.train --config configs/qwen2.5-0.5b-gsm8k.yaml
-#   docker run --gpus all --ipc=host --network host -e OFFGRPO_FLEET_TOKEN -v /models:/models megatron-offgrpo:0.1.0 offgrpo fleet start --model /models/Qwen2.5-0.5B-Instruct --host 0.0.0.0 --foreground --state-dir runs/fleet
+#   docker run --gpus all --ipc=host --network host -e OFFGRPO_FLEET_TOKEN -v /models:/models megatron-offgrpo:0.1.0 offgrpo fleet start --model /models/Qwen2.5-0.5B-Instruct --max-model-len 1024 --host 0.0.0.0 --foreground --state-dir runs/fleet
 #   docker run --gpus all megatron-offgrpo:0.1.0 python benchmarks/gpu_step.py --out runs/gpu-step
 #   docker run --gpus all megatron-offgrpo:0.1.0 python launch/check_image.py --torch-version-file /opt/offgrpo/torch-version --gpu
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3

@@ -13,19 +13,21 @@ from megatron_offgrpo.rollout._errors import FleetError, RefreshError, RefreshVe
 from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
+from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
 from megatron_offgrpo.rollout._launcher import (
     FleetSpec,
     fleet_status,
     is_loopback,
     is_this_machine,
     load_state,
-    merge_states,
     servers_of,
     start_fleet,
     stop_fleet,
 )
+from megatron_offgrpo.rollout._merge import merge_states
 from megatron_offgrpo.rollout._protocol import Buckets, ProbeEngine, RolloutEngine, WeightTransport, WorkerTarget
 from megatron_offgrpo.rollout._server import ServerClient
+from megatron_offgrpo.rollout._server_size import ServerSize, size_server
 from megatron_offgrpo.rollout._shm import SharedMemoryTransport
 from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES
 from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol
@@ -51,6 +53,7 @@ __all__ = [
     "RetryPolicy",
     "RolloutEngine",
     "ServerClient",
+    "ServerSize",
     "SharedMemoryTransport",
     "TransformersEngine",
     "WeightTransport",
@@ -59,6 +62,7 @@ __all__ = [
     "have_vllm",
     "is_loopback",
     "is_this_machine",
+    "kv_cache_bytes",
     "load_state",
     "make_engine",
     "make_probe_ids",
@@ -66,6 +70,7 @@ __all__ = [
     "probe_atol",
     "read_version_dir",
     "servers_of",
+    "size_server",
     "start_fleet",
     "stop_fleet",
     "verify_refresh",

@@ -19,10 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_offgrpo.rollout._auth import TOKEN_ENV
 from megatron_offgrpo.rollout._server import ServerClient
+from megatron_offgrpo.rollout._server_size import ServerSize, available_memory_bytes, fit_errors, read_hf_config, size_server
 from megatron_offgrpo.runtime import use_huge_pages
 
 EXTENSION = "megatron_offgrpo.rollout.OffgrpoWorkerExtension"
@@ -39,8 +40,11 @@ class FleetSpec:
         num_servers: servers to start (GPU: default one per ``tp`` visible GPUs). tp: GPUs per server.
         host: bind address (127.0.0.1 by default). base_port: first port (0: free ports).
         token: shared token; required when ``host`` is not loopback.
-        dtype: vLLM ``--dtype``. max_model_len: longest prompt + completion. served_model_name: the model name.
-        kv_cache_gib: CPU KV cache per server (``VLLM_CPU_KVCACHE_SPACE``). cpu_bind: "spread" pins server i to
+        dtype: vLLM ``--dtype``; None: the model's ``torch_dtype`` (a float32 checkpoint is served in float32).
+        max_model_len: longest prompt + completion; None: the model's ``max_position_embeddings``.
+        served_model_name: the model name. max_num_seqs: sequences each server decodes at once.
+        kv_cache_gib: KV cache per server (per GPU with tp > 1); None: room for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens (``kv_cache_bytes``). cpu_bind: "spread" pins server i to
             its share of the cores, "none" leaves placement to the OS. enforce_eager: no graphs/compilation.
         logprobs_mode: what the sampled tokens' log-probs are: "processed_logprobs" (default: log-softmax of the
             logits after temperature and top-k/top-p, i.e. of the distribution actually sampled from, which is what
@@ -55,10 +59,11 @@ class FleetSpec:
     host: str = "127.0.0.1"
     base_port: int = 0
     token: str | None = None
-    dtype: str = "auto"
-    max_model_len: int = 2048
+    dtype: str | None = None
+    max_model_len: int | None = None
     served_model_name: str = "policy"
-    kv_cache_gib: int = 1
+    max_num_seqs: int = 256
+    kv_cache_gib: float | None = None
     cpu_bind: str = "spread"
     enforce_eager: bool = True
     logprobs_mode: str = "processed_logprobs"
@@ -82,8 +87,25 @@ class FleetSpec:
             errors.append(f"logprobs_mode={self.logprobs_mode!r}: use 'processed_logprobs' or 'raw_logprobs'")
         if self.cpu_bind not in ("spread", "none"):
             errors.append(f"cpu_bind={self.cpu_bind!r}: use 'spread' or 'none'")
+        if not errors:
+            errors += self._fit_errors(gpus)
         if errors:
             raise ValueError("cannot start the fleet:\n  " + "\n  ".join(errors))
+
+    def _fit_errors(self, gpus: int) -> list[str]:
+        # Before any server starts (a 0.5B model's 32768 positions x 256 sequences is 96 GiB of KV cache per server).
+        try:
+            size = self.size()
+        except (ValueError, KeyError) as exc:
+            return [f"model_dir={self.model_dir}: cannot size the servers from its config.json: {exc}"]
+        if gpus:  # each server's KV cache sits on its own GPU(s)
+            return fit_errors(size, 1, _gpu_memory(), "GPU memory", self.max_model_len is None)
+        return fit_errors(size, self.num_servers, available_memory_bytes(), "MemAvailable", self.max_model_len is None)
+
+    def size(self) -> ServerSize:
+        """Each server's sequence length, dtype and KV cache: the fields given, the rest from the model's config."""
+        return size_server(read_hf_config(self.model_dir), self.max_model_len, self.dtype, self.max_num_seqs,
+                           self.kv_cache_gib, self.tp)
 
 
 def is_loopback(host: str) -> bool:
@@ -136,32 +158,50 @@ def _gpu_count() -> int:
         return 0
 
 
+def _gpu_memory() -> int | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    except Exception:
+        return None
+
+
 def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[list[str], dict[str, str], list[int] | None]:
     """(argv, environment, CPU cores to pin or None) of server ``index``."""
     model = Path(spec.model_dir).resolve()
+    size = spec.size()
+    # An explicit KV cache size: vLLM's default takes a fraction of the GPU (or of the host's RAM on CPU) whatever
+    # the model needs. The flag works on CPU too (vLLM >= 0.11; the fleet's is pinned to 0.32).
     argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", spec.host,
-            "--port", str(port), "--served-model-name", spec.served_model_name, "--dtype", spec.dtype,
-            "--max-model-len", str(spec.max_model_len), "--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE,
-            "--enable-scale-out", "--logprobs-mode", spec.logprobs_mode]
+            "--port", str(port), "--served-model-name", spec.served_model_name, "--dtype", size.dtype,
+            "--max-model-len", str(size.max_model_len), "--max-num-seqs", str(size.max_num_seqs),
+            "--kv-cache-memory-bytes", str(size.kv_cache_bytes), "--worker-extension-cls", EXTENSION,
+            "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", spec.logprobs_mode]
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     if not any((model / f).is_file() for f in TOKENIZER_FILES):
         argv.append("--skip-tokenizer-init")  # token ids in and out: the fleet never needs text
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     env.pop(TOKEN_ENV, None)
+    # vLLM-CPU lets this legacy variable (whole GiB) replace --kv-cache-memory-bytes: an inherited one would undo
+    # the size above.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     use_huge_pages(env)  # a refresh receives and repacks the whole model into fresh buffers
     if spec.token:
         env[TOKEN_ENV] = spec.token
     cores = None
     if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(index * spec.tp, (index + 1) * spec.tp))
+        # Index into the GPUs this process sees (CUDA_VISIBLE_DEVICES=4,5,6,7 gives server 0 GPU 4), so a fleet and a
+        # trainer can share a node, each with its own devices.
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()] or [str(g) for g in range(gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * spec.tp:(index + 1) * spec.tp])
         argv += ["--tensor-parallel-size", str(spec.tp)]
     else:
         allowed = sorted(os.sched_getaffinity(0))
         share = max(1, len(allowed) // spec.num_servers)
         cores = sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)}) if spec.cpu_bind == "spread" else None
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(spec.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   OMP_NUM_THREADS=str(share), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(share), VLLM_ENABLE_V1_MULTIPROCESSING="0")
         argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
     return argv + list(spec.extra_args), env, cores
 
@@ -219,7 +259,8 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         os.chmod(token_file, 0o600)
         token_file.write_text(spec.token)
     state: dict[str, Any] = {"model_dir": str(Path(spec.model_dir).resolve()), "served_model_name": spec.served_model_name,
-                             "token_file": str(token_file) if token_file else None, "servers": []}
+                             "token_file": str(token_file) if token_file else None, "size": dataclasses.asdict(spec.size()),
+                             "servers": []}
     for index in range(spec.num_servers):
         port = spec.base_port + index if spec.base_port else free_port(spec.host)
         argv, env, cores = server_command(spec, index, port, gpus)
@@ -339,44 +380,3 @@ def fleet_status(state_file: str | Path) -> list[dict[str, Any]]:
             row["version"] = f"? ({exc})"
         rows.append(row)
     return rows
-
-
-def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> dict[str, Any]:
-    """Write ``<target_dir>/fleet.json``: one client view of the servers of several fleets (e.g. one per node).
-
-    The trainer reads one fleet state (``rollout.fleet_state``); a multi-node job starts one fleet per node and
-    merges their states. The merged state keeps each server's name and URL but no pid (a pid means something
-    only on its own node), so ``stop_fleet`` refuses it and ``fleet_status`` reports health only.
-
-    Raises:
-        ValueError: no sources, or fleets that differ in model, served name or token, or share a server name/URL.
-        FileNotFoundError: a source has no fleet state.
-    """
-    if not sources:
-        raise ValueError("merge: give at least one source fleet state (the --state-dir of each `offgrpo fleet start`)")
-    states = [load_state(source) for source in sources]
-    errors = []
-    for key in ("model_dir", "served_model_name"):
-        values = sorted({str(state[key]) for state in states})
-        if len(values) > 1:
-            errors.append(f"{key} differs between the fleets ({values}): every fleet must serve the same model")
-    tokens = {Path(s["token_file"]).read_text().strip() if s.get("token_file") else None for s in states}
-    if len(tokens) > 1:
-        errors.append("the fleets have different tokens: start them with one token (the same $" + TOKEN_ENV + ")")
-    servers = [{k: server[k] for k in ("name", "url", "port", "log")} for state in states for server in state["servers"]]
-    for key in ("name", "url"):
-        values = [server[key] for server in servers]
-        if len(set(values)) != len(values):
-            errors.append(f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
-                          "host name (--host), not a loopback or wildcard address")
-    if errors:
-        raise ValueError("cannot merge the fleet states:\n  " + "\n  ".join(errors))
-    merged = {"model_dir": states[0]["model_dir"], "served_model_name": states[0]["served_model_name"],
-              "token_file": states[0].get("token_file"), "servers": servers,
-              "merged_from": [str(Path(source).resolve()) for source in sources]}
-    target = Path(target_dir)
-    target.mkdir(parents=True, exist_ok=True)
-    tmp = target / "fleet.json.tmp"
-    tmp.write_text(json.dumps(merged, indent=1))
-    os.replace(tmp, target / "fleet.json")  # readers (the trainer, status) never see a half-written file
-    return merged

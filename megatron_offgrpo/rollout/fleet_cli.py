@@ -20,7 +20,8 @@ import threading
 from pathlib import Path
 
 from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, merge_states, start_fleet, stop_fleet
+from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, start_fleet, stop_fleet
+from megatron_offgrpo.rollout._merge import merge_states
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 """Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
@@ -38,10 +39,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     start.add_argument("--base-port", type=int, default=0, help="first port (0: free ports)")
     start.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared token (default ${TOKEN_ENV})")
     start.add_argument("--new-token", action="store_true", help="generate a random token (stored 0600 in the state dir)")
-    start.add_argument("--dtype", default="auto")
-    start.add_argument("--max-model-len", type=int, default=2048)
+    start.add_argument("--dtype", default=None, help="vLLM dtype (default: the model's torch_dtype; float32 stays float32)")
+    start.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + completion (default: the model's max_position_embeddings)")
+    start.add_argument("--max-num-seqs", type=int, default=256, help="sequences each server decodes at once")
     start.add_argument("--served-model-name", default="policy")
-    start.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV cache per server")
+    start.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="KV cache per server, per GPU with --tp > 1 (default: room for --max-num-seqs sequences of --max-model-len)")
     start.add_argument("--cpu-bind", choices=["spread", "none"], default="spread")
     start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
     start.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1")
@@ -66,8 +70,10 @@ def _start(args: argparse.Namespace) -> int:
     num = args.num_servers or (max(1, gpus // args.tp) if gpus else 2)
     spec = FleetSpec(model_dir=args.model, num_servers=num, tp=args.tp, host=args.host, base_port=args.base_port, token=token,
                      dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                     kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind, extra_args=tuple(args.vllm_arg),
-                     python=args.python)
+                     max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
+                     extra_args=tuple(args.vllm_arg), python=args.python)
+    spec.validate(gpus)  # before the size line: a model without config.json fails here, naming it
+    print(f"{num} server(s): {spec.size().describe()}", flush=True)
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
     for server in state["servers"]:
         print(f"{server['name']}  pid {server['pid']}  {server['url']}  log {server['log']}")

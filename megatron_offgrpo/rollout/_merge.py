@@ -1,0 +1,52 @@
+"""One client view of several fleets (e.g. one per node of a Slurm job): ``offgrpo fleet merge``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_offgrpo.rollout._auth import TOKEN_ENV
+from megatron_offgrpo.rollout._launcher import load_state
+
+
+def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> dict[str, Any]:
+    """Write ``<target_dir>/fleet.json``: one client view of the servers of several fleets (e.g. one per node).
+
+    The trainer reads one fleet state (``rollout.fleet_state``); a multi-node job starts one fleet per node and
+    merges their states. The merged state keeps each server's name and URL but no pid (a pid means something
+    only on its own node), so ``stop_fleet`` refuses it and ``fleet_status`` reports health only.
+
+    Raises:
+        ValueError: no sources, or fleets that differ in model, served name or token, or share a server name/URL.
+        FileNotFoundError: a source has no fleet state.
+    """
+    if not sources:
+        raise ValueError("merge: give at least one source fleet state (the --state-dir of each `offgrpo fleet start`)")
+    states = [load_state(source) for source in sources]
+    errors = []
+    for key in ("model_dir", "served_model_name"):
+        values = sorted({str(state[key]) for state in states})
+        if len(values) > 1:
+            errors.append(f"{key} differs between the fleets ({values}): every fleet must serve the same model")
+    tokens = {Path(s["token_file"]).read_text().strip() if s.get("token_file") else None for s in states}
+    if len(tokens) > 1:
+        errors.append("the fleets have different tokens: start them with one token (the same $" + TOKEN_ENV + ")")
+    servers = [{k: server[k] for k in ("name", "url", "port", "log")} for state in states for server in state["servers"]]
+    for key in ("name", "url"):
+        values = [server[key] for server in servers]
+        if len(set(values)) != len(values):
+            errors.append(f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
+                          "host name (--host), not a loopback or wildcard address")
+    if errors:
+        raise ValueError("cannot merge the fleet states:\n  " + "\n  ".join(errors))
+    merged = {"model_dir": states[0]["model_dir"], "served_model_name": states[0]["served_model_name"],
+              "token_file": states[0].get("token_file"), "servers": servers,
+              "merged_from": [str(Path(source).resolve()) for source in sources]}
+    target = Path(target_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = target / "fleet.json.tmp"
+    tmp.write_text(json.dumps(merged, indent=1))
+    os.replace(tmp, target / "fleet.json")  # readers (the trainer, status) never see a half-written file
+    return merged

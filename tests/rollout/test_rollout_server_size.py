@@ -1,0 +1,74 @@
+"""Fleet servers sized from their model, without starting vLLM: derived length and dtype, the KV cache bytes on the
+server's command line, the memory check before any server starts, GPU placement within CUDA_VISIBLE_DEVICES."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megatron_offgrpo.rollout import FleetSpec, kv_cache_bytes, size_server
+from megatron_offgrpo.rollout import _launcher
+from megatron_offgrpo.rollout._launcher import server_command
+from megatron_offgrpo.rollout._server_size import GIB, read_hf_config
+from tests.helpers import REPO
+
+ASSETS = REPO / "megatron_offgrpo" / "assets"
+TINY_DEFAULT = ASSETS / "tiny-qwen2"  # max_position_embeddings 512, torch_dtype float32
+QWEN_05B = ASSETS / "qwen2.5-0.5b-config"  # 24 layers, 2 KV heads of 64, 32768 positions
+
+
+def test_tiny_default_is_served_at_its_length_and_dtype():
+    size = size_server(read_hf_config(TINY_DEFAULT), None, None, max_num_seqs=256)
+    # vLLM's defaults were max_model_len 2048 (> 512: refused) and dtype auto (bf16 for a float32 checkpoint)
+    assert (size.max_model_len, size.dtype) == (512, "float32")
+    # 2 (K and V) x 2 layers x 2 KV heads x 64 x 4 bytes = 2 KiB per token; x 512 tokens x 256 sequences = 256 MiB
+    assert size.kv_cache_bytes == 2 * 2 * 2 * 64 * 4 * 512 * 256 == 256 * 2**20
+    assert size.kv_cache_bytes == kv_cache_bytes(read_hf_config(TINY_DEFAULT), 512, 256, "float32")
+
+
+def test_given_values_win_and_tp_splits_the_kv_heads():
+    config = read_hf_config(QWEN_05B)
+    size = size_server(config, 1000, "bfloat16", max_num_seqs=64)
+    # 1000 tokens count as 1024 (whole 256-token blocks); 2 x 24 x 2 x 64 x 2 bytes = 12 KiB per token
+    assert (size.max_model_len, size.dtype) == (1000, "bfloat16") and size.kv_cache_bytes == 64 * 1024 * 12 * 1024
+    assert size_server(config, 1000, "bfloat16", 64, tp=2).kv_cache_bytes == size.kv_cache_bytes // 2  # 1 KV head per GPU
+    assert size_server(config, 1000, "bfloat16", 64, tp=4).kv_cache_bytes == size.kv_cache_bytes // 2  # replicated, not 0.5
+    assert size_server(config, 1000, "bfloat16", 64, kv_cache_gib=1.5).kv_cache_bytes == int(1.5 * GIB)
+
+
+def test_server_command_passes_the_size_and_drops_an_inherited_cpu_kv_space(tmp_path, monkeypatch):
+    shutil.copy(TINY_DEFAULT / "config.json", tmp_path / "config.json")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")  # vLLM-CPU would take it over the exact byte count
+    argv, env, _ = server_command(FleetSpec(model_dir=tmp_path, num_servers=1), 0, 8000, gpus=0)
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert flags["--dtype"] == "float32" and flags["--max-model-len"] == "512" and flags["--max-num-seqs"] == "256"
+    assert flags["--kv-cache-memory-bytes"] == str(256 * 2**20) and "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_gpu_servers_take_their_share_of_the_visible_gpus(tiny_dir, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the trainer keeps 0-3 on this node
+    spec = FleetSpec(model_dir=tiny_dir, num_servers=2, tp=2)
+    assert [server_command(spec, i, 8000, gpus=4)[1]["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["4,5", "6,7"]
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_start(tmp_path, monkeypatch):
+    shutil.copy(QWEN_05B / "config.json", tmp_path / "config.json")
+    monkeypatch.setattr(_launcher, "available_memory_bytes", lambda: 64 * GIB)
+    # float32 (the embedded config's dtype): 24 KiB per token x 32768 positions x 256 sequences = 192 GiB per server
+    with pytest.raises(ValueError) as caught:
+        FleetSpec(model_dir=tmp_path, num_servers=2).validate(gpus=0)
+    text = str(caught.value)
+    assert "KV cache 2 x 192.00 GiB = 384.0 GiB > MemAvailable 64.0 GiB" in text
+    assert "--max-model-len (now 32768, the model's max_position_embeddings" in text and "--max-num-seqs (now 256)" in text
+    FleetSpec(model_dir=tmp_path, num_servers=2, max_model_len=1024).validate(gpus=0)  # 6 GiB each: fits
+
+
+def test_a_config_without_positions_names_the_flag(tmp_path):
+    config = json.loads((TINY_DEFAULT / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no max_position_embeddings: give --max-model-len"):
+        FleetSpec(model_dir=tmp_path).validate(gpus=0)
+    FleetSpec(model_dir=tmp_path, max_model_len=256).validate(gpus=0)
