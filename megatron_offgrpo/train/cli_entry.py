@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -13,14 +12,11 @@ def main(argv: list[str] | None = None) -> None:
                                      "for more than one process).")
     parser.add_argument("--config", help="YAML recipe (configs/*.yaml); defaults apply without one")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of train.out_dir")
+    parser.add_argument("--verbose", action="store_true", help="also show megatron-core's and vLLM's INFO lines on "
+                        "the console (they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from megatron_offgrpo.config import ConfigError, load_config
-    from megatron_offgrpo.runtime import use_huge_pages
-    from megatron_offgrpo.train.loop import train
-
-    use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
 
     overrides = list(args.overrides) + (["train.resume=true"] if args.resume else [])
     try:
@@ -28,5 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    from megatron_offgrpo.train._logs import setup_logging
+
+    setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
+    from megatron_offgrpo.runtime import use_huge_pages
+    from megatron_offgrpo.train.loop import train
+
+    use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
     run_dir = train(config)
     print(f"run directory: {run_dir}  (plots: offgrpo report {run_dir})")
