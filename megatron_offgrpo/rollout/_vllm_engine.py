@@ -70,6 +70,7 @@ class VLLMEngine:
 
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
+        llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards
         llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
         hf_config = json.loads((model_dir / "config.json").read_text())
         llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype))

@@ -102,8 +102,10 @@ def train(config: Config) -> Path:
     cfg = run.config
     start_step, nonfinite = 0, 0
     ckpt = latest_checkpoint(cfg.train.out_dir) if cfg.train.resume else None
+    initial_eval: dict = {}
     if ckpt is None:
         verify_engine(run, 0)  # the engine started from the exported version 0: check it before sampling from it
+        initial_eval = _evaluate(run, "eval_start_")  # the policy before any update: what the run improves on
     else:
         state = load_checkpoint(ckpt, run.policy.model, run.policy.optimizer)
         start_step = state["step"]
@@ -117,10 +119,9 @@ def train(config: Config) -> Path:
         refresh_engine(run, start_step)
     for step in range(start_step, cfg.train.steps):
         metrics = train_one_step(run, step)
-        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and run.ctx.rank == 0:
-            # the engine serves the last pushed version: the accuracy of policy version `run.version`
-            metrics.update(evaluate(run.engine, run.eval_prompts, run.reward_fn, run.tokenizer,
-                                    cfg.rollout.max_new_tokens))
+        if step == start_step:
+            metrics.update(initial_eval)
+        metrics.update(_scheduled_eval(run, step + 1))
         nonfinite = nonfinite + 1 if metrics["skipped"] else 0
         if run.log is not None:
             run.log.log(step, metrics)
@@ -131,6 +132,26 @@ def train(config: Config) -> Path:
     _export(run, Path(cfg.train.out_dir) / "hf")  # the trained policy, loadable by transformers
     run.close()
     return Path(cfg.train.out_dir)
+
+
+def _scheduled_eval(run: Run, done: int) -> dict:
+    """Every ``train.eval_every`` steps: the accuracy of the engine's version (the last pushed, up to v - 1 steps
+    old); after the last step: of the trained policy itself, pushed to the engine for it. Collective."""
+    every, steps = run.config.train.eval_every, run.config.train.steps
+    if not every or (done % every and done != steps):
+        return {}
+    if done == steps:
+        refresh_engine(run, done)
+    return _evaluate(run)
+
+
+def _evaluate(run: Run, prefix: str = "eval_") -> dict:
+    """Greedy accuracy of the engine's weights on the eval prompts (rank 0; {} elsewhere or without train.eval_every)."""
+    cfg = run.config
+    if not cfg.train.eval_every or run.ctx.rank != 0:
+        return {}
+    result = evaluate(run.engine, run.eval_prompts, run.reward_fn, run.tokenizer, cfg.rollout.max_new_tokens)
+    return {f"{prefix}{key[len('eval_'):]}": value for key, value in result.items()} | {f"{prefix}version": run.version}
 
 
 def _export(run: Run, out: Path) -> None:
