@@ -92,24 +92,36 @@ def read_model_card(directory: Path) -> DistModelCard:
     return card
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself, or for a run directory (``RUN/checkpoints/step_N/...``) its newest complete checkpoint.
+
+    Raises:
+        CheckpointError: a run directory without a complete checkpoint (only ``.tmp`` saves, or none).
+    """
+    path = Path(path)
+    if not (path / "checkpoints").is_dir() or (path / META).is_file() or (path / DIST_METADATA).is_file():
+        return path
+    # a save is renamed from step_N.tmp into place only when every rank finished (train/_checkpoint.py)
+    done = sorted(p for p in (path / "checkpoints").glob("step_*") if not p.name.endswith(".tmp") and (p / DIST_METADATA).is_file())
+    if not done:
+        raise CheckpointError(f"{path}: a run directory without a complete checkpoint under {path / 'checkpoints'}")
+    return done[-1]
+
+
 def checkpoint_kind(path: str | Path) -> str:
-    """"tools" (a checkpoint_tools TP x PP directory) or "trainer" (``RUN/checkpoints/step_N``).
+    """"tools" (a checkpoint_tools TP x PP directory) or "trainer" (``RUN/checkpoints/step_N``, or ``RUN``: its newest).
 
     Raises:
         CheckpointError: one line naming the path when it is neither.
     """
-    path = Path(path)
+    path = resolve_checkpoint(path)
     if (path / META).is_file():
         return "tools"
     if (path / DIST_METADATA).is_file():
         return "trainer"
-    hint = ""
-    if (path / "checkpoints").is_dir():
-        hint = f" ({path} is a run directory: pass one of its checkpoints, {path}/checkpoints/step_N)"
-    elif path.name.endswith(".tmp"):
-        hint = " (an unfinished save: pass a complete step_N directory)"
-    raise CheckpointError(f"{path}: not a megatron checkpoint: expected a checkpoint_tools directory ({META}) or a "
-                          f"trainer checkpoint RUN/checkpoints/step_N ({DIST_METADATA}, {CARD}){hint}")
+    hint = " (an unfinished save: pass a complete step_N directory)" if path.name.endswith(".tmp") else ""
+    raise CheckpointError(f"{path}: not a megatron checkpoint: expected a checkpoint_tools directory ({META}), a "
+                          f"trainer checkpoint RUN/checkpoints/step_N ({DIST_METADATA}, {CARD}) or a run directory{hint}")
 
 
 def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
@@ -169,7 +181,7 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
     Raises:
         CheckpointError: ``ckpt`` is not a complete trainer checkpoint. FileExistsError: ``out`` exists.
     """
-    ckpt, out = Path(ckpt), Path(out)
+    ckpt, out = resolve_checkpoint(ckpt), Path(out)
     if checkpoint_kind(ckpt) != "trainer":
         raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a trainer checkpoint")
     card = read_model_card(ckpt)

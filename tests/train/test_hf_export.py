@@ -101,17 +101,21 @@ def test_checkpoint_tools_format_still_converts(tmp_path):
 
 
 def test_ckpt_kind_errors_name_the_path_and_the_fix(tmp_path):
-    from checkpoint_tools import CheckpointError, checkpoint_kind, dist_checkpoint_to_hf_dir
+    from checkpoint_tools import CheckpointError, checkpoint_kind, dist_checkpoint_to_hf_dir, resolve_checkpoint
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000002").mkdir(parents=True)
-    with pytest.raises(CheckpointError, match="run directory: pass one of its checkpoints"):
+    with pytest.raises(CheckpointError, match="a run directory without a complete checkpoint"):
         checkpoint_kind(run)
     with pytest.raises(CheckpointError, match="not a megatron checkpoint"):
         checkpoint_kind(tmp_path / "missing")
     older = run / "checkpoints" / "step_00000002"
     (older / "metadata.json").write_text("{}")  # megatron's files, but no card: saved before HF export existed
     assert checkpoint_kind(older) == "trainer"
+    assert checkpoint_kind(run) == "trainer" and resolve_checkpoint(run) == older  # a run: its newest complete save
+    (run / "checkpoints" / "step_00000004.tmp").mkdir()  # an unfinished later save is passed over
+    (run / "checkpoints" / "step_00000004.tmp" / "metadata.json").write_text("{}")
+    assert resolve_checkpoint(run) == older
     with pytest.raises(CheckpointError, match="offgrpo_model.json: missing"):
         dist_checkpoint_to_hf_dir(older, tmp_path / "out")
     assert not (tmp_path / "out").exists()
