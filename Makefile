@@ -33,11 +33,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job on the embedded default: a supervised warm-up of the tiny Qwen-architecture model on the arithmetic
-# task, then off-policy GRPO on it with the local engine, then the report (plots under runs/tiny-cpu/).
+# task (its teacher wrong on purpose), off-policy GRPO on it (v=4) with the local engine, the same on-policy (v=1) for
+# comparison, then the report of both (plots in runs/tiny-cpu/report.png). A second `make demo` moves the first's
+# runs aside (train.overwrite=true: runs/tiny-cpu.replaced-TIMESTAMP), deleting nothing.
 demo: setup
 	$(VENV)/bin/offgrpo sft --config configs/tiny-cpu-sft.yaml
-	$(VENV)/bin/offgrpo train --config configs/tiny-cpu.yaml
-	$(VENV)/bin/offgrpo report runs/tiny-cpu
+	$(VENV)/bin/offgrpo train --config configs/tiny-cpu.yaml train.overwrite=true
+	$(VENV)/bin/offgrpo train --config configs/tiny-cpu.yaml train.overwrite=true rollout.refresh_every=1 train.out_dir=runs/tiny-cpu-v1
+	$(VENV)/bin/offgrpo report runs/tiny-cpu runs/tiny-cpu-v1
 
 convert-demo: setup
 	$(VENV)/bin/offgrpo convert roundtrip

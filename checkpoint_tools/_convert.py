@@ -24,6 +24,7 @@ from checkpoint_tools._io import (
     CheckpointError,
     SafetensorsFiles,
     atomic_output_dir,
+    check_output,
     copy_extra_files,
     open_safetensors_dir,
     read_manifest,
@@ -62,10 +63,17 @@ class MegatronCheckpoint:
         meta_path = self.directory / META
         if not meta_path.is_file():
             raise CheckpointError(f"{meta_path}: missing: {self.directory} is not a complete megatron checkpoint")
-        meta = json.loads(meta_path.read_text())
-        self.hf_config: dict = meta["hf_config"]
+        try:
+            meta = json.loads(meta_path.read_text())
+            self.hf_config: dict = meta["hf_config"]
+            self.tp, self.pp = int(meta["tp"]), int(meta["pp"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{meta_path}: corrupt ({type(exc).__name__}: {exc})") from None
         self.arch: QwenArch = arch_from_hf_config(self.hf_config)
-        self.tp, self.pp = int(meta["tp"]), int(meta["pp"])
+        try:  # a layout no writer could produce (tp=-2 from an older, unchecked hf_to_megatron) is a corrupt file
+            check_layout(self.arch, self.tp, self.pp)
+        except ValueError as exc:
+            raise CheckpointError(f"{meta_path}: {exc}") from None
         manifest = read_manifest(self.directory)
         if manifest is None:
             raise CheckpointError(f"{self.directory}: no manifest: the checkpoint was not completely written")
@@ -109,6 +117,18 @@ class MegatronCheckpoint:
         return M.merge_tp([self._shards[(t, stage)][local] for t in range(self.tp)], rule.split)
 
 
+def check_layout(arch: QwenArch, tp: int, pp: int) -> None:
+    """Refuse a TP x PP layout before anything is read or written: sizes >= 1 that divide the model.
+
+    Raises:
+        ValueError: one naming the size (``tp``/``pp`` and the value) or the config field it does not divide.
+    """
+    for flag, size, what in (("tp", tp, "tensor"), ("pp", pp, "pipeline")):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{flag}={size!r}: the {what}-parallel size must be an integer >= 1")
+    arch.check_layout(tp, pp)  # after: a size of 0 would divide by zero there
+
+
 def write_megatron(
     out: Path,
     arch: QwenArch,
@@ -123,7 +143,7 @@ def write_megatron(
 
     Each rank file is streamed: one full tensor (and its TP shards) is in memory at a time.
     """
-    arch.check_layout(tp, pp)
+    check_layout(arch, tp, pp)
     with atomic_output_dir(out) as tmp:
         records = {}
         for p in range(pp):
@@ -156,9 +176,8 @@ def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int
     hf_dir, out = Path(hf_dir), Path(out)
     hf_config = _read_hf_config(hf_dir)
     arch = arch_from_hf_config(hf_config)
-    arch.check_layout(tp, pp)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists: choose another --out or remove it")
+    check_layout(arch, tp, pp)
+    check_output(out, hf_dir, overwrite=False, has_overwrite_flag=False)
     tensors = open_safetensors_dir(hf_dir)
     M.check_hf_names(tensors.names(), arch)
     start = time.perf_counter()
@@ -219,6 +238,7 @@ def write_hf(
 def megatron_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:
     """Convert a megatron checkpoint of any TP x PP layout into a HF directory at ``out``."""
     src = MegatronCheckpoint(ckpt)
+    check_output(Path(out), src.directory, overwrite)
     start = time.perf_counter()
     write_hf(Path(out), src.arch, src.hf_config, iter_hf_tensors(src.arch, src.full),
              lambda n: src.dtype(M.megatron_global_name_for_hf(n)), src.directory / "hf_extra", max_shard_bytes, overwrite)
@@ -230,7 +250,7 @@ def reshard_dir(ckpt: str | Path, out: str | Path, tp: int, pp: int) -> Path:
     """Rewrite a megatron checkpoint in another TP x PP layout (bit-exact)."""
     src = MegatronCheckpoint(ckpt)
     out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists: choose another --out or remove it")
+    check_layout(src.arch, tp, pp)
+    check_output(out, src.directory, overwrite=False, has_overwrite_flag=False)
     write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.dtype, src.directory / "hf_extra")
     return out

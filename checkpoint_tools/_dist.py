@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from checkpoint_tools._convert import META, megatron_to_hf_dir, write_hf
-from checkpoint_tools._io import CheckpointError, copy_extra_files
+from checkpoint_tools._io import CheckpointError, check_output, copy_extra_files
 from checkpoint_tools._live import stream_hf_buckets
 from megatron_offgrpo.model import QwenArch, arch_from_hf_config
 
@@ -186,8 +186,7 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
         raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a trainer checkpoint")
     card = read_model_card(ckpt)
     arch = arch_from_hf_config(card.hf_config)
-    if out.exists() and not overwrite:  # before the load: fail in a second, not after reading the model
-        raise FileExistsError(f"{out} already exists: pass --overwrite to replace it, or choose another --out")
+    check_output(out, ckpt, overwrite)  # before the load: fail in a second, not after reading the model
     start = time.perf_counter()
     started = _single_process_group()
     try:

@@ -6,9 +6,13 @@ Nothing here knows tensor names; ``_mapping`` does. Every error names the file (
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import uuid
 import zlib
 from pathlib import Path
@@ -25,6 +29,7 @@ from checkpoint_tools._safetensors_stream import (
     read_tensor,
 )
 
+logger = logging.getLogger(__name__)
 MANIFEST = "offgrpo_manifest.json"
 HF_INDEX = "model.safetensors.index.json"
 HF_EXTRA_FILES = (
@@ -58,9 +63,10 @@ def tensor_record(tensor: torch.Tensor, file: str) -> dict[str, Any]:
 def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``out`` to write into; rename it to ``out`` only when the block succeeds.
 
-    A crash or an exception leaves no directory at ``out`` (an interrupted run leaves a ``.tmp-`` sibling that no
-    reader mistakes for a checkpoint: it has no final name). With ``overwrite``, an existing ``out`` is replaced
-    only after the new one is complete.
+    A crash or an exception leaves no directory at ``out``. A run killed outright (SIGKILL, OOM killer) leaves its
+    ``.NAME.tmp-PID-HOST-HEX`` sibling, which no reader mistakes for a checkpoint (it has no final name); the next
+    write to the same ``out`` removes it once that PID is no longer running on this host. With ``overwrite``, an
+    existing ``out`` is replaced only after the new one is complete.
 
     Raises:
         FileExistsError: ``out`` exists and ``overwrite`` is False.
@@ -69,14 +75,15 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists: pass --overwrite to replace it, or choose another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sweep_stale_siblings(out)
+    tmp = out.parent / f".{out.name}.tmp-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
         _fsync_dir(tmp)
         old = None
         if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = out.parent / f".{out.name}.old-{_owner_tag()}-{uuid.uuid4().hex[:8]}"
             out.rename(old)
         tmp.rename(out)
         if old is not None:
@@ -84,6 +91,87 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _owner_tag() -> str:
+    """``PID-HOST``: who writes a temporary directory; HOST (CRC-32 of the hostname) keeps a shared filesystem's
+    other machines' PIDs from being judged by this machine's process table."""
+    return f"{os.getpid()}-{zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF:08x}"
+
+
+def _pid_running(pid: int) -> bool:
+    """True while ``pid`` is a live process here (a zombie counts as dead: it never writes again)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_stale_siblings(out: Path) -> list[Path]:
+    """Remove ``.NAME.tmp-*`` (and, once ``out`` exists, ``.NAME.old-*``) siblings of ``out`` left by killed writers.
+
+    Only directories whose PID is no longer running on this host are removed; a live writer's, another host's or an
+    unparsable one stays. ``.old-`` is kept while ``out`` is missing: a kill between the two renames of an overwrite
+    leaves it as the only copy. Names without a host (written before the host tag existed) are judged locally.
+    """
+    host = _owner_tag().split("-")[1]
+    removed = []
+    kinds = ("tmp", "old") if out.exists() else ("tmp",)
+    for kind in kinds:
+        for path in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
+            match = _STALE.fullmatch(path.name[len(out.name) + len(kind) + 3:])
+            if not match or not path.is_dir() or match["host"] not in (None, host) or _pid_running(int(match["pid"])):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("removed %s: left by a killed conversion (pid %s is no longer running)", path, match["pid"])
+            removed.append(path)
+    return removed
+
+
+_STALE = re.compile(r"(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?[0-9a-f]{8}")
+_MODEL_MARKERS = (MANIFEST, "config.json", "megatron_meta.json")
+
+
+def check_output(out: Path, source: Path, overwrite: bool, has_overwrite_flag: bool = True) -> None:
+    """Refuse, before any work, an ``--out`` that would delete or pollute ``source`` or replace unrelated files.
+
+    ``--overwrite`` replaces only an empty directory or an earlier output (a directory with an offgrpo manifest, a
+    HF ``config.json`` or a ``megatron_meta.json``): a directory of anything else is someone's data.
+
+    Args:
+        has_overwrite_flag: whether the command offers ``--overwrite`` (picks the fix the message suggests).
+
+    Raises:
+        ValueError: ``out`` is ``source``, contains it or lies inside it; or is a file or a directory of other files.
+        FileExistsError: ``out`` exists and ``overwrite`` is False.
+    """
+    out_real, src_real = out.resolve(), source.resolve()
+    if out_real == src_real:
+        raise ValueError(f"--out {out} is the source checkpoint itself: choose another --out")
+    if out_real in src_real.parents:
+        raise ValueError(f"--out {out} contains the source checkpoint {source}: replacing it would delete the source; "
+                         "choose another --out")
+    if src_real in out_real.parents:
+        raise ValueError(f"--out {out} is inside the source checkpoint {source}: choose an --out outside it")
+    if not out.exists():
+        return
+    if not overwrite:
+        fix = ("pass --overwrite to replace it, or choose another --out" if has_overwrite_flag
+               else "choose another --out or remove it")
+        raise FileExistsError(f"{out} already exists: {fix}")
+    if not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory: --overwrite replaces only a directory")
+    entries = sorted(p.name for p in out.iterdir())
+    if entries and not any((out / marker).is_file() for marker in _MODEL_MARKERS):
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ValueError(f"--out {out} holds files that are not a checkpoint ({shown}): --overwrite replaces only an "
+                         f"earlier output ({', '.join(_MODEL_MARKERS)}); choose another --out")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from checkpoint_tools._cli import run_cli
+from checkpoint_tools._cli import Parser, run_cli
 from checkpoint_tools._dist import megatron_to_hf_any
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
@@ -30,7 +30,7 @@ def parse_size(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True, help="megatron checkpoint directory: from hf_to_megatron/reshard, or a "
                         "trainer checkpoint RUN/checkpoints/step_N")
     parser.add_argument("--out", required=True, help="output HF directory (written atomically)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -12,6 +14,7 @@ CHOICES = {
     "model.precision": ("fp32", "bf16", "fp8"),
     "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
     "data.source": ("auto", "local", "hub"),
+    "data.prompt_format": ("chat", "plain"),
     "rollout.engine": ("auto", "fleet", "vllm", "transformers"),
     "rollout.transport": ("disk", "collective", "shm"),
     "rollout.behavior_logprobs": ("fleet", "recompute"),
@@ -25,7 +28,7 @@ CHOICES = {
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
             "rollout.bucket_mb", "optim.micro_batch_tokens", "train.steps", "train.max_nonfinite_steps",
-            "train.log_every", "data.max_prompt_tokens"]
+            "train.log_every", "train.eval_prompts", "data.max_prompt_tokens", "data.count"]
 
 
 def _get(config: "Config", key: str):
@@ -35,7 +38,9 @@ def _get(config: "Config", key: str):
 
 def collect_errors(config: "Config") -> list[str]:
     """All violated rules of ``config`` (empty when valid)."""
-    errors = []
+    errors = _nonfinite_errors(config)
+    if errors:  # every other rule compares numbers: a NaN passes them all
+        return errors
     for key, choices in CHOICES.items():
         if _get(config, key) not in choices:
             errors.append(f"{key}={_get(config, key)!r}: expected one of {list(choices)}")
@@ -47,6 +52,15 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
+    if r.top_p < 1 and (r.behavior_logprobs == "recompute" or r.engine in ("transformers", "auto")):
+        errors.append(f"rollout.top_p={r.top_p} needs the log-probs of the truncated distribution the tokens were "
+                      "sampled from, which only vLLM gives (rollout.engine=vllm or fleet, behavior_logprobs=fleet): "
+                      "anything else biases the importance ratio; or use top_p=1")
+    if r.verify_tolerance < 0:
+        errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0")
+    errors.extend(_optim_errors(config))
+    if config.data.max_operand < 0:
+        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 0")
     if r.engine == "fleet" and not r.fleet_state:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport in ("collective", "shm") and r.engine != "fleet":
@@ -57,6 +71,8 @@ def collect_errors(config: "Config") -> list[str]:
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
     if m.init == "hf" and not m.hf_path:
         errors.append("model.hf_path is empty: give a HF model directory or hub id")
+    if not 0 <= config.sft.off_by_one_fraction <= 1:
+        errors.append(f"sft.off_by_one_fraction={config.sft.off_by_one_fraction}: must be in [0, 1]")
     if a.kl_beta < 0 or a.eps_low < 0 or a.eps_high < 0 or a.tau < 0:
         errors.append("algo.kl_beta, algo.eps_low, algo.eps_high, algo.tau must be >= 0")
     if a.dual_clip is not None and a.dual_clip <= 1:
@@ -67,6 +83,34 @@ def collect_errors(config: "Config") -> list[str]:
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
+    return errors
+
+
+def _nonfinite_errors(config: "Config") -> list[str]:
+    errors = []
+    for section in dataclasses.fields(config):
+        for field in dataclasses.fields(getattr(config, section.name)):
+            value = getattr(getattr(config, section.name), field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                errors.append(f"{section.name}.{field.name}={value}: must be a finite number")
+    return errors
+
+
+def _optim_errors(config: "Config") -> list[str]:
+    o = config.optim
+    errors = []
+    if o.lr <= 0:
+        errors.append(f"optim.lr={o.lr}: must be > 0")
+    if not 0 <= o.min_lr <= max(o.lr, 0):
+        errors.append(f"optim.min_lr={o.min_lr}: must be in [0, optim.lr={o.lr}] (the cosine schedule decays to it)")
+    if o.warmup_steps < 0:  # a warm-up longer than the run is fine: a short trial run of a long recipe
+        errors.append(f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            errors.append(f"optim.{key}={getattr(o, key)}: must be in [0, 1)")
+    for key in ("weight_decay", "clip_grad"):
+        if getattr(o, key) < 0:
+            errors.append(f"optim.{key}={getattr(o, key)}: must be >= 0 (0: off)")
     return errors
 
 

@@ -67,8 +67,11 @@ class DataConfig:
     """Largest operand (arithmetic only)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this are an error."""
+    prompt_format: str = "chat"
+    """"chat": the tokenizer's chat template; "plain": system prompt, question and instruction as plain lines, no
+    special tokens (base models)."""
     system_prompt: str | None = None
-    """System message (None: the tokenizer template's default)."""
+    """System message (None: the tokenizer template's default; none in the plain format)."""
     instruction: str = "Solve the problem. Put the final numeric answer after '####'."
     """Appended to every question."""
     reward: str = "math_exact"
@@ -197,13 +200,26 @@ class TrainConfig:
     eval_prompts: int = 200
     """Prompts per evaluation."""
     resume: bool = False
-    """Continue from the newest checkpoint in out_dir."""
+    """Continue from the newest complete checkpoint in out_dir (step 0, saying so, when there is none)."""
+    overwrite: bool = False
+    """A new run (no resume) into an out_dir that holds an earlier run: false refuses; true first moves the earlier
+    run aside to OUT_DIR.replaced-TIMESTAMP (nothing is deleted)."""
     deterministic: bool = False
     """Deterministic algorithms (CPU: bit-reproducible resume)."""
     max_nonfinite_steps: int = 3
     """Stop after this many non-finite losses in a row (each one is skipped and logged)."""
     log_every: int = 1
     """Console log interval."""
+
+
+@dataclasses.dataclass
+class SftConfig:
+    """The supervised warm-up (`offgrpo sft` only)."""
+
+    off_by_one_fraction: float = 0.0
+    """Fraction of warm-up answers given as the ground truth plus one (integer answers only): a teacher that is wrong
+    more often than right leaves a model that samples the right answer but does not decode it greedily, which the
+    demo's RL stage then learns from the reward alone. 0: always the ground truth."""
 
 
 @dataclasses.dataclass
@@ -217,6 +233,7 @@ class Config:
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    sft: SftConfig = dataclasses.field(default_factory=SftConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (saved with every run)."""
@@ -290,7 +307,10 @@ def parse_override(text: str) -> dict[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not key=value (e.g. rollout.refresh_every=4)")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"override {text!r}: the value is not a YAML scalar or list (quote it)") from None
     out: dict[str, Any] = {}
     node = out
     parts = key.strip().split(".")
@@ -311,7 +331,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config recipe {path} not found")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
         _apply(config, data, "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 from typing import Sequence
@@ -27,21 +28,46 @@ class QARecord:
     answer: str
 
 
-def _from_rows(rows: Sequence[dict], prefix: str, question_key: str, answer_key: str) -> list[QARecord]:
+def _text(value: object, where: str, key: str) -> str:
+    """A question/answer cell as text. Numbers (answers stored as ints) convert; a null, an empty or a non-text cell
+    is refused here, naming the row: as a string ('None', '') it would fail at the first scoring, naming nothing."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)
+    if isinstance(value, str) and value.strip():
+        return value
+    shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+    raise ValueError(f"{where}: {key!r} is {shown}; expected a non-empty string or a number")
+
+
+def _from_rows(rows: Sequence[dict], prefix: str, question_key: str, answer_key: str, source: str) -> list[QARecord]:
+    """Records named ``prefix/i``; errors name ``source`` (the file or hub id) and the row index ``i``."""
     records = []
     for i, row in enumerate(rows):
+        where = f"{source} row {i}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object with the question and answer, got {type(row).__name__}")
         if question_key not in row or answer_key not in row:
             raise ValueError(
-                f"{prefix} row {i} has keys {sorted(row)}; expected {question_key!r} and {answer_key!r} "
+                f"{where} has keys {sorted(row)}; expected {question_key!r} and {answer_key!r} "
                 f"(set data.question_key / data.answer_key)"
             )
-        records.append(QARecord(f"{prefix}/{i}", str(row[question_key]), str(row[answer_key])))
+        records.append(QARecord(f"{prefix}/{i}", _text(row[question_key], where, question_key),
+                                _text(row[answer_key], where, answer_key)))
     return records
 
 
+def _in_package(path: Path) -> Path:
+    """This package's copy of ``megatron_offgrpo/assets/...`` (as recipes write it) when the working directory has
+    none, so that a recipe runs from any directory; any other path as given."""
+    if path.exists() or path.parts[:2] != ("megatron_offgrpo", "assets"):
+        return path
+    bundled = ASSETS.joinpath(*path.parts[2:])
+    return bundled if bundled.exists() else path
+
+
 def load_local(path: str | Path, question_key: str = "question", answer_key: str = "answer") -> list[QARecord]:
-    """Records from a local ``.jsonl`` / ``.json`` / ``.parquet`` file."""
-    path = Path(path)
+    """Records from a local ``.jsonl`` / ``.json`` / ``.parquet`` file (``megatron_offgrpo/assets/...``: bundled)."""
+    path = _in_package(Path(path))
     if not path.is_file():
         raise FileNotFoundError(f"{path}: dataset file not found")
     if path.suffix == ".parquet":
@@ -58,7 +84,7 @@ def load_local(path: str | Path, question_key: str = "question", answer_key: str
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
-    return _from_rows(rows, path.stem, question_key, answer_key)
+    return _from_rows(rows, path.stem, question_key, answer_key, str(path))
 
 
 def load_hub(name: str, split: str, question_key: str = "question", answer_key: str = "answer") -> list[QARecord]:
@@ -67,7 +93,7 @@ def load_hub(name: str, split: str, question_key: str = "question", answer_key: 
 
     repo, config = HUB_IDS.get(name, (name, None))
     rows = datasets.load_dataset(repo, config, split=split)
-    return _from_rows(rows, f"{name}/{split}", question_key, answer_key)
+    return _from_rows(rows, f"{name}/{split}", question_key, answer_key, f"hub dataset {repo} split {split}")
 
 
 def arithmetic_records(count: int, seed: int, max_operand: int = 20) -> list[QARecord]:

@@ -1,4 +1,4 @@
-"""Prompts for the fleet: chat template from the tokenizer, and a resumable, epoch-shuffled prompt stream."""
+"""Prompts for the fleet: chat template from the tokenizer (or plain text for base models), and a resumable, epoch-shuffled prompt stream."""
 
 from __future__ import annotations
 
@@ -9,23 +9,33 @@ from megatron_offgrpo.data._datasets import QARecord
 from megatron_offgrpo.data._types import Prompt
 
 DEFAULT_INSTRUCTION = "Solve the problem. Put the final numeric answer after '####'."
+PROMPT_FORMATS = ("chat", "plain")
 
 
 def build_prompt(record: QARecord, tokenizer, system_prompt: str | None = None,
-                 instruction: str = DEFAULT_INSTRUCTION, max_prompt_tokens: int | None = None) -> Prompt:
-    """Tokenise one record with the tokenizer's chat template (generation prompt appended).
+                 instruction: str = DEFAULT_INSTRUCTION, max_prompt_tokens: int | None = None,
+                 prompt_format: str = "chat") -> Prompt:
+    """Tokenise one record: with the tokenizer's chat template (generation prompt appended), or as ``plain`` text
+    (system prompt, question and instruction on their own lines, no special tokens: base-model style).
 
     Raises:
-        ValueError: the tokenizer has no chat template, or the prompt is longer than ``max_prompt_tokens``.
+        ValueError: an unknown format, a chat format with a tokenizer without a chat template, or a prompt longer
+            than ``max_prompt_tokens``.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat_template; use a chat/instruct tokenizer (e.g. Qwen2.5's)")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": f"{record.question}\n{instruction}".strip()}
-    ]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 may return a BatchEncoding
-        ids = ids["input_ids"]
+    user = f"{record.question}\n{instruction}".strip()
+    if prompt_format == "plain":
+        ids = tokenizer.encode(f"{system_prompt}\n{user}" if system_prompt else user, add_special_tokens=False)
+    elif prompt_format == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template; use a chat/instruct tokenizer (e.g. Qwen2.5's) "
+                             "or data.prompt_format=plain")
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": user}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        raise ValueError(f"prompt format {prompt_format!r}: expected one of {list(PROMPT_FORMATS)}")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise ValueError(f"prompt {record.record_id} has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
     return Prompt(record.record_id, tuple(int(i) for i in ids), record.question, record.answer)

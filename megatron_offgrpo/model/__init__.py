@@ -7,6 +7,7 @@ from megatron_offgrpo.model._arch import (
     arch_from_hf_config,
     hf_config_dict,
     load_arch,
+    resolve_model_dir,
 )
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "load_arch",
     "output_weight",
     "qwen_layer_spec",
+    "resolve_model_dir",
     "transformer_config",
 ]
 

@@ -2,17 +2,26 @@
 
 One job: decide whether a HF ``config.json`` describes a model we can represent exactly, and say which field is
 not when it is not. Qwen2/Qwen2.5 (GQA, qkv bias, SwiGLU, RMSNorm, rope theta, tied or untied embeddings) and
-Qwen3 (q/k RMSNorm over head_dim, no qkv bias by default, explicit head_dim).
+Qwen3 (q/k RMSNorm over head_dim, no qkv bias by default, explicit head_dim). ``resolve_model_dir`` finds that
+config (and the weights beside it) for a ``model.hf_path``: a directory, a bundled asset or a hub id.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSET_PREFIX = ("megatron_offgrpo", "assets")  # how recipes name bundled files: relative to the repository root
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]  # config, weights, tokenizer; no READMEs or .bin
 
 
 class UnsupportedConfigError(ValueError):
@@ -145,9 +154,56 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> QwenArch:
     )
 
 
+def bundled_asset(path: Path) -> Path | None:
+    """This package's copy of ``megatron_offgrpo/assets/...`` (as recipes write it), whatever the working directory."""
+    if path.parts[: len(ASSET_PREFIX)] != ASSET_PREFIX:
+        return None
+    candidate = ASSETS.joinpath(*path.parts[len(ASSET_PREFIX):])
+    return candidate if candidate.exists() else None
+
+
+def resolve_model_dir(path_or_id: str | Path) -> Path:
+    """The local path of ``model.hf_path``: an existing path as is, then a bundled asset, then a hub id.
+
+    A hub id (``owner/name``) comes from the HF cache, fetched first when online (config, tokenizer, safetensors).
+
+    Raises:
+        FileNotFoundError: the path does not exist and is not a hub id, or the hub cannot provide the id (offline,
+            no network, unknown or gated repo); the message names it and says how to fix it.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        return path
+    bundled = bundled_asset(path)
+    if bundled is not None:
+        return bundled
+    if not HUB_ID.fullmatch(str(path_or_id)):
+        raise FileNotFoundError(f"{path_or_id}: no such file or directory (give a HF model directory or a hub id "
+                                f"like Qwen/Qwen2.5-0.5B-Instruct)")
+    return _fetch(str(path_or_id))
+
+
+def _fetch(repo_id: str) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    logger.info("model %s: not a local path; fetching it from the HF hub (or its cache)", repo_id)
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (OSError, ValueError) as exc:  # the hub's errors: offline, no network, unknown/gated repo, invalid id
+        if isinstance(exc, LocalEntryNotFoundError):  # the hub could not be asked and the cache has no copy
+            why = "HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+            reason = f"{why} and it is not in the HF cache"
+        else:
+            reason = f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
+        raise FileNotFoundError(f"{repo_id}: not a local directory, and the HF hub cannot provide it "
+                                f"({reason}); on a machine with network run `hf download {repo_id} --local-dir DIR` "
+                                f"and pass that DIR instead") from None
+
+
 def load_arch(path: str | Path) -> QwenArch:
-    """Read the arch from a HF model directory or a ``config.json`` path."""
-    path = Path(path)
+    """Read the arch from a HF model directory or a ``config.json`` path (or what ``resolve_model_dir`` accepts)."""
+    path = resolve_model_dir(path)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: no HF config.json found (expected a HF model directory)")

@@ -39,6 +39,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step a complete checkpoint was taken after."""
+    return int(json.loads((Path(path) / STATE).read_text())["step"])
+
+
+def sweep_partial_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Remove the ``step_X.tmp`` directories a killed save left (never loadable: the rename is the commit); returns
+    them. Only the run's rank 0 calls it, before the run writes any checkpoint."""
+    swept = sorted((Path(run_dir) / "checkpoints").glob("step_*.tmp"))
+    for path in swept:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.warning("removed %s, left by a checkpoint save that was interrupted", path)
+    return swept
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

@@ -32,6 +32,7 @@ class MetricsLog:
         self._file = open(self.path, "a", buffering=1)
         self._total = total_steps
         self._start = time.time()
+        self._first, self._resumed_wall = 0, 0.0  # a resumed run: its first step, the wall-clock it had reached
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -39,6 +40,20 @@ class MetricsLog:
         except ImportError:  # tensorboard is optional: JSONL holds everything
             self._tb = None
             logger.info("tensorboard not installed: metrics go to %s only", self.path)
+
+    def resume_at(self, step: int) -> None:
+        """Continue a resumed run at ``step``: the records of later steps (logged after the checkpoint the run resumes
+        from, before it stopped) are dropped, since the run logs them again, and wall-clock continues from the last
+        record kept."""
+        self._file.close()
+        kept = [r for r in (json.loads(x) for x in self.path.read_text().splitlines() if x.strip()) if r["step"] < step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+        tmp.replace(self.path)
+        self._file = open(self.path, "a", buffering=1)
+        self._resumed_wall = kept[-1]["wall_s"] if kept else 0.0
+        self._start = time.time() - self._resumed_wall
+        self._first = step
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record one step and print its progress line."""
@@ -50,7 +65,8 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
         done = step + 1
-        eta = (time.time() - self._start) / max(done, 1) * (self._total - done)
+        elapsed = time.time() - self._start - self._resumed_wall  # this process's time: the ETA's rate
+        eta = elapsed / max(done - self._first, 1) * (self._total - done)
         line = (f"[{done:>5}/{self._total}] reward {values.get('reward_mean', float('nan')):.3f} "
                 f"acc {values.get('accuracy', float('nan')):.3f} loss {values.get('loss', float('nan')):+.4f} "
                 f"masked {values.get('masked_group_fraction', 0):.2f} clip {values.get('clip_fraction', 0):.3f} "

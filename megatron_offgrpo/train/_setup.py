@@ -15,8 +15,9 @@ from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import PromptStream, SamplingParams, build_prompt, get_reward, load_records
 from megatron_offgrpo.data._datasets import ASSETS
-from megatron_offgrpo.model import QwenArch, load_arch
+from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
+from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._policy import Policy, build_policy, frozen_copy
 from megatron_offgrpo.train.builders import advantage_params, objective_params, sampling_params
@@ -59,18 +60,20 @@ class Run:
 
 
 def load_tokenizer(hf_path: str):
-    """The model directory's tokenizer, or the bundled Qwen2.5 tokenizer when the directory has none."""
+    """The model directory's tokenizer, or the bundled Qwen2.5 tokenizer when the directory has none (``hf_path``:
+    anything ``resolve_model_dir`` accepts)."""
     import transformers
 
-    has_own = (Path(hf_path) / "tokenizer_config.json").exists() or not Path(hf_path).exists()
-    return transformers.AutoTokenizer.from_pretrained(hf_path if has_own else ASSETS / "qwen2-tokenizer")
+    model_dir = resolve_model_dir(hf_path)
+    has_own = (model_dir / "tokenizer_config.json").exists()
+    return transformers.AutoTokenizer.from_pretrained(model_dir if has_own else ASSETS / "qwen2-tokenizer")
 
 
 def _prompts(config: Config, tokenizer, split: str):
     d = config.data
     records = load_records(d.name, split, d.source, d.path, question_key=d.question_key, answer_key=d.answer_key,
                            count=d.count, seed=config.parallel.seed, max_operand=d.max_operand)
-    return [build_prompt(r, tokenizer, d.system_prompt, d.instruction, d.max_prompt_tokens) for r in records]
+    return [build_prompt(r, tokenizer, d.system_prompt, d.instruction, d.max_prompt_tokens, d.prompt_format) for r in records]
 
 
 def _write_run_info(run_dir: Path, config: Config, ctx: ParallelContext, arch: QwenArch) -> None:
@@ -91,6 +94,7 @@ def setup_run(config: Config) -> Run:
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
     torch.use_deterministic_algorithms(config.train.deterministic)
     run_dir = Path(config.train.out_dir)
+    config.model.hf_path = str(resolve_model_dir(config.model.hf_path))  # once: hub id / bundled asset -> dir
     arch = load_arch(config.model.hf_path)
     policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
     tokenizer = load_tokenizer(config.model.hf_path)
@@ -107,6 +111,7 @@ def setup_run(config: Config) -> Run:
         run.reference = frozen_copy(policy.model, arch, ctx, config.model)
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+        sweep_partial_checkpoints(run_dir)
         _write_run_info(run_dir, config, ctx, arch)
     v0 = export_hf_dir(policy.model, arch, ctx, run_dir / "weights" / "v0", Path(config.model.hf_path))
     if ctx.rank == 0:

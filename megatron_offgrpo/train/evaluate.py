@@ -23,14 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    from megatron_offgrpo.config import load_config
     from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.model import resolve_model_dir
     from megatron_offgrpo.train._eval import evaluate
     from megatron_offgrpo.train._rollout_side import make_rollout_engine
+    from megatron_offgrpo.train._preflight import config_or_exit
     from megatron_offgrpo.train._setup import _prompts, load_tokenizer
 
-    config = load_config(args.config, args.overrides)
-    model = args.model or config.model.hf_path
+    config = config_or_exit(args.config, args.overrides, args.model)
+    model = resolve_model_dir(args.model or config.model.hf_path)
     kind = args.engine or config.rollout.engine
     tokenizer = load_tokenizer(model)
     prompts = _prompts(config, tokenizer, config.data.eval_split)[: args.prompts or config.train.eval_prompts]

@@ -10,6 +10,7 @@ so the warm-up reuses ``policy_step`` and the fused kernel unchanged. The result
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 from megatron_offgrpo.algo import ObjectiveParams
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, extract_answer
-from megatron_offgrpo.model import load_arch
+from megatron_offgrpo.model import load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._policy import build_policy
@@ -30,26 +31,39 @@ logger = logging.getLogger(__name__)
 SFT_OBJECTIVE = ObjectiveParams(objective="gpg")
 
 
-def reference_sample(prompt: Prompt, index: int, tokenizer) -> Sample:
-    """The prompt answered with its ground truth in the format the reward checks (``#### N`` then EOS)."""
+def reference_sample(prompt: Prompt, index: int, tokenizer, off_by_one: bool = False) -> Sample:
+    """The prompt answered in the format the reward checks (``#### N`` then EOS): N is the ground truth, or the ground
+    truth plus one where ``off_by_one`` (the deliberately wrong teacher of ``sft.off_by_one_fraction``)."""
     answer = extract_answer(prompt.answer or "")
     if answer is None:
         raise ValueError(f"prompt {prompt.prompt_id}: no numeric ground truth to warm up on")
+    if off_by_one:
+        if not answer.lstrip("-").isdigit():
+            raise ValueError(f"prompt {prompt.prompt_id}: sft.off_by_one_fraction needs integer answers, got {answer!r}")
+        answer = str(int(answer) + 1)
     ids = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
     return Sample(prompt.prompt_id, index, list(prompt.prompt_ids), ids, [0.0] * len(ids), 0, "stop", reward=1.0)
+
+
+def teacher_batch(prompts: list[Prompt], tokenizer, teacher: random.Random, off_by_one_fraction: float) -> list[Sample]:
+    """The warm-up answers of one step: each the ground truth, or with probability ``off_by_one_fraction`` (drawn
+    from ``teacher``, its own stream so that the prompt order does not depend on the fraction) the ground truth + 1."""
+    return [reference_sample(p, i, tokenizer, teacher.random() < off_by_one_fraction) for i, p in enumerate(prompts)]
 
 
 def sft(config: Config) -> Path:
     """Warm up the model of ``config`` for ``train.steps`` steps; returns the HF directory written."""
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
+    config.model.hf_path = str(resolve_model_dir(config.model.hf_path))  # once: hub id / bundled asset -> dir
     arch = load_arch(config.model.hf_path)
     policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
     tokenizer = load_tokenizer(config.model.hf_path)
     stream = PromptStream(_prompts(config, tokenizer, config.data.split), config.parallel.seed)
     batch = config.rollout.prompts_per_step * config.rollout.group_size
+    teacher = random.Random(config.parallel.seed + 1)
     start = time.time()
     for step in range(config.train.steps):
-        samples = [reference_sample(p, i, tokenizer) for i, p in enumerate(stream.next_batch(batch))]
+        samples = teacher_batch(stream.next_batch(batch), tokenizer, teacher, config.sft.off_by_one_fraction)
         ones = torch.ones(len(samples), dtype=torch.float64)
         mbs = build_microbatches(samples, ones, torch.ones(len(samples), dtype=torch.bool), 1, ctx.dp_rank,
                                  ctx.dp_size, config.optim.micro_batch_tokens, device=ctx.device)

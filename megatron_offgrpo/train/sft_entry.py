@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,13 +14,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.config import ConfigError, load_config
+    from megatron_offgrpo.train._preflight import config_or_exit
 
-    try:
-        config = load_config(args.config, args.overrides)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    config = config_or_exit(args.config, args.overrides)
     from megatron_offgrpo.train._logs import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns

@@ -26,6 +26,16 @@ def test_gsm8k_prompt_uses_chat_template(tokenizer):
     assert record.question in text and prompt.answer == record.answer
 
 
+def test_plain_prompt_is_the_text_without_special_tokens(tokenizer):
+    record = arithmetic_records(1, seed=0)[0]
+    prompt = build_prompt(record, tokenizer, instruction="", prompt_format="plain")
+    assert tokenizer.decode(prompt.prompt_ids) == record.question  # "What is a + b?": no template, no special token
+    with_system = build_prompt(record, tokenizer, system_prompt="Add.", instruction="Answer.", prompt_format="plain")
+    assert tokenizer.decode(with_system.prompt_ids) == f"Add.\n{record.question}\nAnswer."
+    with pytest.raises(ValueError, match="expected one of \\['chat', 'plain'\\]"):
+        build_prompt(record, tokenizer, prompt_format="raw")
+
+
 def test_prompt_length_limit_is_enforced(tokenizer):
     record = load_records("gsm8k", "train")[0]
     with pytest.raises(ValueError, match="max_prompt_tokens=10"):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -53,7 +55,7 @@ def test_resume_after_kill_reproduces_the_uninterrupted_losses(tmp_path):
     for step in (4, 5):
         assert by_step[step]["loss"] == full[step]["loss"], f"step {step}: resumed loss differs"
         assert by_step[step]["reward_mean"] == full[step]["reward_mean"]
-    assert metrics(out)[0]["step"] == 0  # the log keeps the steps from before the kill
+    assert [r["step"] for r in metrics(out)] == list(range(6))  # the steps before the kill kept, none twice
 
 
 def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_skipped(tmp_path):
@@ -69,3 +71,38 @@ def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path,
 
     proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2, [str(tmp_path), aggregation])
     assert "MATCH dp=2" in proc.stdout
+
+
+def _train(out, *overrides: str) -> subprocess.CompletedProcess:
+    """`offgrpo train` in one process (no torchrun: its exit code is the command's own)."""
+    from tests.train.conftest import TINY
+
+    return subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "train", *TINY, f"train.out_dir={out}",
+                           *overrides], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_a_run_directory_is_never_reused_silently_and_a_resume_says_what_it_continues(tmp_path):
+    out = tmp_path / "run"
+    assert _train(out, "train.steps=2", "train.save_every=2").returncode == 0
+    again = _train(out, "train.steps=2")
+    assert again.returncode == 2 and "holds an earlier run (metrics.jsonl)" in again.stderr, again.stderr[-2000:]
+    assert "Traceback" not in again.stderr and len(metrics(out)) == 2
+    # extending the finished run: the schedule is re-planned (megatron's default kept the decayed lr 0)
+    extended = _train(out, "train.steps=4", "train.resume=true")
+    assert extended.returncode == 0, extended.stderr[-4000:]
+    assert "resumed from" in extended.stderr and "re-planned from step 2" in extended.stderr
+    records = metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and records[2]["lr"] > 1e-4  # cosine over 4 steps, at 3
+    assert records[2]["wall_s"] >= records[1]["wall_s"]
+    # a new run with train.overwrite=true: the earlier one is moved aside, whole
+    assert _train(out, "train.steps=1", "train.overwrite=true").returncode == 0
+    [aside] = tmp_path.glob("run.replaced-*")
+    assert [r["step"] for r in metrics(aside)] == [0, 1, 2, 3] and [r["step"] for r in metrics(out)] == [0]
+    # what a kill -9 during the first checkpoint save leaves: logged steps, a half-written step_X.tmp
+    killed = tmp_path / "killed"
+    (killed / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)
+    (killed / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "wall_s": s}) + "\n" for s in (0, 1)))
+    restarted = _train(killed, "train.steps=1", "train.resume=true")
+    assert restarted.returncode == 0, restarted.stderr[-4000:]
+    assert "no complete checkpoint" in restarted.stderr and "starting at step 0" in restarted.stderr
+    assert [r["step"] for r in metrics(killed)] == [0] and not (killed / "checkpoints" / "step_00000002.tmp").exists()

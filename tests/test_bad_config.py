@@ -1,0 +1,102 @@
+"""Bad recipes, keys, values and models: every command that takes a recipe answers with one line per error, naming
+the key (or file), exit code 2, and writes nothing; the loader itself never raises anything else, whatever it reads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_offgrpo.cli import main
+from megatron_offgrpo.config import Config, ConfigError, load_config
+from tests.helpers import REPO
+
+TINY = str(REPO / "configs" / "tiny-cpu-sft.yaml")
+CASES = [  # (overrides, what the message must name)
+    (["optim.lr=-1"], "optim.lr=-1.0: must be > 0"),
+    (["optim.lr=nan"], "optim.lr=nan: must be a finite number"),
+    (["optim.adam_beta1=1.5"], "optim.adam_beta1=1.5: must be in [0, 1)"),
+    (["optim.warmup_steps=-3"], "optim.warmup_steps=-3: must be >= 0"),
+    (["optim.min_lr=0.1"], "optim.min_lr=0.1: must be in [0, optim.lr=0.003]"),
+    (["rollout.verify_tolerance=-1"], "rollout.verify_tolerance=-1.0: must be >= 0"),
+    (["data.count=0"], "data.count=0: must be >= 1"),
+    (["parallel.tp=0"], "parallel.tp=0: must be >= 1"),
+    (["parallel.pp=-1"], "parallel.pp=-1: must be >= 1"),
+    (["rollout.top_p=0.9", "rollout.engine=transformers"], "rollout.top_p=0.9 needs the log-probs of the truncated"),
+    (["parallel.tp=3"], "num_attention_heads=2 is not divisible by tp=3"),
+    (["parallel.pp=3"], "num_hidden_layers=2 is not divisible by pp=3"),
+    (["model.hf_path=/nonexistent/model"], "model.hf_path=/nonexistent/model: "),
+    (["rollout.group_size=[1,"], "override 'rollout.group_size=[1,': the value is not a YAML scalar"),
+    (["optim.lr=fast"], "optim.lr='fast': expected float"),
+    (["optim.learning_rate=1"], "unknown config key 'optim.learning_rate'"),
+]
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    return exit_.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+@pytest.mark.parametrize("overrides, message", CASES, ids=[c[0][0] for c in CASES])
+def test_bad_value_is_one_line_and_exit_2(command, overrides, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = _run([command, "--config", TINY, f"train.out_dir={out}", *overrides], capsys)
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and err.startswith("error: ")
+    assert all(line.startswith(("error: ", "  ")) for line in err.splitlines())  # one line per error, indented
+    assert not out.exists()  # nothing written: the check ran before any run directory
+
+
+def test_every_error_is_reported_at_once(tmp_path, capsys):
+    code, err = _run(["train", "--config", TINY, "optim.lr=-1", "data.count=0", "optim.adam_beta2=2"], capsys)
+    assert code == 2 and all(k in err for k in ("optim.lr=", "data.count=", "optim.adam_beta2="))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: {hf_path: x\n", "not valid YAML at line 2"),
+    ("- just\n- a list\n", "a recipe is a mapping of sections, got list"),
+    ("model: 3\n", "model is a section; give its keys"),
+])
+def test_a_broken_recipe_is_one_line(text, message, tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    code, err = _run(["sft", "--config", str(recipe)], capsys)
+    assert code == 2 and message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_a_missing_recipe_is_one_line(tmp_path, capsys):
+    code, err = _run(["train", "--config", str(tmp_path / "none.yaml")], capsys)
+    assert code == 2 and f"config recipe {tmp_path / 'none.yaml'} not found" in err
+
+
+_KEYS = [f"{s}.{f}" for s, section in vars(Config()).items() for f in vars(section)]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                    st.text(max_size=12), st.lists(st.integers(), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.sampled_from(_KEYS), st.text(max_size=15)), _VALUES), max_size=4))
+def test_the_loader_only_ever_raises_config_errors(pairs):
+    overrides = [f"{key}={value}" for key, value in pairs]
+    try:
+        load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
+    except (ConfigError, ValueError):
+        pass  # ConfigError is a ValueError; anything else (TypeError, AttributeError, ...) fails the test
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_any_recipe_text_loads_or_is_a_config_error(tmp_path_factory, text):
+    recipe = tmp_path_factory.mktemp("r") / "r.yaml"
+    recipe.write_text(text)
+    try:
+        load_config(recipe)
+    except (ConfigError, ValueError):
+        pass
+
+
+def test_eval_names_a_missing_model_flag(capsys):
+    code, err = _run(["eval", "--config", TINY, "--model", "/nonexistent/hf"], capsys)
+    assert code == 2 and "--model=/nonexistent/hf: " in err and "Traceback" not in err
