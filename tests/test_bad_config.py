@@ -100,3 +100,12 @@ def test_any_recipe_text_loads_or_is_a_config_error(tmp_path_factory, text):
 def test_eval_names_a_missing_model_flag(capsys):
     code, err = _run(["eval", "--config", TINY, "--model", "/nonexistent/hf"], capsys)
     assert code == 2 and "--model=/nonexistent/hf: " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--engine", "bogus"], "rollout.engine='bogus': expected one of"),
+    (["--prompts", "0"], "train.eval_prompts=0: must be >= 1"),
+])
+def test_eval_flags_are_validated_like_keys(flag, message, capsys):
+    code, err = _run(["eval", "--config", TINY, *flag], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err

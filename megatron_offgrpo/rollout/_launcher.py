@@ -282,9 +282,10 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
 def load_state(state_file: str | Path) -> dict[str, Any]:
     """The recorded fleet (``fleet.json``; a directory means its ``fleet.json``)."""
     path = Path(state_file)
-    path = path / "fleet.json" if path.is_dir() else path
+    state_dir = path if path.suffix != ".json" else path.parent  # a directory, or a fleet.json (that may be missing)
+    path = path / "fleet.json" if path.suffix != ".json" else path
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {path.parent}`")
+        raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {state_dir}`")
     return json.loads(path.read_text())
 
 

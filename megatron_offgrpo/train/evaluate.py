@@ -30,12 +30,13 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train._preflight import config_or_exit
     from megatron_offgrpo.train._setup import _prompts, load_tokenizer
 
-    config = config_or_exit(args.config, args.overrides, args.model)
+    # the flags are config keys too: validated with the recipe (an unknown engine, --prompts 0: one line, exit 2)
+    flags = [f"rollout.engine={args.engine}"] * (args.engine is not None) + [f"train.eval_prompts={args.prompts}"] * (
+        args.prompts is not None)
+    config = config_or_exit(args.config, [*args.overrides, *flags], args.model)
     model = resolve_model_dir(args.model or config.model.hf_path)
-    kind = args.engine or config.rollout.engine
     tokenizer = load_tokenizer(model)
-    prompts = _prompts(config, tokenizer, config.data.eval_split)[: args.prompts or config.train.eval_prompts]
-    config.rollout.engine = kind
+    prompts = _prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
     engine = make_rollout_engine(config, Path(model), None, positions)

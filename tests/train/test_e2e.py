@@ -36,26 +36,51 @@ def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, v, 
     assert (tmp_path / "checkpoints" / f"step_{steps:08d}" / "trainer_state.json").exists()
 
 
-def test_resume_after_kill_reproduces_the_uninterrupted_losses(tmp_path):
-    common = ["train.steps=6", "train.save_every=2", "rollout.refresh_every=2"]
-    full = run_train(1, tmp_path / "full", *common)
-    # The same run, killed with SIGKILL once its step-4 checkpoint is complete, then resumed.
+STATE = "trainer_state.json"
+COMMON = ["train.steps=6", "train.save_every=2", "rollout.refresh_every=2"]  # save_every a multiple of v
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_train(1, tmp_path_factory.mktemp("full"), *COMMON)
+
+
+def _steps_logged(out) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+KILL_POINTS = {  # when to SIGKILL the run: a state visible on disk, polled every 20 ms
+    "before-any-checkpoint": lambda out: _steps_logged(out) >= 1,  # step 1's generation: resumes from step 0
+    "during-the-first-checkpoint-write": lambda out: any((out / "checkpoints").glob("step_*.tmp")),
+    "mid-step-3": lambda out: _steps_logged(out) >= 3,  # after step 2's checkpoint, in step 3
+    # the step-4 checkpoint is complete: what follows is step 4's refresh (v=2) and generation
+    "at-the-refresh-after-a-checkpoint": lambda out: (out / "checkpoints" / "step_00000004" / STATE).exists(),
+}
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(tmp_path, uninterrupted, point):
+    """kill -9 at a point of the run, then --resume: every step is logged once, with the uninterrupted run's loss and
+    reward (deterministic CPU run, save_every a multiple of v), and the resume says where it continued from."""
     out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(1, out, *common), cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_cmd(1, out, *COMMON), cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
-    while not (out / "checkpoints" / "step_00000004" / "trainer_state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its step-4 checkpoint"
-        time.sleep(0.2)
+    while not KILL_POINTS[point](out):
+        assert proc.poll() is None and time.time() < deadline, f"the run ended before the kill point {point}"
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = run_train(1, out, *common, "train.resume=true")
-    by_step = {r["step"]: r for r in resumed}
-    assert set(by_step) >= {4, 5}
-    for step in (4, 5):
-        assert by_step[step]["loss"] == full[step]["loss"], f"step {step}: resumed loss differs"
-        assert by_step[step]["reward_mean"] == full[step]["reward_mean"]
-    assert [r["step"] for r in metrics(out)] == list(range(6))  # the steps before the kill kept, none twice
+    resumed = subprocess.run(train_cmd(1, out, *COMMON, "train.resume=true"), cwd=REPO, env=train_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr or "no complete checkpoint" in resumed.stderr
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(6))  # every step once: the re-done ones replaced
+    for got, want in zip(records, uninterrupted):
+        assert (got["loss"], got["reward_mean"]) == (want["loss"], want["reward_mean"]), f"step {got['step']}"
+    assert not list((out / "checkpoints").glob("*.tmp"))
 
 
 def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_skipped(tmp_path):
