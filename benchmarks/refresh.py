@@ -13,8 +13,9 @@ One run, one table. For each model (the tiny test Qwen2, and the real Qwen2.5-0.
        shm        bucketed     one shared-memory file per >= --bucket-mb bucket (kept and rewritten in place), one
                                control call; the servers map the files (servers on the trainer's machine only)
      round-robin over the cases (each sees the same drift of the machine), and verify the last refresh of each case
-     (probe log-probs of the fleet vs the megatron forward, fp32 atol; every parameter is moved by 2% of its std
-     before each refresh, so a stale tensor would fail the probe).
+     (probe log-probs of the fleet vs the megatron forward, the fp32 tolerance of ``rollout.PROBE_ATOL``; every
+     parameter is moved by 2% of its std before each refresh, so a stale tensor would fail the probe).
+  The per-tensor cases are the slow baselines of ``benchmarks/_baselines.py``.
 Reported: median refresh seconds, the part that moves the weights (everything but the server's in-place reload),
 the reload itself, bucketed/per-tensor ratios (shm against collective per-tensor, the peers' pattern), and t_sync / v
 against the measured step for v in {1, 2, 4, 8}.
@@ -115,15 +116,19 @@ def _perturb(model, scale: float = 0.02) -> None:
 
 
 def _transport(case: tuple[str, str], workdir: Path, bucket_bytes: int):
+    from benchmarks._baselines import PerTensorCollectiveTransport, per_tensor_disk
     from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, SharedMemoryTransport
 
     kind, mode = case
     per_tensor = mode == "per-tensor"
     if kind == "disk":
-        return DiskTransport(workdir / "shared", keep=1, bucket_bytes=0 if per_tensor else bucket_bytes)
+        shared = workdir / "shared"
+        return per_tensor_disk(shared, keep=1) if per_tensor else DiskTransport(shared, keep=1, bucket_bytes=bucket_bytes)
     if kind == "shm":
         return SharedMemoryTransport(bucket_bytes=bucket_bytes, timeout_s=600)
-    return CollectiveTransport(bucket_bytes=0 if per_tensor else bucket_bytes, call_per_bucket=per_tensor, timeout_s=600)
+    if per_tensor:
+        return PerTensorCollectiveTransport(timeout_s=600)
+    return CollectiveTransport(bucket_bytes=bucket_bytes, timeout_s=600)
 
 
 def trainer(args: argparse.Namespace) -> None:
@@ -144,7 +149,7 @@ def trainer(args: argparse.Namespace) -> None:
     result = {"step_s": statistics.median(steps), "steps": steps, "tokens_per_step": args.batch * args.seq, "optimizer": args.optimizer,
               "params": arch.num_params(), "cases": {}}
     bucket_bytes = int(args.bucket_mb * 1024**2)
-    probe = make_probe_ids(arch.vocab_size, 32)
+    probe = make_probe_ids(arch.vocab_size)  # the trainer's probe (32 tokens)
     # Round-robin over the cases, so that every case sees the same drift of the machine (page cache filled by the
     # disk cases, memory fragmentation): one engine per case, one version counter over all of them.
     cases = [case for case in CASES if case[0] in args.transports.split(",")]
@@ -290,7 +295,7 @@ def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
     print("\nmove s = refresh minus the server's in-place reload (export, write/broadcast, read, checks, pause/resume);"
           " vs per-tensor = against the same transport's per-tensor case (shm: against collective per-tensor), move vs p-t the"
           " same for move s;"
-          " probe err = max |fleet - megatron| log-prob on a 32-token probe after the last refresh (fp32 atol 1e-3).")
+          " probe err = max |fleet - megatron| log-prob on a 32-token probe after the last refresh (fp32 tolerance 1e-4).")
 
 
 def main() -> None:

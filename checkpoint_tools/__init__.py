@@ -18,31 +18,50 @@ from checkpoint_tools._dist import (
     read_model_card,
     write_model_card,
 )
-from checkpoint_tools._io import CheckpointError, atomic_output_dir, open_safetensors_dir
-from checkpoint_tools._live import load_hf_into_stage, rebucket, stream_hf_buckets
-from checkpoint_tools._mapping import UnknownTensorError, hf_names
+from checkpoint_tools._io import (
+    HF_INDEX,
+    CheckpointError,
+    atomic_output_dir,
+    open_safetensors_dir,
+    read_manifest,
+    tensor_record,
+    write_manifest,
+)
+from checkpoint_tools._live import Named, load_hf_into_stage, rebucket, stream_hf_buckets
+from checkpoint_tools._mapping import UnknownTensorError, expected_hf_shapes, hf_names, hf_shapes
+from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES, StreamingSafetensorsWriter
 
 __all__ = [
+    "CODE_DTYPES",
     "DIST_MODEL_KEY",
+    "DTYPE_CODES",
+    "HF_INDEX",
     "CheckpointError",
     "DistModelCard",
     "MegatronCheckpoint",
+    "Named",
+    "StreamingSafetensorsWriter",
     "UnknownTensorError",
     "atomic_output_dir",
     "checkpoint_kind",
     "resolve_checkpoint",
     "dist_checkpoint_to_hf_dir",
+    "expected_hf_shapes",
     "hf_names",
+    "hf_shapes",
     "hf_to_megatron_dir",
     "iter_hf_tensors",
     "load_hf_into_stage",
     "megatron_to_hf_any",
     "megatron_to_hf_dir",
     "open_safetensors_dir",
+    "read_manifest",
     "read_model_card",
     "rebucket",
     "reshard_dir",
     "stream_hf_buckets",
+    "tensor_record",
     "write_hf",
+    "write_manifest",
     "write_model_card",
 ]

@@ -13,7 +13,7 @@ from typing import Callable, NoReturn
 
 from checkpoint_tools._io import CheckpointError
 from checkpoint_tools._mapping import UnknownTensorError
-from megatron_offgrpo.model._arch import UnsupportedConfigError
+from megatron_offgrpo.model import UnsupportedConfigError
 from megatron_offgrpo.runtime import use_huge_pages
 
 

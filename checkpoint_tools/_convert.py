@@ -33,7 +33,7 @@ from checkpoint_tools._io import (
     write_sharded,
 )
 from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
-from megatron_offgrpo.model._arch import QwenArch, arch_from_hf_config, hf_config_dict
+from megatron_offgrpo.model import QwenArch, arch_from_hf_config, hf_config_dict
 
 logger = logging.getLogger(__name__)
 META = "megatron_meta.json"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools import _mapping as M
-from megatron_offgrpo.model._arch import QwenArch
+from megatron_offgrpo.model import QwenArch
 
 Named = list[tuple[str, torch.Tensor]]
 

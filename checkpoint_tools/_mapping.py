@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
-from megatron_offgrpo.model._arch import QwenArch
+from megatron_offgrpo.model import QwenArch, arch_from_hf_config
 
 L = "{i}"  # layer index placeholder in patterns
 
@@ -294,23 +294,10 @@ def check_hf_names(names: Iterable[str], arch: QwenArch) -> None:
         raise KeyError(f"HF checkpoint does not match the config: missing {missing[:5]}, unexpected {unknown[:5]}")
 
 
-def te_name(name: str) -> str:
-    """The TE-spec spelling of a local-spec megatron name (identity when the two agree)."""
-    rule, layer = rule_for_megatron(name)
-    if rule.te_alias and name == rule.megatron.format(i=layer):
-        return rule.te_alias.format(i=layer)
-    return name
-
-
 def local_name(name: str) -> str:
     """The local-spec spelling of a megatron name given in either spelling."""
     rule, layer = rule_for_megatron(name)
     return rule.megatron.format(i=layer)
-
-
-def iter_rules(arch: QwenArch) -> Iterator[Rule]:
-    """The rules that apply to ``arch``."""
-    return (r for r in RULES if _applies(r, arch))
 
 
 def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
@@ -325,6 +312,11 @@ def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
         "o_proj.weight": (h, q), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h), "down_proj.weight": (h, inter),
     }
     return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}
+
+
+def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of the model described by ``hf_config`` -> its shape (tied lm_head excluded)."""
+    return hf_shapes(arch_from_hf_config(hf_config))
 
 
 def megatron_shard_shape(name: str, arch: QwenArch, tp: int) -> tuple[int, ...]:

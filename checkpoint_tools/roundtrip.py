@@ -21,7 +21,7 @@ from checkpoint_tools._convert import hf_to_megatron_dir, megatron_to_hf_dir, re
 from checkpoint_tools._io import open_safetensors_dir
 from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
 from checkpoint_tools import _mapping as M
-from megatron_offgrpo.model._arch import load_arch
+from megatron_offgrpo.model import load_arch
 
 ASSETS = Path(__file__).resolve().parents[1] / "megatron_offgrpo" / "assets"
 DEFAULT_CONFIG = ASSETS / "qwen2.5-0.5b-config"

@@ -1,13 +1,13 @@
-"""Cross-field rules of ``Config.validate()``: each returns messages naming the keys, the values and the fix."""
+"""Cross-field rules of ``Config.validate()``: each returns messages naming the keys, the values and the fix.
+
+``config`` below is the root ``megatron_offgrpo.config.Config``; it is not imported (config.py imports this module).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from megatron_offgrpo.config import Config
+from typing import Any
 
 CHOICES = {
     "model.init": ("hf", "random"),
@@ -31,12 +31,12 @@ POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.m
             "train.log_every", "train.eval_prompts", "data.max_prompt_tokens", "data.count"]
 
 
-def _get(config: "Config", key: str):
+def _get(config: Any, key: str):
     section, name = key.split(".")
     return getattr(getattr(config, section), name)
 
 
-def collect_errors(config: "Config") -> list[str]:
+def collect_errors(config: Any) -> list[str]:
     """All violated rules of ``config`` (empty when valid)."""
     errors = _nonfinite_errors(config)
     if errors:  # every other rule compares numbers: a NaN passes them all
@@ -56,8 +56,8 @@ def collect_errors(config: "Config") -> list[str]:
         errors.append(f"rollout.top_p={r.top_p} needs the log-probs of the truncated distribution the tokens were "
                       "sampled from, which only vLLM gives (rollout.engine=vllm or fleet, behavior_logprobs=fleet): "
                       "anything else biases the importance ratio; or use top_p=1")
-    if r.verify_tolerance < 0:
-        errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0")
+    if r.verify_tolerance is not None and r.verify_tolerance < 0:
+        errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0 (or null: the precision's default)")
     errors.extend(_optim_errors(config))
     if config.data.max_operand < 0:
         errors.append(f"data.max_operand={config.data.max_operand}: must be >= 0")
@@ -86,7 +86,7 @@ def collect_errors(config: "Config") -> list[str]:
     return errors
 
 
-def _nonfinite_errors(config: "Config") -> list[str]:
+def _nonfinite_errors(config: Any) -> list[str]:
     errors = []
     for section in dataclasses.fields(config):
         for field in dataclasses.fields(getattr(config, section.name)):
@@ -96,7 +96,7 @@ def _nonfinite_errors(config: "Config") -> list[str]:
     return errors
 
 
-def _optim_errors(config: "Config") -> list[str]:
+def _optim_errors(config: Any) -> list[str]:
     o = config.optim
     errors = []
     if o.lr <= 0:
@@ -133,15 +133,11 @@ def _collective_host_errors(host: str | None) -> list[str]:
     return []
 
 
-def _algo_errors(config: "Config") -> list[str]:
+def _algo_errors(config: Any) -> list[str]:
     """Let ``algo``'s own parameter validation speak (it knows which switches combine)."""
-    from megatron_offgrpo.train.builders import advantage_params, objective_params
-
-    r = config.rollout
-    # Dr.GRPO's constant: the longest possible response times the sequences of one step (the trainer's choice).
-    constant = float(r.max_new_tokens * r.prompts_per_step * r.group_size)
+    constant = config.rollout.drgrpo_constant()  # the trainer's value (train._setup)
     out = []
-    for build in (lambda: objective_params(config.algo, constant), lambda: advantage_params(config.algo)):
+    for build in (lambda: config.algo.objective_params(constant), config.algo.advantage_params):
         try:
             build()  # the algo dataclasses validate in __post_init__
         except (ValueError, TypeError) as exc:

@@ -112,8 +112,17 @@ class RolloutConfig:
     """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights (exact)."""
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
-    verify_tolerance: float = 1e-4
-    """Max |fleet - trainer| log-prob on the probe after a refresh (fp32; bf16 needs ~5e-2)."""
+    verify_tolerance: float | None = None
+    """Max |fleet - trainer| log-prob on the probe after a refresh. None: the default of the precision the check runs
+    at (``rollout.PROBE_ATOL``: 1e-4 with model.precision=fp32, 5e-2 with bf16 or fp8, which serve bf16); a fleet
+    started with --dtype bfloat16 under an fp32 trainer needs 5e-2 here."""
+
+    def drgrpo_constant(self) -> float:
+        """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences
+        of one step, ``max_new_tokens x prompts_per_step x group_size``. The one definition: the trainer builds its
+        objective with it and validation checks the objective with it (a method, as ``_config_rules`` imports nothing
+        of ours)."""
+        return float(self.max_new_tokens * self.prompts_per_step * self.group_size)
 
 
 @dataclasses.dataclass
@@ -156,6 +165,28 @@ class AlgoConfig:
     """RED-Drop surplus negatives."""
     mask_zero_variance: bool = True
     """Groups whose rewards are all equal leave the loss and its normaliser."""
+
+    # The one translation of this section into algo/'s parameters, used by the trainer and by validation (algo is
+    # pure math; imported lazily so that reading a recipe stays torch-free). algo's dataclasses validate themselves.
+    def objective_params(self, aggregation_constant: float | None = None):
+        """The loss switches (``algo.ObjectiveParams``); ``aggregation_constant``: Dr.GRPO's (token_sum_norm)."""
+        from megatron_offgrpo.algo import ObjectiveParams
+
+        return ObjectiveParams(
+            objective=self.objective, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
+            rec_weight=self.rec_weight, rec_clip=self.rec_clip, tau=self.tau, kl_estimator=self.kl_estimator,
+            kl_beta=self.kl_beta, tis_cap=self.tis_cap, tis_level=self.tis_level, aggregation=self.aggregation,
+            aggregation_constant=aggregation_constant,
+        )
+
+    def advantage_params(self):
+        """The advantage-estimator switches (``algo.AdvantageParams``)."""
+        from megatron_offgrpo.algo import AdvantageParams
+
+        return AdvantageParams(
+            form=self.advantage_form, std_normalize=self.std_normalize, leave_one_out=self.leave_one_out,
+            gpg_scale=self.gpg_scale, red_drop=self.red_drop, mask_zero_variance=self.mask_zero_variance,
+        )
 
 
 @dataclasses.dataclass

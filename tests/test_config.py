@@ -70,3 +70,35 @@ def test_every_field_has_a_docstring():
             assert f"    {field.name}:" in source
             after = source.split(f"    {field.name}:", 1)[1].splitlines()[1].strip()
             assert after.startswith('"""'), f"{section.name}.{field.name} has no docstring"
+
+
+ALGO_VARIANTS = [  # one switch off its default at a time (a mapping that drops or swaps a field shows)
+    {"objective": "rec"}, {"eps_low": 0.1}, {"eps_high": 0.3}, {"dual_clip": 3.0}, {"rec_weight": "is"},
+    {"rec_clip": "ring"}, {"objective": "opmd", "tau": 0.5}, {"kl_estimator": "k2"}, {"kl_beta": 0.01},
+    {"tis_cap": 2.0}, {"tis_level": "sequence"}, {"aggregation": "token_sum_norm"}, {"advantage_form": "std_eps"},
+    {"std_normalize": False}, {"leave_one_out": True}, {"gpg_scale": True}, {"red_drop": True},
+    {"mask_zero_variance": False}, {"eps_low": -1.0}, {"objective": "nope"}, {"advantage_form": "nope"},
+]
+
+
+def _outcome(build):
+    try:
+        return build()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_every_algo_switch_reaches_algos_params():
+    # AlgoConfig.objective_params / advantage_params are the one translation (trainer and validation): a mapping that
+    # drops or swaps a field shows as a variant whose params equal the default's, or an unrefused invalid value
+    from megatron_offgrpo.config import AlgoConfig
+
+    names = {f.name for f in dataclasses.fields(AlgoConfig)}
+    assert names == {key for variant in ALGO_VARIANTS for key in variant}  # every switch is varied
+    default = (AlgoConfig().objective_params(96.0), AlgoConfig().advantage_params())
+    for variant in ALGO_VARIANTS:
+        algo = AlgoConfig(**variant)
+        built = (_outcome(lambda: algo.objective_params(96.0)), _outcome(algo.advantage_params))
+        assert built != default, variant
+        if any(v in (-1.0, "nope") for v in variant.values()):
+            assert any(isinstance(b, str) for b in built), variant  # refused with a message

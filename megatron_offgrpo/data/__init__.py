@@ -1,6 +1,6 @@
 """Data: prompt/sample types, prompt datasets, chat templates and verifiable rewards."""
 
-from megatron_offgrpo.data._datasets import QARecord, arithmetic_records, load_hub, load_local, load_records
+from megatron_offgrpo.data._datasets import ASSETS, QARecord, arithmetic_records, load_hub, load_local, load_records
 from megatron_offgrpo.data._prompts import DEFAULT_INSTRUCTION, PromptStream, build_prompt
 from megatron_offgrpo.data._rewards import (
     extract_answer,
@@ -13,6 +13,7 @@ from megatron_offgrpo.data._rewards import (
 from megatron_offgrpo.data._types import Prompt, Sample, SamplingParams
 
 __all__ = [
+    "ASSETS",
     "DEFAULT_INSTRUCTION",
     "Prompt",
     "PromptStream",

@@ -8,7 +8,6 @@ importance ratios against the behavior policy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,6 @@ class Sample:
         policy_version: the trainer step whose weights generated every token of this sample.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
         server: which engine/server produced it (for logs and failover checks).
-        extra: anything an engine or reward wants to carry (never read by the trainer's math).
     """
 
     prompt_id: str
@@ -69,7 +67,6 @@ class Sample:
     finish_reason: str
     reward: float | None = None
     server: str = ""
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):

@@ -21,29 +21,27 @@ from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_strea
 
 
 class CollectiveTransport:
-    """Broadcast buckets of >= ``bucket_bytes`` (0: one tensor per message, the slow baseline) to all workers.
+    """Broadcast buckets of >= ``bucket_bytes`` (0: one tensor per message) to all workers in one control call.
 
     Attributes:
         host: address the servers reach the trainer's rendezvous store on. port: its port (0: pick a free one).
         backend: "gloo" (CPU) or "nccl" (GPU). device: where rank 0's buffers live ("cuda" for NCCL).
         timeout_s: bound on joining and on each collective operation (a dead peer surfaces within it).
-        call_per_bucket: one control round trip per bucket (staged on the workers, installed by a last call):
-            with ``bucket_bytes=0`` this is the per-tensor pattern of peer trainers, kept as a measured baseline.
-            (Their per-tensor *install* is not offered: vLLM's in-place reload of part of a fused layer, e.g.
-            q_proj alone, corrupts the rest of the layer; every install here is one complete reload.)
+    Every install is one complete reload: vLLM's in-place reload of part of a fused layer (e.g. q_proj alone)
+    corrupts the rest of the layer. (The workers can also stage streams sent with ``commit=False`` until a
+    committing one: ``benchmarks/_baselines.py`` measures the peers' one-call-per-tensor pattern with it.)
     """
 
     name = "collective"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0, call_per_bucket: bool = False) -> None:
+                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0) -> None:
         if bucket_bytes < 0:
             raise ValueError(f"CollectiveTransport bucket_bytes={bucket_bytes} must be >= 0 (0 = one tensor per message)")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"CollectiveTransport backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
         self.host, self.port, self.bucket_bytes = host, port, bucket_bytes
         self.backend, self.device, self.timeout_s = backend, torch.device(device), timeout_s
-        self.call_per_bucket = call_per_bucket
         self._store = None
         self._group = None
         self._group_id = ""
@@ -87,30 +85,21 @@ class CollectiveTransport:
         self._ensure_group(targets)
         joined = time.perf_counter()
         try:
-            if self.call_per_bucket:
-                answers, stats = self._per_bucket(targets, prepared, version)
-            else:
-                answers, stats = self._stream(targets, prepared, version, commit=True)
+            answers, stats = self._send(targets, prepared, version)
         except BaseException:
             self._group, self._members = None, ()  # a failed stream may leave the group out of step: rebuild next time
             raise
         self.last_stats = {"join_s": joined - start, "send_s": time.perf_counter() - joined, **stats}
         return answers
 
+    def _send(self, targets: list[WorkerTarget], buckets: Buckets, version: int) -> tuple[dict, dict]:
+        """Every bucket in one stream, installed by the workers at its end: (answers, send stats)."""
+        return self._stream(targets, buckets, version, commit=True)
+
     def _stream(self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool) -> tuple[dict, dict]:
         payload = {"group_id": self._group_id, "version": version, "commit": commit}
         return call_targets(targets, "offgrpo_receive", lambda i, t: payload, self.timeout_s,
                             background=lambda: send_stream(self._group, buckets, version, self.device))
-
-    def _per_bucket(self, targets: list[WorkerTarget], buckets: Buckets, version: int) -> tuple[dict, dict]:
-        total = {"bytes": 0, "buckets": 0, "tensors": 0}
-        for bucket in buckets:
-            answers, stats = self._stream(targets, [bucket], version, commit=False)
-            if not all(a.get("ok") for a in answers.values()):
-                return answers, total
-            total = {k: total[k] + stats[k] for k in total}
-        answers, _ = self._stream(targets, [], version, commit=True)
-        return answers, total
 
     def close(self) -> None:
         """Drop the group and the store (the servers drop theirs on the next join)."""

@@ -19,7 +19,7 @@ class DiskTransport:
         root: the shared directory (every server must see the same path).
         keep: version directories kept on disk (older ones are pruned after a successful refresh).
         bucket_bytes: regroup the incoming buckets into files of at least this size (None: one file per incoming
-            bucket; 0: one file per tensor, the slow baseline).
+            bucket; 0: one file per tensor).
         hf_config: written as each version's config.json when given (the directory can then be served alone).
         timeout_s: bound on one server's load.
     """

@@ -19,6 +19,7 @@ import torch
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._protocol import Buckets
+from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
 from megatron_offgrpo.rollout._tensors import check_complete, expected_hf_shapes
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.rollout._weights_dir import manifest_version, read_version_dir
@@ -58,7 +59,7 @@ class TransformersEngine:
     @torch.no_grad()
     def _group(self, prompt: Prompt, group_id: int, n: int, params: SamplingParams) -> list[Sample]:
         greedy = params.temperature == 0
-        rows = 1 if greedy else n
+        rows = completions_to_ask(params, n)
         if params.seed is not None:
             torch.manual_seed(params.seed + group_id)
         ids = torch.tensor([list(prompt.prompt_ids)] * rows, device=self.device)
@@ -80,7 +81,7 @@ class TransformersEngine:
             end = end or len(tokens)
             samples.append(Sample(prompt.prompt_id, group_id, list(prompt.prompt_ids), tokens[:end], values[:end],
                                   self._version, finish, server=self.name))
-        return samples * n if greedy else samples
+        return fill_group(samples, n)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """``len(prompts) * n`` samples, grouped by prompt (one ``generate`` call per group)."""

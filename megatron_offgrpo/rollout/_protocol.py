@@ -8,7 +8,7 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 from torch import Tensor
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.rollout._types import RefreshReport
+from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 
 Buckets = Iterable[list[tuple[str, Tensor]]]
 """HF-named tensors in buckets, as ``checkpoint_tools.stream_hf_buckets`` yields them."""
@@ -43,8 +43,8 @@ class RolloutEngine(Protocol):
 class ProbeEngine(Protocol):
     """An engine that can score a fixed token sequence (what ``verify_refresh`` needs)."""
 
-    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
-        """Per server: log p(token_ids[t] | token_ids[:t]) for t = 1..T-1 ([T-1] floats)."""
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
+        """Per server: the version it serves and log p(token_ids[t] | token_ids[:t]) for t = 1..T-1 ([T-1] floats)."""
         ...
 
 

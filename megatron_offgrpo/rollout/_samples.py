@@ -10,22 +10,37 @@ drain) is refused and the group is generated again. The log-probs are what the s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+
+T = TypeVar("T")
 
 
 class BadResponse(ValueError):
     """An answer that cannot become samples (missing fields, mixed or unlabelled versions): resend the group."""
 
 
+def completions_to_ask(params: SamplingParams, n: int) -> int:
+    """How many completions an engine generates for a group of ``n``: 1 when greedy (temperature 0: the ``n``
+    would be identical), else ``n``; ``fill_group`` then makes the group whole."""
+    return 1 if params.temperature == 0 else n
+
+
+def fill_group(group: list[T], n: int) -> list[T]:
+    """A group of ``n`` from what the engine returned: a single (greedy) completion stands for the whole group,
+    repeated ``n`` times; any other group is returned as is (its size is the caller's to check)."""
+    return group * n if len(group) == 1 and n > 1 else group
+
+
 def sampling_body(params: SamplingParams, n: int, group_id: int) -> dict[str, Any]:
-    """vLLM sampling params for one group. Greedy groups are asked once (n=1) and replicated by the parser.
+    """vLLM sampling params for one group. Greedy groups are asked once (``completions_to_ask``) and made whole by
+    the parser (``fill_group``).
 
     A per-request seed becomes ``seed + group_id``: groups differ, and a resent group samples the same tokens.
     """
     body: dict[str, Any] = {
-        "n": 1 if params.temperature == 0 else n,
+        "n": completions_to_ask(params, n),
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -70,8 +85,7 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
     """
     choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
     where = f"server {server}, prompt {prompt.prompt_id} (group {group_id})"
-    if len(choices) == 1 and n > 1:
-        choices = choices * n  # greedy: one answer stands for the whole group
+    choices = fill_group(choices, n)
     if len(choices) != n:
         raise BadResponse(f"{where}: {len(choices)} choices for a group of {n}")
     samples = []

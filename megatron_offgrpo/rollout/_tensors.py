@@ -16,18 +16,11 @@ from typing import Any, Iterator
 
 import torch
 
-from checkpoint_tools._live import Named, rebucket
-from checkpoint_tools._mapping import hf_shapes
-from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES
-from megatron_offgrpo.model._arch import arch_from_hf_config
+from checkpoint_tools import CODE_DTYPES, DTYPE_CODES, Named, rebucket
+from checkpoint_tools import expected_hf_shapes  # noqa: F401  (the served model's name/shape set, for the engines)
 from megatron_offgrpo.rollout._weights_dir import read_version_dir
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
-
-
-def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of the model described by ``hf_config`` -> its shape (tied lm_head excluded)."""
-    return hf_shapes(arch_from_hf_config(hf_config))
 
 
 def check_complete(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:

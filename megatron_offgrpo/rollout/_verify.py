@@ -18,7 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def make_probe_ids(vocab_size: int, length: int = 32, seed: int = 1234) -> list[int]:
-    """A fixed pseudo-random probe sequence of ``length`` token ids below ``vocab_size`` (same on every call)."""
+    """The probe: a fixed pseudo-random sequence of ``length`` token ids below ``vocab_size`` (same on every call).
+
+    The one builder of the probe sequence: the trainer's refresh check (``train._setup``), the refresh benchmark
+    and the tests all take it from here.
+    """
     if length < 2:
         raise ValueError(f"probe length={length}: needs at least 2 tokens (one log-prob per token after the first)")
     generator = torch.Generator().manual_seed(seed)

@@ -24,7 +24,7 @@ from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
 from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
 from megatron_offgrpo.rollout._protocol import Buckets
 from megatron_offgrpo.rollout._rpc import summarize
-from megatron_offgrpo.rollout._samples import BadResponse, parse_version, sampling_body
+from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.rollout._weights_dir import version_dir, write_version_dir
 
@@ -115,7 +115,7 @@ class VLLMEngine:
                     raise BadResponse(f"{where}: finish_reason {completion.finish_reason!r}")
                 group.append(Sample(prompt.prompt_id, index, list(prompt.prompt_ids), list(completion.token_ids), logprobs,
                                     parse_version(spans, where), completion.finish_reason, server=self.name))
-            samples.extend(group * n if len(group) == 1 and n > 1 else group)
+            samples.extend(fill_group(group, n))
         return samples
 
     def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:

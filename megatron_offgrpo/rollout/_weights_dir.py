@@ -20,8 +20,16 @@ from typing import Any, Iterable
 
 import torch
 
-from checkpoint_tools._io import HF_INDEX, CheckpointError, atomic_output_dir, open_safetensors_dir, read_manifest, tensor_record, write_manifest
-from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
+from checkpoint_tools import (
+    HF_INDEX,
+    CheckpointError,
+    StreamingSafetensorsWriter,
+    atomic_output_dir,
+    open_safetensors_dir,
+    read_manifest,
+    tensor_record,
+    write_manifest,
+)
 
 Named = list[tuple[str, torch.Tensor]]
 KIND = "offgrpo-refresh"

@@ -131,3 +131,31 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
     _set_rng_state(torch.load(rng_file, weights_only=False))
     logger.info("resumed from %s (step %d)", path, state["step"])
     return state
+
+
+SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+UNCOMPARED_KEYS = ("train.resume", "train.overwrite", "train.steps")  # how a resume is asked for; steps: the schedule
+
+
+def resume_schedule(scheduler, saved: dict[str, Any]) -> None:
+    """Continue the learning-rate schedule at the checkpoint's step. When the recipe's schedule differs from the
+    checkpoint's (say train.steps was raised to extend a finished run, whose saved schedule has already decayed),
+    the recipe's schedule is re-planned from that step, saying so: never the silent zero learning rate of megatron's
+    checkpoint-wins default."""
+    now = scheduler.state_dict()
+    changed = [f"{k} {saved.get(k)} -> {now[k]}" for k in SCHEDULE_KEYS if saved.get(k) != now[k]]
+    if not changed:
+        scheduler.load_state_dict(saved)
+        return
+    scheduler.step(increment=saved["num_steps"])
+    logger.warning("resume: the learning-rate schedule differs from the checkpoint's (%s): re-planned from step %d "
+                   "with the recipe's values (lr now %.3g)", ", ".join(changed), saved["num_steps"],
+                   scheduler.optimizer.param_groups[0]["lr"])
+
+
+def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """``section.key old -> new`` for every config key whose value differs from the checkpoint's run (the
+    objective may have changed); [] for a checkpoint without its config."""
+    return [f"{section}.{key} {value!r} -> {now[section][key]!r}" for section, keys in (saved or {}).items()
+            for key, value in keys.items() if key in now.get(section, {}) and now[section][key] != value
+            and f"{section}.{key}" not in UNCOMPARED_KEYS]

@@ -23,6 +23,7 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
     """
     from megatron_offgrpo.rollout import make_engine
+    from megatron_offgrpo.train.builders import serving_dtype
 
     r = config.rollout
     if r.engine == "fleet":
@@ -30,8 +31,8 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
                            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir)
     if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
-        dtype = "float32" if config.model.precision == "fp32" else "bfloat16"
-        return make_engine(r.engine, model_dir, dtype=dtype, max_model_len=generation_length(config, max_positions),
+        return make_engine(r.engine, model_dir, dtype=serving_dtype(config.model.precision),
+                           max_model_len=generation_length(config, max_positions),
                            max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH))
     return make_engine(r.engine, model_dir)
 

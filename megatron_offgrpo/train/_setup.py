@@ -13,14 +13,13 @@ import torch
 
 from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.data import PromptStream, SamplingParams, build_prompt, get_reward, load_records
-from megatron_offgrpo.data._datasets import ASSETS
+from megatron_offgrpo.data import ASSETS, PromptStream, SamplingParams, build_prompt, get_reward, load_records
 from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
 from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._policy import Policy, build_policy, frozen_copy
-from megatron_offgrpo.train.builders import advantage_params, objective_params, sampling_params
+from megatron_offgrpo.train.builders import sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +88,7 @@ def _write_run_info(run_dir: Path, config: Config, ctx: ParallelContext, arch: Q
 
 def setup_run(config: Config) -> Run:
     """Build the run (collective). Rank 0 also exports version 0 and starts the engine on it."""
+    from megatron_offgrpo.rollout import make_probe_ids
     from megatron_offgrpo.train._weights import export_hf_dir
 
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
@@ -100,11 +100,11 @@ def setup_run(config: Config) -> Run:
     tokenizer = load_tokenizer(config.model.hf_path)
     r = config.rollout
     run = Run(config, ctx, arch, policy, tokenizer,
-              objective_params(config.algo, float(r.max_new_tokens * r.prompts_per_step * r.group_size)),
-              advantage_params(config.algo), sampling_params(r, seed=config.parallel.seed),
+              config.algo.objective_params(r.drgrpo_constant()),
+              config.algo.advantage_params(), sampling_params(r, seed=config.parallel.seed),
               get_reward(config.data.reward), PromptStream(_prompts(config, tokenizer, config.data.split),
                                                            config.parallel.seed),
-              probe_ids=torch.randint(0, arch.vocab_size, (16,), generator=torch.Generator().manual_seed(7)).tolist())
+              probe_ids=make_probe_ids(arch.vocab_size))
     if r.behavior_logprobs == "recompute":
         run.snapshot = frozen_copy(policy.model, arch, ctx, config.model)
     if config.algo.kl_beta > 0:

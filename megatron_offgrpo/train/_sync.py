@@ -44,8 +44,10 @@ def verify_engine(run, version: int) -> None:
 
     def check() -> None:
         from megatron_offgrpo.rollout import verify_refresh
+        from megatron_offgrpo.train.builders import verify_tolerance
 
-        verify_refresh(run.engine, run.probe_ids, expected, version, run.config.rollout.verify_tolerance)
+        atol = verify_tolerance(run.config.rollout, run.config.model.precision)
+        verify_refresh(run.engine, run.probe_ids, expected, version, atol)
 
     _on_rank0_shared(run, check, f"engine at version {version} failed verification")
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools import DistModelCard, stream_hf_buckets, write_hf
-from megatron_offgrpo.data._datasets import ASSETS
+from megatron_offgrpo.data import ASSETS
 from megatron_offgrpo.model import QwenArch, hf_config_dict
 from megatron_offgrpo.runtime import ParallelContext
 

@@ -19,7 +19,14 @@ from megatron_offgrpo.config import Config
 from megatron_offgrpo.train import _rollout_side as R
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
 from megatron_offgrpo.train._eval import evaluate
-from megatron_offgrpo.train._checkpoint import checkpoint_step, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_offgrpo.train._checkpoint import (
+    changed_keys,
+    checkpoint_step,
+    latest_checkpoint,
+    load_checkpoint,
+    resume_schedule,
+    save_checkpoint,
+)
 from megatron_offgrpo.train._setup import Run, setup_run
 from megatron_offgrpo.train._step import policy_step, token_logprobs
 from megatron_offgrpo.train._sync import refresh_engine, verify_engine
@@ -114,8 +121,9 @@ def train(config: Config) -> Path:
         state = load_checkpoint(ckpt, run.policy.model, run.policy.optimizer)
         start_step = state["step"]
         run.stream.load_state_dict(state["stream"])
-        _resume_schedule(run.policy.scheduler, state["scheduler"])
-        _warn_changed_keys(state.get("config"), cfg)
+        resume_schedule(run.policy.scheduler, state["scheduler"])
+        if changed := changed_keys(state.get("config"), cfg.to_dict()):
+            logger.warning("resume: keys changed since the checkpoint: %s", ", ".join(changed))
         if start_step % cfg.rollout.refresh_every:
             logger.warning("resuming at step %d, not a multiple of refresh_every=%d: the engine gets the current "
                            "weights now (save_every a multiple of v keeps a resumed run identical)",
@@ -137,36 +145,6 @@ def train(config: Config) -> Path:
     _export(run, Path(cfg.train.out_dir) / "hf")  # the trained policy, loadable by transformers
     run.close()
     return Path(cfg.train.out_dir)
-
-
-SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
-
-
-def _resume_schedule(scheduler, saved: dict) -> None:
-    """Continue the learning-rate schedule at the checkpoint's step. When the recipe's schedule differs from the
-    checkpoint's (say train.steps was raised to extend a finished run, whose saved schedule has already decayed),
-    the recipe's schedule is re-planned from that step, saying so: never the silent zero learning rate of megatron's
-    checkpoint-wins default."""
-    changed = {k: (saved[k], scheduler.state_dict()[k]) for k in SCHEDULE_KEYS if saved.get(k) != scheduler.state_dict()[k]}
-    if not changed:
-        scheduler.load_state_dict(saved)
-        return
-    scheduler.step(increment=saved["num_steps"])
-    logger.warning("resume: the learning-rate schedule differs from the checkpoint's (%s): re-planned from step %d "
-                   "with the recipe's values (lr now %.3g)", ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()),
-                   saved["num_steps"], scheduler.optimizer.param_groups[0]["lr"])
-
-
-def _warn_changed_keys(saved: dict | None, config: Config) -> None:
-    """Name every config key whose value differs from the checkpoint's run (the objective may have changed)."""
-    if saved is None:
-        return
-    now = config.to_dict()
-    changed = [f"{section}.{key} {value!r} -> {now[section][key]!r}" for section, keys in saved.items()
-               for key, value in keys.items() if section in now and key in now[section]
-               and now[section][key] != value and f"{section}.{key}" not in ("train.resume", "train.overwrite", "train.steps")]
-    if changed:
-        logger.warning("resume: keys changed since the checkpoint: %s", ", ".join(changed))
 
 
 def _scheduled_eval(run: Run, done: int) -> dict:

@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from benchmarks._baselines import PerTensorCollectiveTransport
 from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, OffgrpoWorkerExtension, SharedMemoryTransport, write_version_dir
 from megatron_offgrpo.rollout._shm import sweep_dead_sessions
 from megatron_offgrpo.rollout._tensors import expected_hf_shapes
@@ -125,7 +126,10 @@ def test_failed_reload_marks_the_worker_dirty(tmp_path, tiny_dir, weights):
 @pytest.mark.parametrize("bucket_bytes, per_call", [(0, False), (64 * 1024, False), (256 * 1024**2, False), (0, True)])
 def test_collective_transport_installs_bit_exact(tiny_dir, weights, bucket_bytes, per_call):
     targets = [FakeTarget("s0", tiny_dir), FakeTarget("s1", tiny_dir, workers=2)]
-    transport = CollectiveTransport(bucket_bytes=bucket_bytes, timeout_s=60, call_per_bucket=per_call)
+    if per_call:  # the benchmark's per-tensor baseline: one call per tensor, staged, installed by a last call
+        transport = PerTensorCollectiveTransport(timeout_s=60)
+    else:
+        transport = CollectiveTransport(bucket_bytes=bucket_bytes, timeout_s=60)
     answers = transport.install(targets, transport.prepare(as_buckets(weights), 1), 1)
     assert all(a["ok"] for a in answers.values()), answers
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
@@ -168,7 +172,7 @@ def test_initial_version_comes_from_the_served_manifest(tmp_path, weights):
 
 def test_per_bucket_calls_stage_until_the_last_commit(tiny_dir, weights):
     target = FakeTarget("s0", tiny_dir)
-    transport = CollectiveTransport(bucket_bytes=0, timeout_s=60, call_per_bucket=True)
+    transport = PerTensorCollectiveTransport(timeout_s=60)
     installs = []
     worker = target.workers[0]
     original = worker.reload_weights

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from megatron_offgrpo.config import load_config
-from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints
+from megatron_offgrpo.train._checkpoint import changed_keys, resume_schedule, sweep_partial_checkpoints
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._preflight import claim_run_dir
-from megatron_offgrpo.train.loop import _resume_schedule
 from tests.helpers import REPO
 
 RECIPE = REPO / "configs" / "tiny-cpu.yaml"
@@ -75,9 +74,16 @@ def test_a_resume_with_more_steps_re_plans_the_schedule(caplog):
     assert finished.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
     extended = _scheduler(14)
     with caplog.at_level("WARNING"):
-        _resume_schedule(extended, finished.state_dict())
+        resume_schedule(extended, finished.state_dict())
     assert extended.num_steps == 12 and extended.optimizer.param_groups[0]["lr"] > 1e-5  # not megatron's silent 0
     assert "lr_decay_steps 12 -> 14" in caplog.text and "re-planned from step 12" in caplog.text
     same = _scheduler(12)
-    _resume_schedule(same, _scheduler(12).state_dict())  # an unchanged schedule loads as saved, silently
+    resume_schedule(same, _scheduler(12).state_dict())  # an unchanged schedule loads as saved, silently
     assert same.num_steps == 0
+
+
+def test_a_resume_names_the_keys_that_changed():
+    saved = load_config(RECIPE).to_dict()
+    now = load_config(RECIPE, ["algo.eps_high=0.28", "train.steps=80", "train.resume=true"]).to_dict()
+    assert changed_keys(saved, now) == ["algo.eps_high 0.2 -> 0.28"]  # steps and resume are how a resume is asked
+    assert changed_keys(None, now) == []

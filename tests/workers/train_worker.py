@@ -12,7 +12,6 @@ from megatron_offgrpo.train import _rollout_side as R
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
 from megatron_offgrpo.train._setup import setup_run
 from megatron_offgrpo.train._step import backward_pass, policy_step
-from megatron_offgrpo.train.builders import objective_params
 from megatron_offgrpo.train.loop import _behavior_and_ref
 from tests.train.conftest import TINY
 
@@ -39,8 +38,8 @@ def main() -> None:
     mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, 4, run.ctx.dp_rank, run.ctx.dp_size, 4096)
     _behavior_and_ref(run, mbs)  # behavior = the snapshot pushed at v=1: the current weights, exactly
     tokens, seqs = global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid)
-    clip = grads(run, mbs, objective_params(config.algo), tokens, seqs)
-    on_policy = grads(run, mbs, objective_params(dataclasses_replace(config.algo, objective="gpg")), tokens, seqs)
+    clip = grads(run, mbs, config.algo.objective_params(), tokens, seqs)
+    on_policy = grads(run, mbs, dataclasses_replace(config.algo, objective="gpg").objective_params(), tokens, seqs)
     nonzero = [n for n, g in clip.items() if g.abs().sum() > 0]
     assert nonzero, "no gradient at all"
     for name in clip:
@@ -50,7 +49,7 @@ def main() -> None:
     # A non-finite loss (here: a NaN behavior log-prob on a valid token) skips the step and leaves the weights.
     before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
     mbs[0].behavior_logp[mbs[0].loss_mask.nonzero()[0].tolist()[0], mbs[0].loss_mask.nonzero()[0].tolist()[1]] = float("nan")
-    result = policy_step(run.policy.ddp, run.policy.optimizer, run.ctx, mbs, objective_params(config.algo), tokens, seqs)
+    result = policy_step(run.policy.ddp, run.policy.optimizer, run.ctx, mbs, config.algo.objective_params(), tokens, seqs)
     assert result.skipped and result.loss != result.loss, result
     assert all(torch.equal(before[n], p) for n, p in run.policy.model.named_parameters()), "a skipped step moved weights"
     print("SKIPPED non-finite step")
