@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -90,7 +89,8 @@ def main() -> None:
         base_s = statistics.median(x["seconds"] for x in rows[names[0]])
         print(f"\nQwen2.5-0.5B shapes, {args.dtype}, model {nbytes / 1e9:.2f} GB, {os.cpu_count()} cores, "
               f"median of {args.repeats}\n")
-        print("| step | seconds | GB/s | vs plain save | peak RSS (GB) | peak RSS / model bytes | interpreter RSS (GB) |")
+        print("| step | seconds | GB/s | vs plain save | peak RSS (GB) | peak RSS / model bytes "
+              "| interpreter RSS (GB) |")
         print("|---|---|---|---|---|---|---|")
         for name in names:
             secs = statistics.median(x["seconds"] for x in rows[name])

@@ -27,6 +27,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -56,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny Qwen2 and small shapes (CPU tests)")
     parser.add_argument("--config", type=Path, help="HF config directory of the shapes (default: Qwen2.5-0.5B)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp8"], help="model.precision (default bf16; --tiny fp32)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp8"],
+                        help="model.precision (default bf16; --tiny fp32)")
     parser.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise"],
                         help="model.fp8_recipe with --precision fp8 (needs Transformer Engine)")
     parser.add_argument("--fp8-amax-history", type=int, default=1024, help="model.fp8_amax_history")
@@ -126,7 +128,8 @@ def synthetic_samples(arch, args) -> list:
     gen = torch.Generator().manual_seed(args.seed)
     count = args.samples * args.micro_batches
     if count % args.group_size:
-        raise SystemExit(f"gpu_step: --samples x --micro-batches = {count} is not a multiple of --group-size {args.group_size}")
+        raise SystemExit(f"gpu_step: --samples x --micro-batches = {count} is not a multiple of "
+                         f"--group-size {args.group_size}")
     response = args.seq + 1 - args.prompt
     uniform = -math.log(arch.vocab_size)  # what a randomly initialised model assigns to any token
     samples = []
@@ -164,7 +167,8 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
     from megatron_offgrpo.train._step import policy_step
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
-                            fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history, fp8_margin=args.fp8_margin)
+                            fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
+                            fp8_margin=args.fp8_margin)
     policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps)
     mbs, tokens, seqs = device_batches(synthetic_samples(arch, args), args, ctx.device)
     params = ObjectiveParams()
@@ -229,13 +233,14 @@ def loss_rows(weight, args, device) -> list[dict]:
             row["status"] = "needs CUDA" if device.type != "cuda" else "triton not importable"
             rows.append(row)
             continue
-        seconds, (loss, grad_h, grad_w) = _median_seconds(lambda: run(impl), device, 1, args.repeats)
+        seconds, (loss, grad_h, grad_w) = _median_seconds(functools.partial(run, impl), device, 1, args.repeats)
         row.update({"fwd+bwd ms (median)": round(1e3 * seconds, 3), "loss": f"{float(loss):.6g}", "status": "ok"})
         if reference is None:
             reference = (loss, grad_h, grad_w)
         else:
             loss_diff = abs(float(loss - reference[0])) / max(abs(float(reference[0])), 1e-12)
-            grad_diff = max(float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip((grad_h, grad_w), reference[1:]))
+            grad_diff = max(float((g - r).norm() / r.norm().clamp_min(1e-30))
+                            for g, r in zip((grad_h, grad_w), reference[1:]))
             row.update({"loss diff vs torch": f"{loss_diff:.2e}", "grad rel diff vs torch": f"{grad_diff:.2e}",
                         "status": "ok" if max(loss_diff, grad_diff) <= LOSS_MATCH_RTOL else "MISMATCH"})
         rows.append(row)

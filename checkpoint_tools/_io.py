@@ -56,7 +56,8 @@ def tensor_crc32(tensor: torch.Tensor) -> int:
 
 def tensor_record(tensor: torch.Tensor, file: str) -> dict[str, Any]:
     """The manifest entry of one tensor."""
-    return {"file": file, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."), "crc32": tensor_crc32(tensor)}
+    return {"file": file, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "crc32": tensor_crc32(tensor)}
 
 
 @contextlib.contextmanager
@@ -314,7 +315,8 @@ def write_sharded(
     """
     shards = plan_shards(specs, max_shard_bytes)
     count = len(shards)
-    names = ["model.safetensors"] if count == 1 else [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+    names = (["model.safetensors"] if count == 1
+             else [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)])
     records: dict[str, dict[str, Any]] = {}
     stream = iter(tensors)
     for fname, shard in zip(names, shards):

@@ -18,7 +18,9 @@ from megatron_offgrpo.model import QwenArch
 Named = list[tuple[str, torch.Tensor]]
 
 
-def _stage_params(model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
+def _stage_params(
+    model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int
+) -> list[tuple[str, torch.nn.Parameter]]:
     """(local-spec megatron name, parameter) of a stage in the weight map's canonical order (the order of
     ``hf_names``), so exported tensors arrive in the order a streaming writer declared; unknown names raise."""
     params = {M.local_name(name): param for name, param in model.named_parameters()}
@@ -30,7 +32,8 @@ def _stage_params(model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int)
 
 @torch.no_grad()
 def load_hf_into_stage(
-    model: torch.nn.Module, arch: QwenArch, hf_tensors: Mapping[str, torch.Tensor], tp: int, tp_rank: int, pp: int, pp_rank: int
+    model: torch.nn.Module, arch: QwenArch, hf_tensors: Mapping[str, torch.Tensor], tp: int, tp_rank: int, pp: int,
+    pp_rank: int,
 ) -> None:
     """Copy this rank's shard of every parameter of a model stage from HF tensors.
 

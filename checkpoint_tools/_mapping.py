@@ -163,7 +163,9 @@ def to_global_layer(name: str, offset: int) -> str:
     return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
-def megatron_to_hf(name: str, full: torch.Tensor, arch: QwenArch, layer_offset: int = 0) -> list[tuple[str, torch.Tensor]]:
+def megatron_to_hf(
+    name: str, full: torch.Tensor, arch: QwenArch, layer_offset: int = 0
+) -> list[tuple[str, torch.Tensor]]:
     """Convert one TP-merged megatron tensor into its HF tensor(s).
 
     Args:
@@ -309,7 +311,8 @@ def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
-        "o_proj.weight": (h, q), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h), "down_proj.weight": (h, inter),
+        "o_proj.weight": (h, q), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
     }
     return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}
 

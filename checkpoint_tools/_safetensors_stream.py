@@ -39,7 +39,12 @@ def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 class StreamingSafetensorsWriter:
     """Write one safetensors file whose tensors are declared up front and appended in that order."""
 
-    def __init__(self, path: Path, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         """Args: path: file to create. specs: (name, dtype, shape) in the order tensors will be written."""
         header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
         offset = 0
@@ -60,7 +65,8 @@ class StreamingSafetensorsWriter:
         """Append the next declared tensor (name, dtype and shape must match the declaration)."""
         exp_name, exp_dtype, exp_shape = self._expected[self._next]
         if (name, tensor.dtype, tuple(tensor.shape)) != (exp_name, exp_dtype, exp_shape):
-            raise ValueError(f"{self.path}: expected {exp_name} {exp_dtype} {exp_shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}")
+            raise ValueError(f"{self.path}: expected {exp_name} {exp_dtype} {exp_shape}, "
+                             f"got {name} {tensor.dtype} {tuple(tensor.shape)}")
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         view = memoryview(data)
         while view.nbytes:
@@ -92,7 +98,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise SafetensorsFormatError(f"{path}: truncated safetensors file (no header)")
         (length,) = struct.unpack("<Q", head)
         if length > size - 8 or length > 100 * 1024**2:
-            raise SafetensorsFormatError(f"{path}: truncated or corrupt safetensors header ({length} bytes declared, file has {size})")
+            raise SafetensorsFormatError(f"{path}: truncated or corrupt safetensors header "
+                                         f"({length} bytes declared, file has {size})")
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

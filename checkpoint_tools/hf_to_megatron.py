@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
     parser.add_argument("--out", required=True, help="output directory (must not exist; written atomically)")
-    parser.add_argument("--tp", type=parallel_size, default=1, help="tensor-parallel size (divides heads, KV heads, vocab)")
+    parser.add_argument("--tp", type=parallel_size, default=1,
+                        help="tensor-parallel size (divides heads, KV heads, vocab)")
     parser.add_argument("--pp", type=parallel_size, default=1, help="pipeline-parallel size (divides the layer count)")
     args = parser.parse_args(argv)
     run_cli(lambda: hf_to_megatron_dir(args.hf, args.out, args.tp, args.pp))

@@ -31,11 +31,14 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="megatron checkpoint directory: from hf_to_megatron/reshard, or a "
+    parser.add_argument("--ckpt", required=True,
+                        help="megatron checkpoint directory: from hf_to_megatron/reshard, or a "
                         "trainer checkpoint RUN/checkpoints/step_N")
     parser.add_argument("--out", required=True, help="output HF directory (written atomically)")
-    parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"), help="largest safetensors shard")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists (after the new one is complete)")
+    parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"),
+                        help="largest safetensors shard")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it exists (after the new one is complete)")
     args = parser.parse_args(argv)
     run_cli(lambda: megatron_to_hf_any(args.ckpt, args.out, args.max_shard_size, args.overwrite))
 

@@ -63,10 +63,12 @@ def run(args: argparse.Namespace) -> None:
     nbytes = make_random_hf(Path(args.config), work / "hf_source", dtype)
     timings["make random HF source"] = time.perf_counter() - start
     steps = [
-        (f"HF -> megatron tp{args.tp}pp{args.pp}", lambda: hf_to_megatron_dir(work / "hf_source", work / "megatron", args.tp, args.pp)),
+        (f"HF -> megatron tp{args.tp}pp{args.pp}",
+         lambda: hf_to_megatron_dir(work / "hf_source", work / "megatron", args.tp, args.pp)),
         (f"reshard -> tp{args.reshard_tp}pp{args.reshard_pp}",
          lambda: reshard_dir(work / "megatron", work / "megatron_resharded", args.reshard_tp, args.reshard_pp)),
-        ("megatron -> HF", lambda: megatron_to_hf_dir(work / "megatron_resharded", work / "hf_export", max_shard_bytes=500 * 1024**2)),
+        ("megatron -> HF",
+         lambda: megatron_to_hf_dir(work / "megatron_resharded", work / "hf_export", max_shard_bytes=500 * 1024**2)),
     ]
     for name, step in steps:
         start = time.perf_counter()
@@ -75,14 +77,16 @@ def run(args: argparse.Namespace) -> None:
         logger.info("%s: %.2f s", name, timings[name])
     source, export = open_safetensors_dir(work / "hf_source"), open_safetensors_dir(work / "hf_export")
     if set(source.names()) != set(export.names()):
-        raise ValueError(f"round trip changed the tensor names: {sorted(set(source.names()) ^ set(export.names()))[:5]}")
+        raise ValueError("round trip changed the tensor names: "
+                         f"{sorted(set(source.names()) ^ set(export.names()))[:5]}")
     different = [n for n in source.names() if not torch.equal(source[n], export[n])]
     if different:
         raise ValueError(f"round trip is not bit-exact for {len(different)} tensors, e.g. {different[:3]}")
     tokenizer = transformers.AutoTokenizer.from_pretrained(work / "hf_export")
     model = transformers.AutoModelForCausalLM.from_pretrained(work / "hf_export", dtype=dtype)
     print(f"\nround trip OK: {len(source.names())} tensors, {nbytes / 1e9:.2f} GB, bit-exact; "
-          f"transformers loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params) "
+          f"transformers loaded {type(model).__name__} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params) "
           f"and a {len(tokenizer)}-token tokenizer")
     for name, secs in timings.items():
         print(f"  {name:32s} {secs:6.2f} s")

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"check_image: {problem}", file=sys.stderr)
     if not problems:
-        print("check_image: torch kept, Transformer Engine in range, apex present" + (", TE usable" if args.gpu else ""))
+        print("check_image: torch kept, Transformer Engine in range, apex present"
+              + (", TE usable" if args.gpu else ""))
     return 1 if problems else 0
 
 

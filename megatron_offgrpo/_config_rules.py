@@ -51,7 +51,8 @@ def collect_errors(config: Any) -> list[str]:
     if r.group_size < 2:
         errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
-        errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: need temperature > 0, 0 < top_p <= 1")
+        errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: "
+                      "need temperature > 0, 0 < top_p <= 1")
     if r.top_p < 1 and (r.behavior_logprobs == "recompute" or r.engine in ("transformers", "auto")):
         errors.append(f"rollout.top_p={r.top_p} needs the log-probs of the truncated distribution the tokens were "
                       "sampled from, which only vLLM gives (rollout.engine=vllm or fleet, behavior_logprobs=fleet): "

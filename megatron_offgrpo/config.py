@@ -109,7 +109,8 @@ class RolloutConfig:
     a host name or IP of rank 0's node that the fleet nodes can reach. None: 127.0.0.1 when every server is on this
     machine, else rank 0's host name."""
     behavior_logprobs: str = "fleet"
-    """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights (exact)."""
+    """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights
+    (exact)."""
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
     verify_tolerance: float | None = None
@@ -327,7 +328,8 @@ def _apply(section: Any, values: dict[str, Any], prefix: str) -> None:
         current = getattr(section, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{key} is a section; give its keys ({sorted(f.name for f in dataclasses.fields(current))})")
+                raise ConfigError(f"{key} is a section; "
+                                  f"give its keys ({sorted(f.name for f in dataclasses.fields(current))})")
             _apply(current, value, key + ".")
         else:
             setattr(section, name, _coerce(value, fields[name].type, key))

@@ -153,4 +153,5 @@ def test_the_scan_sees_every_kind_of_violation(tmp_path):
         "megatron_offgrpo.rollout -> checkpoint_tools._mapping",
     ]
     assert cycles(edges) == [["megatron_offgrpo.config", "megatron_offgrpo.train"]]
-    assert [m.split(":")[0] for m in model_imports] == ["megatron_offgrpo/rollout/_a.py", "megatron_offgrpo/rollout/_b.py"]
+    assert [m.split(":")[0] for m in model_imports] == [
+        "megatron_offgrpo/rollout/_a.py", "megatron_offgrpo/rollout/_b.py"]

@@ -106,7 +106,9 @@ def arithmetic_records(count: int, seed: int, max_operand: int = 20) -> list[QAR
     return records
 
 
-def load_records(name: str, split: str = "train", source: str = "auto", path: str | None = None, **kwargs) -> list[QARecord]:
+def load_records(
+    name: str, split: str = "train", source: str = "auto", path: str | None = None, **kwargs
+) -> list[QARecord]:
     """Load a prompt dataset.
 
     Args:

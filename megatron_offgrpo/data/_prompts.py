@@ -1,4 +1,5 @@
-"""Prompts for the fleet: chat template from the tokenizer (or plain text for base models), and a resumable, epoch-shuffled prompt stream."""
+"""Prompts for the fleet: chat template from the tokenizer (or plain text for base models), and a resumable,
+epoch-shuffled prompt stream."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def build_prompt(record: QARecord, tokenizer, system_prompt: str | None = None,
     else:
         raise ValueError(f"prompt format {prompt_format!r}: expected one of {list(PROMPT_FORMATS)}")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        raise ValueError(f"prompt {record.record_id} has {len(ids)} tokens > data.max_prompt_tokens={max_prompt_tokens}")
+        raise ValueError(f"prompt {record.record_id} has {len(ids)} tokens > "
+                         f"data.max_prompt_tokens={max_prompt_tokens}")
     return Prompt(record.record_id, tuple(int(i) for i in ids), record.question, record.answer)
 
 

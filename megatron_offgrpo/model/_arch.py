@@ -73,7 +73,8 @@ class QwenArch:
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0))
         mlp = 3 * h * self.intermediate_size
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -90,7 +91,8 @@ class QwenArch:
         if self.intermediate_size % tp:
             errors.append(f"intermediate_size={self.intermediate_size} is not divisible by tp={tp}")
         if self.num_layers % pp:
-            errors.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}: choose pp among its divisors")
+            errors.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}: "
+                          "choose pp among its divisors")
         if errors:
             raise ValueError("cannot split the model as tp=%d x pp=%d:\n  " % (tp, pp) + "\n  ".join(errors))
 

@@ -112,4 +112,5 @@ def output_weight(model: GPTModel):
     """This rank's output-layer shard ``[V/tp, H]``: the tied embedding or the separate head (last stage only)."""
     if not model.post_process:
         raise ValueError("output_weight: only the last pipeline stage holds the output layer")
-    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else model.output_layer.weight
+    return (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+            else model.output_layer.weight)

@@ -154,7 +154,8 @@ def apply_cpu_compat() -> list[str]:
     for module in (grad_scaler, distrib_optimizer):
         _swap_torch_name(module)
     optimizer_classes = [
-        c for c in vars(optimizer_mod).values() if isinstance(c, type) and issubclass(c, optimizer_mod.MegatronOptimizer)
+        c for c in vars(optimizer_mod).values()
+        if isinstance(c, type) and issubclass(c, optimizer_mod.MegatronOptimizer)
     ] + [distrib_optimizer.DistributedOptimizer]
     for cls in optimizer_classes:
         for meth in ("step", "load_state_dict"):

@@ -76,7 +76,8 @@ def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
     model_sd = model.sharded_state_dict()
     return {
         DIST_MODEL_KEY: model_sd,  # the part checkpoint_tools' HF export reads back
-        "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading, metadata=OPTIM_META),
+        "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading,
+                                                  metadata=OPTIM_META),
     }
 
 

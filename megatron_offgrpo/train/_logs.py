@@ -1,10 +1,12 @@
-"""Where the log lines of ``offgrpo train`` / ``offgrpo sft`` go: everything to ``RUN/train.log``, little to the console.
+"""Where the log lines of ``offgrpo train`` / ``offgrpo sft`` go: everything to ``RUN/train.log``, little to the
+console.
 
 A run's console should show its progress line, what it did that a user acts on (run started, checkpoint saved,
 resumed from, policy exported) and real warnings. megatron-core logs its config dumps and bucket layouts at INFO,
 warns at import that Transformer Engine and Apex are absent (expected on CPU), and an in-process vLLM engine logs
 INFO lines and warnings about its own setup (no tcmalloc, eager mode, layers without weights) at every start and
-refresh; all of that goes to the run's log file only. ``--verbose`` brings it back to the console. vLLM configures its own loggers (they do not propagate to the root), in this process and in any
+refresh; all of that goes to the run's log file only. ``--verbose`` brings it back to the console.
+vLLM configures its own loggers (they do not propagate to the root), in this process and in any
 engine-core process it spawns, from the JSON file named by ``VLLM_LOGGING_CONFIG_PATH``: we write one into the run
 directory that sends them to the same file.
 """
@@ -52,7 +54,8 @@ class ConsoleFilter(logging.Filter):
         if record.name == "py.warnings":
             message = record.getMessage()
             return not (any(text in message for text in EXPECTED_WARNINGS) or LIBRARY_DEPRECATION.search(message))
-        if record.name == "vllm" or record.name.startswith("vllm."):  # before vLLM configures its loggers, they propagate
+        # before vLLM configures its loggers, they propagate
+        if record.name == "vllm" or record.name.startswith("vllm."):
             return record.levelno >= getattr(logging, VLLM_CONSOLE_LEVEL)
         if record.levelno >= logging.WARNING:
             return True

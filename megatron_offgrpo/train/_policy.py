@@ -54,7 +54,9 @@ def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelCo
                        ctx.pp_size, ctx.pp_rank)
 
 
-def build_policy(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, optim: OptimConfig, steps: int) -> Policy:
+def build_policy(
+    arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, optim: OptimConfig, steps: int
+) -> Policy:
     """The trainable stage with its DDP wrapper, optimizer and schedule (collective: every rank calls it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -86,7 +88,9 @@ def build_policy(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, o
     return Policy(stage, ddp, optimizer, scheduler)
 
 
-def frozen_copy(source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
+def frozen_copy(
+    source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig
+) -> torch.nn.Module:
     """A non-trainable stage with ``source``'s weights (reference policy, or behavior snapshot)."""
     copy = _stage(arch, ctx, model_cfg).eval()
     copy_weights(source, copy)

@@ -27,7 +27,8 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
 
     r = config.rollout
     if r.engine == "fleet":
-        return make_engine("fleet", state=r.fleet_state, transport=r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
+        return make_engine("fleet", state=r.fleet_state, transport=r.transport,
+                           shared_dir=None if run_dir is None else run_dir / "weights",
                            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir)
     if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail

@@ -72,7 +72,8 @@ def _prompts(config: Config, tokenizer, split: str):
     d = config.data
     records = load_records(d.name, split, d.source, d.path, question_key=d.question_key, answer_key=d.answer_key,
                            count=d.count, seed=config.parallel.seed, max_operand=d.max_operand)
-    return [build_prompt(r, tokenizer, d.system_prompt, d.instruction, d.max_prompt_tokens, d.prompt_format) for r in records]
+    return [build_prompt(r, tokenizer, d.system_prompt, d.instruction, d.max_prompt_tokens, d.prompt_format)
+            for r in records]
 
 
 def _write_run_info(run_dir: Path, config: Config, ctx: ParallelContext, arch: QwenArch) -> None:

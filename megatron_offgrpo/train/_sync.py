@@ -25,9 +25,11 @@ def probe_logprobs(run, probe_ids: list[int]) -> list[float]:
     ids = torch.tensor(probe_ids[:-1]).unsqueeze(0)
     zeros = torch.zeros_like(ids, dtype=torch.float32)
     mb = MicroBatch(ids, torch.arange(ids.shape[1]).unsqueeze(0), torch.tensor(probe_ids[1:]).unsqueeze(0),
-                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids)).to(run.ctx.device)
+                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros,
+                    torch.zeros_like(ids)).to(run.ctx.device)
     out = token_logprobs(run.policy.model, run.ctx, [mb], temperature=1.0)
-    logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64, device=run.ctx.device)
+    logp = (out[0].reshape(-1).double() if out
+            else torch.zeros(ids.shape[1], dtype=torch.float64, device=run.ctx.device))
     if run.ctx.tp_rank != 0:
         logp = torch.zeros_like(logp)  # TP ranks hold copies: count one
     dist.all_reduce(logp, group=run.ctx.pp_group)  # only the last stage computed it

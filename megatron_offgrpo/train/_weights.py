@@ -79,7 +79,8 @@ def export_buckets(model, arch: QwenArch, ctx: ParallelContext, bucket_bytes: in
 
 def source_hf_config(arch: QwenArch, source_dir: Path) -> dict:
     """The HF config of an export: the arch over ``source_dir``'s config (token ids and other fields it lacks)."""
-    source_config = json.loads((source_dir / "config.json").read_text()) if (source_dir / "config.json").exists() else {}
+    source_config = (json.loads((source_dir / "config.json").read_text()) if (source_dir / "config.json").exists()
+                     else {})
     return hf_config_dict(arch, source_config)
 
 

@@ -8,7 +8,8 @@ from megatron_offgrpo.data import SamplingParams
 
 def sampling_params(rollout: RolloutConfig, seed: int | None = None) -> SamplingParams:
     """How the engine samples."""
-    return SamplingParams(max_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p, seed=seed)
+    return SamplingParams(max_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+                          seed=seed)
 
 
 def serving_dtype(precision: str) -> str:

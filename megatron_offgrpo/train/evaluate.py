@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="offgrpo eval", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML recipe (data, reward, sampling length)")
     parser.add_argument("--model", help="HF model directory (default: model.hf_path of the recipe)")
-    parser.add_argument("--prompts", type=int, default=None, help="number of eval prompts (default: train.eval_prompts)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="number of eval prompts (default: train.eval_prompts)")
     parser.add_argument("--engine", default=None, help="transformers | vllm | fleet | auto (default: rollout.engine)")
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")

@@ -159,7 +159,8 @@ def _scheduled_eval(run: Run, done: int) -> dict:
 
 
 def _evaluate(run: Run, prefix: str = "eval_") -> dict:
-    """Greedy accuracy of the engine's weights on the eval prompts (rank 0; {} elsewhere or without train.eval_every)."""
+    """Greedy accuracy of the engine's weights on the eval prompts (rank 0; {} elsewhere or without
+    train.eval_every)."""
     cfg = run.config
     if not cfg.train.eval_every or run.ctx.rank != 0:
         return {}

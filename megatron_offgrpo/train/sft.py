@@ -39,7 +39,8 @@ def reference_sample(prompt: Prompt, index: int, tokenizer, off_by_one: bool = F
         raise ValueError(f"prompt {prompt.prompt_id}: no numeric ground truth to warm up on")
     if off_by_one:
         if not answer.lstrip("-").isdigit():
-            raise ValueError(f"prompt {prompt.prompt_id}: sft.off_by_one_fraction needs integer answers, got {answer!r}")
+            raise ValueError(f"prompt {prompt.prompt_id}: sft.off_by_one_fraction needs integer answers, "
+                             f"got {answer!r}")
         answer = str(int(answer) + 1)
     ids = tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [tokenizer.eos_token_id]
     return Sample(prompt.prompt_id, index, list(prompt.prompt_ids), ids, [0.0] * len(ids), 0, "stop", reward=1.0)

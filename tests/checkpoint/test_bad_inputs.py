@@ -66,7 +66,8 @@ def test_bit_flip_is_caught_by_the_manifest_naming_the_tensor(hf_models, tmp_pat
 def test_unsupported_architecture_is_named(hf_models, tmp_path):
     src = copy_model(hf_models, tmp_path)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])))
+    (src / "config.json").write_text(
+        json.dumps(dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])))
     proc = cli("hf_to_megatron", "--hf", str(src), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "model_type='qwen2_moe'" in proc.stderr and "supported are" in proc.stderr
     (src / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))

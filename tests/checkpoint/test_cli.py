@@ -24,7 +24,8 @@ def test_offgrpo_convert_roundtrip_on_tiny_config(tmp_path):
 
 
 def test_offgrpo_unknown_command_lists_valid_ones():
-    proc = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "convert", "nope"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "convert", "nope"],
+                          capture_output=True, text=True)
     assert proc.returncode == 2 and "valid: hf-to-megatron, megatron-to-hf, reshard, roundtrip" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "trian"], capture_output=True, text=True)
     assert proc.returncode == 2 and "valid: train, sft, eval, report, fleet, convert" in proc.stderr

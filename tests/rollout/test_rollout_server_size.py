@@ -33,8 +33,10 @@ def test_given_values_win_and_tp_splits_the_kv_heads():
     size = size_server(config, 1000, "bfloat16", max_num_seqs=64)
     # 1000 tokens count as 1024 (whole 256-token blocks); 2 x 24 x 2 x 64 x 2 bytes = 12 KiB per token
     assert (size.max_model_len, size.dtype) == (1000, "bfloat16") and size.kv_cache_bytes == 64 * 1024 * 12 * 1024
-    assert size_server(config, 1000, "bfloat16", 64, tp=2).kv_cache_bytes == size.kv_cache_bytes // 2  # 1 KV head per GPU
-    assert size_server(config, 1000, "bfloat16", 64, tp=4).kv_cache_bytes == size.kv_cache_bytes // 2  # replicated, not 0.5
+    # 1 KV head per GPU
+    assert size_server(config, 1000, "bfloat16", 64, tp=2).kv_cache_bytes == size.kv_cache_bytes // 2
+    # replicated, not 0.5
+    assert size_server(config, 1000, "bfloat16", 64, tp=4).kv_cache_bytes == size.kv_cache_bytes // 2
     assert size_server(config, 1000, "bfloat16", 64, kv_cache_gib=1.5).kv_cache_bytes == int(1.5 * GIB)
 
 
@@ -61,7 +63,8 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_start(tmp_path, monkeyp
         FleetSpec(model_dir=tmp_path, num_servers=2).validate(gpus=0)
     text = str(caught.value)
     assert "KV cache 2 x 192.00 GiB = 384.0 GiB > MemAvailable 64.0 GiB" in text
-    assert "--max-model-len (now 32768, the model's max_position_embeddings" in text and "--max-num-seqs (now 256)" in text
+    assert ("--max-model-len (now 32768, the model's max_position_embeddings" in text
+            and "--max-num-seqs (now 256)" in text)
     FleetSpec(model_dir=tmp_path, num_servers=2, max_model_len=1024).validate(gpus=0)  # 6 GiB each: fits
 
 

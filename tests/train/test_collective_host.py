@@ -73,8 +73,10 @@ def test_shm_transport_gets_its_directory_and_needs_the_fleet(transport_of, tmp_
     assert transport._session is None  # nothing is written before the first refresh
     # this machine's name counts as here; a server elsewhere is refused before training starts (198.51.100.0/24 is
     # a documentation range: binding to it fails here, and nothing is sent)
-    assert isinstance(transport_of("rollout.transport=shm", hosts=("localhost", socket.gethostname())), SharedMemoryTransport)
-    with pytest.raises(ValueError, match=r"transport 'shm' needs every fleet server on this machine.*\['s1@198.51.100.7:8000'\]"):
+    assert isinstance(transport_of("rollout.transport=shm", hosts=("localhost", socket.gethostname())),
+                      SharedMemoryTransport)
+    with pytest.raises(ValueError,
+                       match=r"transport 'shm' needs every fleet server on this machine.*\['s1@198.51.100.7:8000'\]"):
         transport_of("rollout.transport=shm", hosts=("127.0.0.1", "198.51.100.7"))
     with pytest.raises(ValueError, match="rollout.transport='shm' needs rollout.engine='fleet'"):
         load_config(RECIPE, ["rollout.engine=vllm", "rollout.transport=shm"])
@@ -98,5 +100,6 @@ def test_plain_addresses_validate(host):
     ],
 )
 def test_undialable_addresses_are_refused_naming_the_key(host, message):
-    with pytest.raises(ValueError, match=r"rollout\.collective_host=.*" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError,
+                       match=r"rollout\.collective_host=.*" + message.replace("(", r"\(").replace(")", r"\)")):
         load_config(RECIPE, [*FLEET, "rollout.transport=collective", f"rollout.collective_host={host}"])

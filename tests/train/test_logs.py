@@ -31,7 +31,8 @@ def record(name: str, level: int, message: str) -> logging.LogRecord:
     ("megatron_offgrpo.train._sync", logging.WARNING, "training goes on with the servers ...", True),
     ("megatron.core.optimizer", logging.INFO, "Setting up optimizer with config OptimizerConfig(...)", False),
     ("megatron.core.optimizer", logging.WARNING, "a real megatron warning", True),
-    ("py.warnings", logging.WARNING, ".../megatron/core/models/backends.py:21: UserWarning: Apex is not installed.", False),
+    ("py.warnings", logging.WARNING, ".../megatron/core/models/backends.py:21: UserWarning: Apex is not installed.",
+     False),
     ("py.warnings", logging.WARNING, ".../site-packages/vllm/x.py:1: FutureWarning: reduce_op is deprecated", False),
     ("py.warnings", logging.WARNING, "/work/recipe_reward.py:3: UserWarning: the answer is empty", True),
     ("vllm.v1.worker.cpu_worker", logging.WARNING, "libtcmalloc is not found in LD_PRELOAD", False),  # vLLM's setup
@@ -45,7 +46,8 @@ def test_vllm_logs_go_to_the_file_and_only_errors_to_the_quiet_console(tmp_path)
     quiet = vllm_logging_config(tmp_path / LOG_FILE, "%(message)s", verbose=False)
     assert quiet["handlers"]["console"]["level"] == "ERROR" and quiet["handlers"]["file"]["level"] == "INFO"
     assert quiet["loggers"]["vllm"] == {"handlers": ["file", "console"], "level": "INFO", "propagate": False}
-    assert vllm_logging_config(tmp_path / LOG_FILE, "%(message)s", verbose=True)["handlers"]["console"]["level"] == "INFO"
+    assert (vllm_logging_config(tmp_path / LOG_FILE, "%(message)s", verbose=True)["handlers"]["console"]["level"]
+            == "INFO")
 
 
 @pytest.mark.slow
@@ -75,7 +77,8 @@ def test_vllm_configures_its_loggers_from_our_file(tmp_path):
     assert "vllm propagates: False" in proc.stdout  # vLLM applied our config file (its handlers, not the root's)
     assert "checkpoint-line" in proc.stderr
     assert not {"vllm-info-line", "vllm-warning-line", "megatron-info-line"} & set(proc.stderr.split()), proc.stderr
-    assert json.loads((tmp_path / ".vllm_logging.json").read_text())["handlers"]["file"]["filename"] == str(tmp_path / LOG_FILE)
+    assert (json.loads((tmp_path / ".vllm_logging.json").read_text())["handlers"]["file"]["filename"]
+            == str(tmp_path / LOG_FILE))
 
 
 @pytest.mark.slow
@@ -95,8 +98,9 @@ def test_train_console_is_quiet_and_the_log_file_has_everything(tmp_path):
 @pytest.mark.slow
 def test_sft_verbose_brings_the_chatter_back(tmp_path):
     out = tmp_path / "sft"
-    cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "sft", "--verbose", "--config", str(REPO / "configs/tiny-cpu-sft.yaml"),
-           "train.steps=1", "data.count=20", f"train.out_dir={out}"]
+    cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "sft", "--verbose",
+           "--config", str(REPO / "configs/tiny-cpu-sft.yaml"), "train.steps=1", "data.count=20",
+           f"train.out_dir={out}"]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "megatron.core" in proc.stderr and "parallel layout" in proc.stderr and "warm-up model:" in proc.stdout

@@ -30,7 +30,7 @@ def test_report_summary_and_plot(tmp_path):
 
 def test_report_compares_runs_and_names_held_out_accuracy(tmp_path):
     """Two runs side by side (v read from the versions), greedy accuracy before the first update and after the last."""
-    from megatron_offgrpo.train.report import make_report, summary
+    from megatron_offgrpo.train.report import summary
 
     for v in (1, 4):
         records = [{"step": s, "wall_s": 3.0 * (s + 1), "reward_mean": 0.5, "policy_version": s - s % v,
@@ -40,8 +40,9 @@ def test_report_compares_runs_and_names_held_out_accuracy(tmp_path):
         (tmp_path / f"v{v}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert "greedy held-out accuracy 0.100 (step 0) -> 0.800 (step 8)" in summary(tmp_path / "v4")
     out = tmp_path / "both.png"
-    proc = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "report", str(tmp_path / "v1"), str(tmp_path / "v4"),
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "report", str(tmp_path / "v1"),
+                           str(tmp_path / "v4"), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and out.read_bytes()[:4] == b"\x89PNG", proc.stderr[-2000:]
     assert proc.stdout.count("greedy held-out accuracy 0.100") == 2
 
@@ -77,9 +78,10 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_offgrpo.cli", "train", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
-         f"model.hf_path={REPO / 'megatron_offgrpo/assets/tiny-qwen2'}", "model.init=random", "rollout.engine=transformers",
-         "rollout.prompts_per_step=2", "rollout.max_new_tokens=4", "rollout.refresh_every=2", "train.steps=3",
-         "train.eval_every=1", "train.eval_prompts=3", f"train.out_dir={run}"],
+         f"model.hf_path={REPO / 'megatron_offgrpo/assets/tiny-qwen2'}", "model.init=random",
+         "rollout.engine=transformers", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4",
+         "rollout.refresh_every=2", "train.steps=3", "train.eval_every=1", "train.eval_prompts=3",
+         f"train.out_dir={run}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,8 @@ RECIPE = REPO / "configs" / "tiny-cpu.yaml"
 
 def _earlier_run(run_dir, steps=3):
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "wall_s": 1.0 + s}) + "\n" for s in range(steps)))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "wall_s": 1.0 + s}) + "\n" for s in range(steps)))
 
 
 def test_a_new_run_refuses_an_earlier_runs_directory(tmp_path, capsys):

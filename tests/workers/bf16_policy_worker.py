@@ -44,7 +44,8 @@ def main() -> None:
     params = dict(policy.model.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.bfloat16}, {n: p.dtype for n, p in params.items()}
     pairs = [(model, main) for opt in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
-             for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups) for model, main in zip(models, mains)]
+             for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+             for model, main in zip(models, mains)]
     assert len(pairs) == len(params), f"{len(pairs)} fp32 main weights for {len(params)} bf16 weights"
     assert all(main.dtype == torch.float32 and torch.equal(main.to(torch.bfloat16), model) for model, main in pairs)
     before = [main.detach().clone() for _, main in pairs]

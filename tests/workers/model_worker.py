@@ -82,7 +82,8 @@ def mode_logits(args, ctx) -> None:
             parts = [torch.empty_like(shard) for _ in range(ctx.tp_size)]
             dist.all_gather(parts, shard, group=ctx.tp_group)
             if ctx.tp_rank == 0 and ctx.dp_rank == 0:
-                torch.save({"ids": ids, "logits": torch.cat(parts, dim=-1)}, Path(args.out) / f"{hf_dir.name}.logits.pt")
+                torch.save({"ids": ids, "logits": torch.cat(parts, dim=-1)},
+                           Path(args.out) / f"{hf_dir.name}.logits.pt")
         exported = {}
         for bucket in stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, ctx.tp_group, bucket_bytes=64 * 1024):
             for name, tensor in bucket:

@@ -26,7 +26,8 @@ def main() -> None:
     result = {}
     for directory in dirs:
         engine = VLLMEngine(directory, dtype="float32", max_model_len=512)
-        result[directory] = [s.response_ids for s in engine.generate(prompts, 1, SamplingParams(max_tokens=int(max_tokens), temperature=0.0))]
+        result[directory] = [s.response_ids for s in engine.generate(
+            prompts, 1, SamplingParams(max_tokens=int(max_tokens), temperature=0.0))]
         engine.close()
         del engine
         gc.collect()

@@ -45,7 +45,8 @@ def check_auto_fallback(model_dir: Path) -> None:
         warnings.simplefilter("always")
         engine = make_engine("auto", model_dir, dtype="float32", max_model_len=1_000_000)
     assert isinstance(engine, TransformersEngine), type(engine)
-    lines = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "rollout.engine=auto" in str(w.message)]
+    lines = [str(w.message) for w in caught
+             if issubclass(w.category, RuntimeWarning) and "rollout.engine=auto" in str(w.message)]
     assert len(lines) == 1 and "\n" not in lines[0] and "vLLM did not start" in lines[0], lines
     engine.close()
 

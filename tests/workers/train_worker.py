@@ -48,10 +48,13 @@ def main() -> None:
 
     # A non-finite loss (here: a NaN behavior log-prob on a valid token) skips the step and leaves the weights.
     before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
-    mbs[0].behavior_logp[mbs[0].loss_mask.nonzero()[0].tolist()[0], mbs[0].loss_mask.nonzero()[0].tolist()[1]] = float("nan")
-    result = policy_step(run.policy.ddp, run.policy.optimizer, run.ctx, mbs, config.algo.objective_params(), tokens, seqs)
+    mbs[0].behavior_logp[mbs[0].loss_mask.nonzero()[0].tolist()[0],
+                         mbs[0].loss_mask.nonzero()[0].tolist()[1]] = float("nan")
+    result = policy_step(run.policy.ddp, run.policy.optimizer, run.ctx, mbs, config.algo.objective_params(), tokens,
+                         seqs)
     assert result.skipped and result.loss != result.loss, result
-    assert all(torch.equal(before[n], p) for n, p in run.policy.model.named_parameters()), "a skipped step moved weights"
+    assert all(torch.equal(before[n], p) for n, p in run.policy.model.named_parameters()), (
+        "a skipped step moved weights")
     print("SKIPPED non-finite step")
     run.close()
 
