@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,31 @@ def run_train(nproc: int, out_dir: Path, *overrides: str, timeout: float = 600) 
 
 def metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. torchrun starts each worker in a session of its own, so killing
+    torchrun's process group leaves the trainer running (it finishes the run): a crash test must kill the tree."""
+    while True:
+        children: dict[int, list[int]] = {}
+        zombies = set()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # a process that just ended
+            children.setdefault(int(ppid), []).append(int(stat.parent.name))
+            if state == "Z":
+                zombies.add(int(stat.parent.name))
+        tree, stack = [], [pid]
+        while stack:
+            tree.append(stack.pop())
+            stack.extend(children.get(tree[-1], []))
+        live = [p for p in tree if p not in zombies]  # a zombie is dead already (its parent has not reaped it)
+        if not live:
+            return
+        for p in live:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +10,7 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from tests.train.conftest import metrics, run_train, train_cmd, train_env
+from tests.train.conftest import kill_tree, metrics, run_train, train_cmd, train_env
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -53,7 +50,6 @@ def _steps_logged(out) -> int:
 KILL_POINTS = {  # when to SIGKILL the run: a state visible on disk, polled every 20 ms
     "before-any-checkpoint": lambda out: _steps_logged(out) >= 1,  # step 1's generation: resumes from step 0
     "during-the-first-checkpoint-write": lambda out: any((out / "checkpoints").glob("step_*.tmp")),
-    "mid-step-3": lambda out: _steps_logged(out) >= 3,  # after step 2's checkpoint, in step 3
     # the step-4 checkpoint is complete: what follows is step 4's refresh (v=2) and generation
     "at-the-refresh-after-a-checkpoint": lambda out: (out / "checkpoints" / "step_00000004" / STATE).exists(),
 }
@@ -70,12 +66,17 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(tmp_path, un
     while not KILL_POINTS[point](out):
         assert proc.poll() is None and time.time() < deadline, f"the run ended before the kill point {point}"
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
     proc.wait()
     resumed = subprocess.run(train_cmd(1, out, *COMMON, "train.resume=true"), cwd=REPO, env=train_env(),
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "resumed from" in resumed.stderr or "no complete checkpoint" in resumed.stderr
+    # what the resume says: no checkpoint yet, or the one it continues from (the first save may finish its rename
+    # between the poll and the kill)
+    said = {"before-any-checkpoint": ("no complete checkpoint",),
+            "at-the-refresh-after-a-checkpoint": ("resumed from",)}
+    assert any(s in resumed.stderr for s in said.get(point, ("no complete checkpoint", "resumed from"))), (
+        point, [line for line in resumed.stderr.splitlines() if "resum" in line or "checkpoint" in line])
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(6))  # every step once: the re-done ones replaced
     for got, want in zip(records, uninterrupted):
@@ -123,11 +124,3 @@ def test_a_run_directory_is_never_reused_silently_and_a_resume_says_what_it_cont
     assert _train(out, "train.steps=1", "train.overwrite=true").returncode == 0
     [aside] = tmp_path.glob("run.replaced-*")
     assert [r["step"] for r in metrics(aside)] == [0, 1, 2, 3] and [r["step"] for r in metrics(out)] == [0]
-    # what a kill -9 during the first checkpoint save leaves: logged steps, a half-written step_X.tmp
-    killed = tmp_path / "killed"
-    (killed / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)
-    (killed / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "wall_s": s}) + "\n" for s in (0, 1)))
-    restarted = _train(killed, "train.steps=1", "train.resume=true")
-    assert restarted.returncode == 0, restarted.stderr[-4000:]
-    assert "no complete checkpoint" in restarted.stderr and "starting at step 0" in restarted.stderr
-    assert [r["step"] for r in metrics(killed)] == [0] and not (killed / "checkpoints" / "step_00000002.tmp").exists()
