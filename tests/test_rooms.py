@@ -17,8 +17,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]  # not tests.helpers: that imports torch, and this test needs none
 PKGS = ("megatron_offgrpo", "checkpoint_tools")
-HF_ONLY = ("megatron_offgrpo.rollout", "megatron_offgrpo.fleet")  # rooms that never import model/
+HF_ONLY = ("megatron_offgrpo.rollout", "megatron_offgrpo.fleet", "megatron_offgrpo.transports")  # never import model/
 MODEL = "megatron_offgrpo.model"
+# The three rooms of generation, by the process they run in, and the only rooms each may import: transports (the
+# weights' way into the servers, and its wire format) at the bottom, the fleet (inside and around the vLLM servers)
+# on it, the trainer-side client (rollout) on both. Neither the fleet nor the transports know the client.
+GENERATION_MAY_IMPORT = {
+    "megatron_offgrpo.transports": {"checkpoint_tools"},
+    "megatron_offgrpo.fleet": {"megatron_offgrpo.transports", "checkpoint_tools", "megatron_offgrpo.runtime"},
+    "megatron_offgrpo.rollout": {"megatron_offgrpo.transports", "megatron_offgrpo.fleet", "checkpoint_tools",
+                                 "megatron_offgrpo.data"},
+}
 
 
 def room_of_module(mod: str) -> str | None:
@@ -127,6 +136,13 @@ def test_the_fleet_side_never_imports_the_model(repo_scan):
     assert not model_imports, "rollout/ must speak HF names only (go through checkpoint_tools):\n  " + "\n  ".join(
         model_imports
     )
+
+
+def test_the_generation_rooms_import_only_what_they_may(repo_scan):
+    _, edges, _ = repo_scan
+    assert set(GENERATION_MAY_IMPORT) <= set(edges), "a generation room is missing or imports nothing of ours"
+    extra = {room: sorted(edges[room] - allowed) for room, allowed in GENERATION_MAY_IMPORT.items() if edges[room] - allowed}
+    assert not extra, f"generation rooms import rooms they may not: {extra}"
 
 
 def test_the_scan_sees_every_kind_of_violation(tmp_path):

@@ -17,8 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from megatron_offgrpo.fleet import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._errors import FleetError
-from megatron_offgrpo.rollout._http import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._samples import BadResponse
 
 logger = logging.getLogger(__name__)

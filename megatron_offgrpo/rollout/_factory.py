@@ -85,11 +85,8 @@ def _first_line(exc: BaseException) -> str:
 def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,
            bucket_bytes: int | None = None, hf_config: dict | None = None, collective_host: str | None = None,
            shm_dir: str | Path = "/dev/shm", **kwargs: Any) -> RolloutEngine:
-    from megatron_offgrpo.rollout._collective import CollectiveTransport
-    from megatron_offgrpo.rollout._disk import DiskTransport
     from megatron_offgrpo.rollout._fleet import FleetEngine
-    from megatron_offgrpo.rollout._shm import SharedMemoryTransport
-    from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES
+    from megatron_offgrpo.transports import DEFAULT_BUCKET_BYTES, CollectiveTransport, DiskTransport, SharedMemoryTransport
 
     if state is None:
         raise ValueError("make_engine kind='fleet' needs state=<the fleet's --state-dir or fleet.json>")
@@ -113,7 +110,7 @@ def _require_servers_here(state: str | Path) -> None:
     """The shm transport's servers map files on this machine: refuse a fleet elsewhere now, not at the first refresh."""
     from urllib.parse import urlparse
 
-    from megatron_offgrpo.rollout._launcher import is_this_machine, load_state
+    from megatron_offgrpo.fleet import is_this_machine, load_state
 
     elsewhere = [s["name"] for s in load_state(state)["servers"] if not is_this_machine(urlparse(s["url"]).hostname or "")]
     if elsewhere:

@@ -11,12 +11,10 @@ from typing import Any
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
-from megatron_offgrpo.rollout._protocol import Buckets, WeightTransport
-from megatron_offgrpo.rollout._rpc import summarize
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.rollout._worker_ext import DIRTY
+from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +52,8 @@ class FleetEngine:
     @classmethod
     def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":
         """Connect to the fleet recorded by ``offgrpo fleet start`` (its state file and token)."""
-        from megatron_offgrpo.rollout._launcher import load_state, servers_of
+        from megatron_offgrpo.fleet import load_state
+        from megatron_offgrpo.rollout._server import servers_of
 
         return cls(servers_of(load_state(state_file)), transport, **kwargs)
 
@@ -220,15 +219,15 @@ class FleetEngine:
                 benched.append(name)
         if succeeded:
             self._version = int(version)
-        stats = getattr(self.transport, "last_stats", {}) or {}
-        detail = {**timings, **{k: float(v) for k, v in stats.items() if k.endswith("_s")}}
+        metrics = self.transport.metrics()
+        detail = {**timings, **{f"{phase}_s": float(seconds) for phase, seconds in metrics.seconds.items()}}
         for answer in answers.values():
             for key, value in answer.items():
                 if key.endswith("_s"):
                     detail[f"server_{key}"] = max(detail.get(f"server_{key}", 0.0), float(value))
         report = RefreshReport(version=self._version, transport=self.transport.name, seconds=timings["total_s"],
-                               servers={n: int(version) for n in succeeded}, bytes=int(stats.get("bytes", 0)),
-                               tensors=int(stats.get("tensors", 0)), buckets=int(stats.get("buckets", 0)), detail=detail)
+                               servers={n: int(version) for n in succeeded}, bytes=metrics.bytes,
+                               tensors=metrics.tensors, buckets=metrics.buckets, detail=detail)
         logger.info("refresh to version %d via %s: %.3f s on %s (failed: %s)", version, self.transport.name,
                     report.seconds, succeeded, sorted(failures))
         if failures:

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
-from megatron_offgrpo.rollout._protocol import Buckets
 from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
-from megatron_offgrpo.rollout._tensors import check_complete, expected_hf_shapes
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.rollout._weights_dir import manifest_version, read_version_dir
+from megatron_offgrpo.transports import Buckets, check_complete, manifest_version, read_version_dir
 
 
 class TransformersEngine:

@@ -16,17 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.fleet import TOKENIZER_FILES, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
-from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
-from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
-from megatron_offgrpo.rollout._protocol import Buckets
-from megatron_offgrpo.rollout._rpc import summarize
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.rollout._weights_dir import version_dir, write_version_dir
+from megatron_offgrpo.transports import WORKER_EXTENSION, Buckets, summarize, version_dir, write_version_dir
 
 
 def _install_in_worker(worker, tensors, version: int) -> dict[str, Any]:
@@ -77,7 +73,7 @@ class VLLMEngine:
         llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # the sampled distribution's log-probs (see FleetSpec)
         llm_kwargs.setdefault("skip_tokenizer_init", not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
         self.model_dir = model_dir
-        self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION, **llm_kwargs)
+        self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, worker_extension_cls=WORKER_EXTENSION, **llm_kwargs)
         self._lock = threading.Lock()
         self._version = int(self._rpc("offgrpo_info", {})["version"])
         self.llm.llm_engine.set_weight_version(str(self._version))

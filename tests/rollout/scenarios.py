@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout import RefreshError, RefreshVerificationError, verify_refresh, version_dir, write_version_dir
+from megatron_offgrpo.rollout import RefreshError, RefreshVerificationError, verify_refresh
+from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout.tiny import as_buckets, hf_probe_logprobs
 
 PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]

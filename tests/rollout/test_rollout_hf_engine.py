@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, verify_refresh, version_dir, write_version_dir
+from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, verify_refresh
+from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout import scenarios
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 

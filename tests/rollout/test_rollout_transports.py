@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from benchmarks._baselines import PerTensorCollectiveTransport
-from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, OffgrpoWorkerExtension, SharedMemoryTransport, write_version_dir
-from megatron_offgrpo.rollout._shm import sweep_dead_sessions
-from megatron_offgrpo.rollout._tensors import expected_hf_shapes
-from megatron_offgrpo.rollout._worker_ext import DIRTY
+from checkpoint_tools import expected_hf_shapes
+from megatron_offgrpo.fleet import OffgrpoWorkerExtension
+from megatron_offgrpo.transports import (
+    DIRTY, CollectiveTransport, DiskTransport, SharedMemoryTransport, sweep_dead_sessions, write_version_dir,
+)
 from tests.helpers import REPO
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
@@ -135,7 +136,7 @@ def test_collective_transport_installs_bit_exact(tiny_dir, weights, bucket_bytes
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
     expected_buckets = {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes)
     if expected_buckets is not None:
-        assert transport.last_stats["buckets"] == expected_buckets
+        assert transport.metrics().buckets == expected_buckets
     # a second refresh reuses the group; a changed fleet rebuilds it
     assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(weights), 2), 2).values())
     assert all(a["ok"] for a in transport.install(targets[:1], transport.prepare(as_buckets(weights), 3), 3).values())
@@ -190,7 +191,7 @@ def test_shm_transport_installs_bit_exact_and_rewrites_its_files(tmp_path, tiny_
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
     session = transport._session
     files = sorted(p.name for p in session.glob("bucket-*.bin"))
-    assert len(files) == transport.last_stats["buckets"] == {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes, len(files))
+    assert len(files) == transport.metrics().buckets == {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes, len(files))
     newer = perturbed(weights, seed=2)
     assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(newer), 2), 2).values())
     assert all(_same(w.installed, newer) for t in targets for w in t.workers)  # the same files, rewritten in place
@@ -245,7 +246,7 @@ def test_shm_full_directory_is_a_clear_error(tmp_path, weights, monkeypatch):
 
 def test_shm_files_go_at_exit_and_sessions_of_killed_trainers_are_swept(tmp_path, weights):
     def trainer(end: str) -> int:
-        code = ("import sys, os, torch; from megatron_offgrpo.rollout import SharedMemoryTransport as T; "
+        code = ("import sys, os, torch; from megatron_offgrpo.transports import SharedMemoryTransport as T; "
                 f"t = T(sys.argv[1]); t.prepare([[('w', torch.ones(1000))]], 1); {end}")
         return subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120).returncode
 

@@ -10,11 +10,12 @@ import torch
 
 from checkpoint_tools import CheckpointError, rebucket
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout._auth import ControlTokenMiddleware
-from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, END, make_group, make_store, recv_stream, send_stream
+from megatron_offgrpo.fleet import ControlTokenMiddleware
 from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_prompt_logprobs, sampling_body
-from megatron_offgrpo.rollout._tensors import check_complete, pack_bucket, unpack_bucket
-from megatron_offgrpo.rollout._weights_dir import manifest_version, prune_versions, read_version_dir, version_dir, write_version_dir
+from megatron_offgrpo.transports import (
+    ABORT, BUCKET, END, check_complete, make_group, make_store, manifest_version, pack_bucket, prune_versions, read_version_dir,
+    recv_stream, send_stream, unpack_bucket, version_dir, write_version_dir,
+)
 
 
 def _bucket():

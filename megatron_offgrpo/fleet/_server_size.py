@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
+from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 
 GIB = 1 << 30
 BLOCK_TOKENS = 256

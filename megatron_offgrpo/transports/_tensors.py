@@ -17,8 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from checkpoint_tools import CODE_DTYPES, DTYPE_CODES, Named, rebucket
-from checkpoint_tools import expected_hf_shapes  # noqa: F401  (the served model's name/shape set, for the engines)
-from megatron_offgrpo.rollout._weights_dir import read_version_dir
+from megatron_offgrpo.transports._weights_dir import read_version_dir
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 

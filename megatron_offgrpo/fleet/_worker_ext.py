@@ -1,6 +1,6 @@
 """The worker extension every fleet server (and the in-process vllm.LLM) runs: verified, versioned reloads.
 
-vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.rollout.OffgrpoWorkerExtension``)
+vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension``)
 and exposes its methods through ``collective_rpc``. Each method takes one JSON string and returns a JSON dict with
 ``ok`` and either the result or ``error``: a refresh is rejected *before* anything is loaded when the manifest's
 version is not the one asked for, the version does not increase, a file is truncated or fails its CRC-32, or the
@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._tensors import Named, check_complete, expected_hf_shapes
-
-DIRTY = -1
+from checkpoint_tools import expected_hf_shapes
+from megatron_offgrpo.transports import DIRTY, Named, check_complete
 
 
 def _ok(**kwargs: Any) -> dict[str, Any]:
@@ -39,7 +38,7 @@ class OffgrpoWorkerExtension:
     # ----- state -----------------------------------------------------------------------------------------------
     def _offgrpo_version(self) -> int:
         if getattr(self, "_offgrpo_current", None) is None:
-            from megatron_offgrpo.rollout._weights_dir import manifest_version
+            from megatron_offgrpo.transports import manifest_version
 
             try:
                 found = manifest_version(self.model_runner.model_config.model)
@@ -76,7 +75,7 @@ class OffgrpoWorkerExtension:
 
     def offgrpo_load_dir(self, payload: str) -> dict[str, Any]:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
-        from megatron_offgrpo.rollout._weights_dir import read_version_dir
+        from megatron_offgrpo.transports import read_version_dir
 
         args, version, refused = self._offgrpo_versioned(payload)
         if refused:
@@ -91,7 +90,7 @@ class OffgrpoWorkerExtension:
 
     def offgrpo_join_group(self, payload: str) -> dict[str, Any]:
         """Join broadcast group ``{"group_id", "host", "port", "rank_base", "world_size", "timeout_s", "backend"}``."""
-        from megatron_offgrpo.rollout._gloo import make_group, make_store
+        from megatron_offgrpo.transports import make_group, make_store
 
         args = json.loads(payload)
         rank = int(args["rank_base"]) + int(getattr(self, "rank", 0))
@@ -114,7 +113,7 @@ class OffgrpoWorkerExtension:
     def offgrpo_receive(self, payload: str) -> dict[str, Any]:
         """Receive one stream on group ``{"group_id", "version", "commit"}``; with ``commit`` (default) check the
         streams received for this version so far and install them, else stage them for a later commit."""
-        from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, recv_stream
+        from megatron_offgrpo.transports import ABORT, BUCKET, recv_stream
 
         args = json.loads(payload)
         version = int(args["version"])
@@ -152,7 +151,7 @@ class OffgrpoWorkerExtension:
     def offgrpo_load_shm(self, payload: str) -> dict[str, Any]:
         """Install the shared-memory buckets ``{"dir", "version", "buckets": [{"file", "bytes", "tensors"}]}``:
         map each file, view the tensors in place, check and reload (the mappings are gone when this returns)."""
-        from megatron_offgrpo.rollout._tensors import unpack_entries
+        from megatron_offgrpo.transports import unpack_entries
 
         args, version, refused = self._offgrpo_versioned(payload)
         if refused:

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import load_state
+from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._launcher import load_state
 
 
 def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> dict[str, Any]:

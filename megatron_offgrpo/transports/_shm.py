@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
-from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
+from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
+from megatron_offgrpo.transports._rpc import call_targets
+from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
 
 SESSION_PREFIX = "offgrpo-shm-"
 LOCK_NAME = "owner.lock"
@@ -78,7 +78,7 @@ class SharedMemoryTransport:
         self._remove_session: weakref.finalize | None = None
         self._buffers: list[_Buffer] = []
         self._created = 0
-        self.last_stats: dict[str, float] = {}
+        self._metrics = TransferMetrics()
 
     # ----- session: the directory this transport owns --------------------------------------------------------
     def _open_session(self) -> Path:
@@ -150,8 +150,8 @@ class SharedMemoryTransport:
         for stale in self._buffers[len(layout):]:  # the model needs fewer files than last time
             (self._session / stale.file).unlink(missing_ok=True)
         del self._buffers[len(layout):]
-        self.last_stats = {"write_s": time.perf_counter() - start, "bytes": sum(b["bytes"] for b in layout), "buckets": len(layout),
-                           "tensors": sum(len(b["tensors"]) for b in layout)}
+        self._metrics = TransferMetrics({"write": time.perf_counter() - start}, bytes=sum(b["bytes"] for b in layout),
+                                        tensors=sum(len(b["tensors"]) for b in layout), buckets=len(layout))
         return layout
 
     def install(self, targets: list[WorkerTarget], prepared: list[dict[str, Any]], version: int) -> dict[str, dict[str, Any]]:
@@ -161,8 +161,12 @@ class SharedMemoryTransport:
         answers, _ = call_targets(targets, "offgrpo_load_shm", lambda i, t: payload, self.timeout_s)
         if not all(a.get("ok") for a in answers.values()):
             self._drop()
-        self.last_stats["call_s"] = time.perf_counter() - start
+        self._metrics.seconds["call"] = time.perf_counter() - start
         return answers
+
+    def metrics(self) -> TransferMetrics:
+        """The last refresh's pack and call times and size (bytes, tensors, files)."""
+        return self._metrics
 
     def close(self) -> None:
         """Remove this transport's files (workers hold no mapping outside a load call)."""

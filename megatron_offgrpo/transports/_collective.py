@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._gloo import make_group, make_store, send_stream
-from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
-from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_stream
+from megatron_offgrpo.transports._gloo import make_group, make_store, send_stream
+from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
+from megatron_offgrpo.transports._rpc import call_targets
+from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_stream
 
 
 class CollectiveTransport:
@@ -46,7 +46,7 @@ class CollectiveTransport:
         self._group = None
         self._group_id = ""
         self._members: tuple[str, ...] = ()
-        self.last_stats: dict[str, float] = {}
+        self._metrics = TransferMetrics()
 
     def _ensure_group(self, targets: list[WorkerTarget]) -> None:
         names = tuple(t.name for t in targets)
@@ -89,7 +89,7 @@ class CollectiveTransport:
         except BaseException:
             self._group, self._members = None, ()  # a failed stream may leave the group out of step: rebuild next time
             raise
-        self.last_stats = {"join_s": joined - start, "send_s": time.perf_counter() - joined, **stats}
+        self._metrics = TransferMetrics({"join": joined - start, "send": time.perf_counter() - joined}, **stats)
         return answers
 
     def _send(self, targets: list[WorkerTarget], buckets: Buckets, version: int) -> tuple[dict, dict]:
@@ -100,6 +100,10 @@ class CollectiveTransport:
         payload = {"group_id": self._group_id, "version": version, "commit": commit}
         return call_targets(targets, "offgrpo_receive", lambda i, t: payload, self.timeout_s,
                             background=lambda: send_stream(self._group, buckets, version, self.device))
+
+    def metrics(self) -> TransferMetrics:
+        """The last refresh's join and send times and size (bytes, tensors, messages)."""
+        return self._metrics
 
     def close(self) -> None:
         """Drop the group and the store (the servers drop theirs on the next join)."""

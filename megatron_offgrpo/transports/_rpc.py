@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from megatron_offgrpo.rollout._protocol import WorkerTarget
+from megatron_offgrpo.transports._protocol import WorkerTarget
 
 
 def summarize(results: list[Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore
 
-from megatron_offgrpo.rollout._tensors import Named, pack_bucket, unpack_bucket
+from megatron_offgrpo.transports._tensors import Named, pack_bucket, unpack_bucket
 
 BUCKET, END, ABORT = 1, 2, 3
 

@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._server import ServerClient
-from megatron_offgrpo.rollout._server_size import ServerSize, available_memory_bytes, fit_errors, read_hf_config, size_server
+from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
+from megatron_offgrpo.fleet._server_size import ServerSize, available_memory_bytes, fit_errors, read_hf_config, size_server
 from megatron_offgrpo.runtime import use_huge_pages
+from megatron_offgrpo.transports import WORKER_EXTENSION
 
-EXTENSION = "megatron_offgrpo.rollout.OffgrpoWorkerExtension"
-MIDDLEWARE = "megatron_offgrpo.rollout._auth.ControlTokenMiddleware"
+EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
+MIDDLEWARE = "megatron_offgrpo.fleet.ControlTokenMiddleware"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
@@ -235,7 +236,7 @@ def wait_healthy(state: dict[str, Any], timeout_s: float) -> None:
         for name, server in list(pending.items()):
             if not _pid_runs_server(server):
                 raise RuntimeError(f"server {name} (pid {server['pid']}) exited during start; log {server['log']}:\n{_log_tail(server['log'])}")
-            if ServerClient(name, server["url"]).health(2.0):
+            if server_healthy(server["url"], 2.0):
                 pending.pop(name)
         if pending and time.monotonic() > deadline:
             raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: {[s['log'] for s in pending.values()]}")
@@ -296,10 +297,18 @@ def fleet_token(state: dict[str, Any]) -> str | None:
     return Path(state["token_file"]).read_text().strip() if state.get("token_file") else None
 
 
-def servers_of(state: dict[str, Any], token: str | None = None, **kwargs: Any) -> list[ServerClient]:
-    """``ServerClient``s of a recorded fleet (token from ``fleet_token`` unless given)."""
-    token = token if token is not None else fleet_token(state)
-    return [ServerClient(s["name"], s["url"], state["served_model_name"], token, **kwargs) for s in state["servers"]]
+def server_healthy(url: str, timeout: float = 5.0) -> bool:
+    """True when the server at ``url`` answers ``/health``."""
+    try:
+        call_json("GET", url + "/health", None, None, timeout)
+        return True
+    except (ServerDown, RequestRejected):
+        return False
+
+
+def server_version_label(url: str, token: str | None, timeout: float) -> str:
+    """The engine's current weight-version label (vLLM's ``/weight_info``)."""
+    return str(call_json("GET", url + "/weight_info", None, token, timeout)["weight_version"])
 
 
 def _pid_runs_server(server: dict[str, Any]) -> bool:
@@ -371,12 +380,13 @@ def fleet_status(state_file: str | Path) -> list[dict[str, Any]]:
     """
     state = load_state(state_file)
     rows = []
-    for server, client in zip(state["servers"], servers_of(state, control_timeout_s=5.0)):
+    token = fleet_token(state)
+    for server in state["servers"]:
         running = _pid_runs_server(server) if "pid" in server else None
         row = {"name": server["name"], "url": server["url"], "pid": server.get("pid"), "running": running}
-        row["healthy"] = running is not False and client.health(2.0)
+        row["healthy"] = running is not False and server_healthy(server["url"], 2.0)
         try:
-            row["version"] = client.version_label() if row["healthy"] else None
+            row["version"] = server_version_label(server["url"], token, 5.0) if row["healthy"] else None
         except Exception as exc:
             row["version"] = f"? ({exc})"
         rows.append(row)
