@@ -2,7 +2,7 @@
 
 Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight installs; vLLM loads it by the dotted
 path ``transports.WORKER_EXTENSION``) and ``ControlTokenMiddleware`` (the shared-token check). Around them: the
-launcher (``FleetSpec``, ``start_fleet`` / ``stop_fleet`` / ``fleet_status``, the recorded state read by
+launcher (``FleetSpec``, ``start_fleet`` / ``stop_fleet`` / ``fleet_status``, the recorded ``FleetState`` read by
 ``load_state``), server sizing (``size_server``, ``kv_cache_bytes``), ``merge_states`` for multi-node fleets, and
 JSON over HTTP to a server (``call_json``). ``python -m megatron_offgrpo.fleet.fleet_cli`` is ``offgrpo fleet``.
 Nothing here imports megatron; the weight wire format comes from ``transports``.
@@ -17,10 +17,8 @@ from megatron_offgrpo.fleet._launcher import (
     TOKENIZER_FILES,
     FleetSpec,
     fleet_status,
-    fleet_token,
     is_loopback,
     is_this_machine,
-    load_state,
     server_command,
     server_healthy,
     server_url,
@@ -29,6 +27,7 @@ from megatron_offgrpo.fleet._launcher import (
 )
 from megatron_offgrpo.fleet._merge import merge_states
 from megatron_offgrpo.fleet._server_size import ServerSize, read_hf_config, size_server
+from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
 from megatron_offgrpo.fleet._worker_ext import OffgrpoWorkerExtension
 
 __all__ = [
@@ -38,9 +37,11 @@ __all__ = [
     "TOKEN_ENV",
     "ControlTokenMiddleware",
     "FleetSpec",
+    "FleetState",
     "OffgrpoWorkerExtension",
     "RequestRejected",
     "ServerDown",
+    "ServerRecord",
     "ServerSize",
     "call_json",
     "fleet_status",

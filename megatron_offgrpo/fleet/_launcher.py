@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ from typing import Any
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
+from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
 from megatron_offgrpo.fleet._server_size import ServerSize, available_memory_bytes, fit_errors, read_hf_config, size_server
 from megatron_offgrpo.runtime import use_huge_pages
 from megatron_offgrpo.transports import WORKER_EXTENSION
@@ -224,27 +224,27 @@ def _log_tail(path: str | Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def wait_healthy(state: dict[str, Any], timeout_s: float) -> None:
+def wait_healthy(state: FleetState, timeout_s: float) -> None:
     """Wait until every server answers ``/health``.
 
     Raises:
         RuntimeError: a server process exited (with its log tail) or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
-    pending = {s["name"]: s for s in state["servers"]}
+    pending = {s.name: s for s in state.servers}
     while pending:
         for name, server in list(pending.items()):
             if not _pid_runs_server(server):
-                raise RuntimeError(f"server {name} (pid {server['pid']}) exited during start; log {server['log']}:\n{_log_tail(server['log'])}")
-            if server_healthy(server["url"], 2.0):
+                raise RuntimeError(f"server {name} (pid {server.pid}) exited during start; log {server.log}:\n{_log_tail(server.log)}")
+            if server_healthy(server.url, 2.0):
                 pending.pop(name)
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: {[s['log'] for s in pending.values()]}")
+            raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: {[s.log for s in pending.values()]}")
         if pending:
             time.sleep(1.0)
 
 
-def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeout_s: float = 900.0) -> dict[str, Any]:
+def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeout_s: float = 900.0) -> FleetState:
     """Start the servers, record them in ``<state_dir>/fleet.json`` and (with ``wait``) wait until all are healthy.
 
     A server that fails to start stops the whole fleet (no half-started fleet is left behind).
@@ -259,18 +259,17 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         token_file.touch(mode=0o600)
         os.chmod(token_file, 0o600)
         token_file.write_text(spec.token)
-    state: dict[str, Any] = {"model_dir": str(Path(spec.model_dir).resolve()), "served_model_name": spec.served_model_name,
-                             "token_file": str(token_file) if token_file else None, "size": dataclasses.asdict(spec.size()),
-                             "servers": []}
+    state = FleetState(model_dir=str(Path(spec.model_dir).resolve()), served_model_name=spec.served_model_name,
+                       token_file=str(token_file) if token_file else None, servers=[], size=dataclasses.asdict(spec.size()))
     for index in range(spec.num_servers):
         port = spec.base_port + index if spec.base_port else free_port(spec.host)
         argv, env, cores = server_command(spec, index, port, gpus)
         log = state_dir / f"server{index}.log"
         proc = _spawn(argv, env, cores, log)
         url = server_url(spec.host, port)
-        state["servers"].append({"name": f"s{index}@{url.removeprefix('http://')}", "url": url, "port": port,
-                                 "pid": proc.pid, "log": str(log), "cores": cores})
-    (state_dir / "fleet.json").write_text(json.dumps(state, indent=1))
+        state.servers.append(ServerRecord(name=f"s{index}@{url.removeprefix('http://')}", url=url, port=port,
+                                          log=str(log), pid=proc.pid, cores=cores))
+    state.write(state_dir)
     if wait:
         try:
             wait_healthy(state, timeout_s)
@@ -278,23 +277,6 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
             stop_fleet(state_dir / "fleet.json")
             raise
     return state
-
-
-def load_state(state_file: str | Path) -> dict[str, Any]:
-    """The recorded fleet (``fleet.json``; a directory means its ``fleet.json``)."""
-    path = Path(state_file)
-    state_dir = path if path.suffix != ".json" else path.parent  # a directory, or a fleet.json (that may be missing)
-    path = path / "fleet.json" if path.suffix != ".json" else path
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {state_dir}`")
-    return json.loads(path.read_text())
-
-
-def fleet_token(state: dict[str, Any]) -> str | None:
-    """The token: ``$OFFGRPO_FLEET_TOKEN`` if set, else the fleet's token file, else None."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    return Path(state["token_file"]).read_text().strip() if state.get("token_file") else None
 
 
 def server_healthy(url: str, timeout: float = 5.0) -> bool:
@@ -311,16 +293,16 @@ def server_version_label(url: str, token: str | None, timeout: float) -> str:
     return str(call_json("GET", url + "/weight_info", None, token, timeout)["weight_version"])
 
 
-def _pid_runs_server(server: dict[str, Any]) -> bool:
+def _pid_runs_server(server: ServerRecord) -> bool:
     """True when ``pid`` is alive and still runs the vLLM server on this port (not a recycled pid)."""
     try:
-        cmdline = Path(f"/proc/{server['pid']}/cmdline").read_bytes().split(b"\0")
-        stat = Path(f"/proc/{server['pid']}/stat").read_text()
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{server.pid}/stat").read_text()
     except OSError:
         return False
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
-    return b"vllm.entrypoints.openai.api_server" in cmdline and str(server["port"]).encode() in cmdline
+    return b"vllm.entrypoints.openai.api_server" in cmdline and str(server.port).encode() in cmdline
 
 
 def _group_alive(pgid: int) -> bool:
@@ -331,14 +313,14 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
-def _group_is_ours(server: dict[str, Any]) -> bool:
+def _group_is_ours(server: ServerRecord) -> bool:
     """The process group (id = the server's pid) still belongs to the server we started.
 
     Either the leader still runs our command line (or is our unreaped zombie), or the leader is gone: then no
     process can have been given its id while members of its group remain, so the group is our orphans.
     """
     try:
-        stat = Path(f"/proc/{server['pid']}/stat").read_text()
+        stat = Path(f"/proc/{server.pid}/stat").read_text()
     except OSError:
         return True  # no such process: only our orphans can hold the group id
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
@@ -349,21 +331,21 @@ def _group_is_ours(server: dict[str, Any]) -> bool:
 def stop_fleet(state_file: str | Path, grace_s: float = 20.0) -> list[str]:
     """SIGTERM each server's process group (by recorded pid), SIGKILL after ``grace_s``; returns names stopped."""
     state = load_state(state_file)
-    if state.get("merged_from"):
-        raise ValueError(f"{state_file} is a merged view of the fleets {state['merged_from']}: their pids live on "
+    if state.merged_from:
+        raise ValueError(f"{state_file} is a merged view of the fleets {state.merged_from}: their pids live on "
                          "their own nodes; stop each there (offgrpo fleet stop --state-dir SOURCE)")
-    targets = [s for s in state["servers"] if _group_alive(s["pid"]) and _group_is_ours(s)]
+    targets = [s for s in state.servers if _group_alive(s.pid) and _group_is_ours(s)]
     for server in targets:
-        os.killpg(server["pid"], signal.SIGTERM)
+        os.killpg(server.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for server in targets:
-        while _group_alive(server["pid"]) and time.monotonic() < deadline:
-            _reap(server["pid"])
+        while _group_alive(server.pid) and time.monotonic() < deadline:
+            _reap(server.pid)
             time.sleep(0.2)
-        if _group_alive(server["pid"]):
-            os.killpg(server["pid"], signal.SIGKILL)
-        _reap(server["pid"])
-    return [s["name"] for s in targets]
+        if _group_alive(server.pid):
+            os.killpg(server.pid, signal.SIGKILL)
+        _reap(server.pid)
+    return [s.name for s in targets]
 
 
 def _reap(pid: int) -> None:
@@ -381,12 +363,12 @@ def fleet_status(state_file: str | Path) -> list[dict[str, Any]]:
     state = load_state(state_file)
     rows = []
     token = fleet_token(state)
-    for server in state["servers"]:
-        running = _pid_runs_server(server) if "pid" in server else None
-        row = {"name": server["name"], "url": server["url"], "pid": server.get("pid"), "running": running}
-        row["healthy"] = running is not False and server_healthy(server["url"], 2.0)
+    for server in state.servers:
+        running = _pid_runs_server(server) if server.pid is not None else None
+        row = {"name": server.name, "url": server.url, "pid": server.pid, "running": running}
+        row["healthy"] = running is not False and server_healthy(server.url, 2.0)
         try:
-            row["version"] = server_version_label(server["url"], token, 5.0) if row["healthy"] else None
+            row["version"] = server_version_label(server.url, token, 5.0) if row["healthy"] else None
         except Exception as exc:
             row["version"] = f"? ({exc})"
         rows.append(row)

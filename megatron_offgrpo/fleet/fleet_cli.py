@@ -75,10 +75,10 @@ def _start(args: argparse.Namespace) -> int:
     spec.validate(gpus)  # before the size line: a model without config.json fails here, naming it
     print(f"{num} server(s): {spec.size().describe()}", flush=True)
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
-    for server in state["servers"]:
-        print(f"{server['name']}  pid {server['pid']}  {server['url']}  log {server['log']}")
-    if state["token_file"]:
-        print(f"token in {state['token_file']} (clients read it from there or from ${TOKEN_ENV})")
+    for server in state.servers:
+        print(f"{server.name}  pid {server.pid}  {server.url}  log {server.log}")
+    if state.token_file:
+        print(f"token in {state.token_file} (clients read it from there or from ${TOKEN_ENV})")
     return watch(args.state_dir) if args.foreground else 0
 
 
@@ -113,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
             return _start(args)
         if args.action == "merge":
             merged = merge_states(args.sources, args.state_dir)
-            print(f"{args.state_dir / 'fleet.json'}: {len(merged['servers'])} server(s) of {len(args.sources)} fleet(s)")
-            for server in merged["servers"]:
-                print(f"{server['name']}  {server['url']}")
+            print(f"{args.state_dir / 'fleet.json'}: {len(merged.servers)} server(s) of {len(args.sources)} fleet(s)")
+            for server in merged.servers:
+                print(f"{server.name}  {server.url}")
             return 0
         if args.action == "stop":
             stopped = stop_fleet(args.state_dir)

@@ -112,7 +112,7 @@ def _require_servers_here(state: str | Path) -> None:
 
     from megatron_offgrpo.fleet import is_this_machine, load_state
 
-    elsewhere = [s["name"] for s in load_state(state)["servers"] if not is_this_machine(urlparse(s["url"]).hostname or "")]
+    elsewhere = [s.name for s in load_state(state).servers if not is_this_machine(urlparse(s.url).hostname or "")]
     if elsewhere:
         raise ValueError(f"transport 'shm' needs every fleet server on this machine (they map the trainer's files in its "
                          f"shm directory), but {elsewhere} run elsewhere: use transport 'collective' or 'disk'")

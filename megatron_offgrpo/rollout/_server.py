@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.fleet import RequestRejected, ServerDown, call_json, fleet_token
+from megatron_offgrpo.fleet import FleetState, RequestRejected, ServerDown, call_json, fleet_token
 from megatron_offgrpo.rollout._samples import sampling_body
 
 
@@ -82,7 +82,7 @@ class ServerClient:
         return list((answer or {}).get("results") or [])
 
 
-def servers_of(state: dict[str, Any], token: str | None = None, **kwargs: Any) -> list[ServerClient]:
+def servers_of(state: FleetState, token: str | None = None, **kwargs: Any) -> list[ServerClient]:
     """``ServerClient``s of a recorded fleet (``fleet.load_state``; token from ``fleet.fleet_token`` unless given)."""
     token = token if token is not None else fleet_token(state)
-    return [ServerClient(s["name"], s["url"], state["served_model_name"], token, **kwargs) for s in state["servers"]]
+    return [ServerClient(s.name, s.url, state.served_model_name, token, **kwargs) for s in state.servers]

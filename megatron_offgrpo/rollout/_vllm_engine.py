@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import TOKENIZER_FILES, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer

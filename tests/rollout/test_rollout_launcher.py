@@ -75,7 +75,7 @@ def test_stop_never_kills_a_process_that_is_not_our_server(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
-    assert load_state(tmp_path)["servers"][0]["pid"] == sleeper.pid
+    assert load_state(tmp_path).servers[0].pid == sleeper.pid
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
@@ -115,13 +115,14 @@ def test_merge_lists_every_node_and_keeps_no_pids(tmp_path, capsys):
     assert fleet_main(["merge", "--state-dir", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "3 server(s) of 2 fleet(s)" in capsys.readouterr().out
     merged = load_state(tmp_path / "all")
-    assert [s["url"] for s in merged["servers"]] == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.2:1"]
-    assert all("pid" not in s for s in merged["servers"]) and merged["token_file"] == str(tmp_path / "a" / "token")
+    assert [s.url for s in merged.servers] == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.2:1"]
+    assert all(s.pid is None for s in merged.servers) and merged.token_file == str(tmp_path / "a" / "token")
+    assert all("pid" not in s for s in json.loads((tmp_path / "all" / "fleet.json").read_text())["servers"])
     with pytest.raises(ValueError, match="merged view"):
         stop_fleet(tmp_path / "all")  # pids belong to their nodes: never signalled from here
     rows = fleet_status(tmp_path / "all")  # nothing listens on ports 1 and 2: unhealthy, and no pid to judge
     assert [(r["running"], r["healthy"]) for r in rows] == [(None, False)] * 3
-    assert merge_states([tmp_path / "a"], tmp_path / "one")["servers"] == merged["servers"][:2]
+    assert merge_states([tmp_path / "a"], tmp_path / "one").servers == merged.servers[:2]
 
 
 def test_merge_refuses_fleets_that_disagree(tmp_path, capsys):
