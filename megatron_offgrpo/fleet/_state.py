@@ -58,9 +58,14 @@ class FleetState:
         """Read a ``fleet.json`` object (unknown keys are ignored: a newer writer may add some)."""
         fields = {f.name for f in dataclasses.fields(ServerRecord)}
         servers = [ServerRecord(**{k: v for k, v in s.items() if k in fields}) for s in data.get("servers", [])]
-        return cls(model_dir=data["model_dir"], served_model_name=data["served_model_name"],
-                   token_file=data.get("token_file"), servers=servers, size=data.get("size"),
-                   merged_from=data.get("merged_from"))
+        return cls(
+            model_dir=data["model_dir"],
+            served_model_name=data["served_model_name"],
+            token_file=data.get("token_file"),
+            servers=servers,
+            size=data.get("size"),
+            merged_from=data.get("merged_from"),
+        )
 
     def write(self, state_dir: str | Path) -> Path:
         """Write ``<state_dir>/fleet.json`` atomically (readers never see a half-written file); returns its path."""

@@ -70,8 +70,13 @@ class OffgrpoWorkerExtension:
     # ----- RPC methods -----------------------------------------------------------------------------------------
     def offgrpo_info(self, payload: str = "{}") -> dict[str, Any]:
         """{"version", "rank", "pid", "dtype", "tensors"} of this worker."""
-        return _ok(version=self._offgrpo_version(), rank=int(getattr(self, "rank", 0)), pid=os.getpid(),
-                   dtype=str(self.model_runner.model_config.dtype).removeprefix("torch."), tensors=len(self._offgrpo_expected()))
+        return _ok(
+            version=self._offgrpo_version(),
+            rank=int(getattr(self, "rank", 0)),
+            pid=os.getpid(),
+            dtype=str(self.model_runner.model_config.dtype).removeprefix("torch."),
+            tensors=len(self._offgrpo_expected()),
+        )
 
     def offgrpo_load_dir(self, payload: str) -> dict[str, Any]:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
@@ -95,8 +100,17 @@ class OffgrpoWorkerExtension:
         args = json.loads(payload)
         rank = int(args["rank_base"]) + int(getattr(self, "rank", 0))
         try:
-            store = make_store(args["host"], int(args["port"]), int(args["world_size"]), False, float(args["timeout_s"]))
-            group = make_group(store, args["group_id"], rank, int(args["world_size"]), float(args["timeout_s"]), args.get("backend", "gloo"))
+            store = make_store(
+                args["host"], int(args["port"]), int(args["world_size"]), False, float(args["timeout_s"])
+            )
+            group = make_group(
+                store,
+                args["group_id"],
+                rank,
+                int(args["world_size"]),
+                float(args["timeout_s"]),
+                args.get("backend", "gloo"),
+            )
         except Exception as exc:
             return _fail(f"joining refresh group {args['group_id']} failed: {type(exc).__name__}: {exc}")
         groups = getattr(self, "_offgrpo_groups", None) or {}
@@ -132,14 +146,19 @@ class OffgrpoWorkerExtension:
                 buckets += 1
             elif kind == ABORT:
                 self._offgrpo_staged = None
-                return _fail(f"the trainer aborted the stream of version {version}: {body.get('reason')}", version=self._offgrpo_version())
+                return _fail(
+                    f"the trainer aborted the stream of version {version}: {body.get('reason')}",
+                    version=self._offgrpo_version(),
+                )
             else:
                 end = body
         recv_s = time.perf_counter() - start
         problem = self._offgrpo_check_version(version)
         if end["version"] is None or int(end["version"]) != version or int(end["buckets"]) != buckets:
-            problem = (f"stream is for version {end['version']} with {end['buckets']} buckets, expected version {version} "
-                       f"and received {buckets} buckets")
+            problem = (
+                f"stream is for version {end['version']} with {end['buckets']} buckets, expected version {version} "
+                f"and received {buckets} buckets"
+            )
         if problem:
             self._offgrpo_staged = None
             return _fail(problem, version=self._offgrpo_version())
@@ -165,12 +184,19 @@ class OffgrpoWorkerExtension:
                 if size < bucket["bytes"]:
                     raise ValueError(f"holds {size} bytes, the trainer wrote {bucket['bytes']}")
                 # shared=False: a private read-only mapping of the trainer's pages (no copy; no write permission needed)
-                tensors.extend(unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8)))
+                tensors.extend(
+                    unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8))
+                )
             except FileNotFoundError:
-                return _fail(f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
-                             "that see its directory (use the collective or disk transport across hosts)", version=self._offgrpo_version())
+                return _fail(
+                    f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
+                    "that see its directory (use the collective or disk transport across hosts)",
+                    version=self._offgrpo_version(),
+                )
             except Exception as exc:
-                return _fail(f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version())
+                return _fail(
+                    f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version()
+                )
         return self._offgrpo_install(tensors, version, {"map_s": time.perf_counter() - start})
 
     # ----- install ---------------------------------------------------------------------------------------------
@@ -187,12 +213,18 @@ class OffgrpoWorkerExtension:
             self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         except Exception as exc:
             self._offgrpo_current = DIRTY
-            return _fail(f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}", version=DIRTY)
+            return _fail(
+                f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}",
+                version=DIRTY,
+            )
         try:
             tied_refreshed = self._offgrpo_refresh_tied_head(tied_pair, embed_kernel_before)
         except Exception as exc:
             self._offgrpo_current = DIRTY
-            return _fail(f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}", version=DIRTY)
+            return _fail(
+                f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}",
+                version=DIRTY,
+            )
         self._offgrpo_current = version
         timings["load_s"] = time.perf_counter() - start
         return _ok(version=version, tensors=len(tensors), tied_head_refreshed=tied_refreshed, **timings)

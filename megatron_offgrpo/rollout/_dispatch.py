@@ -95,7 +95,9 @@ class ServerPool:
             self._failures[name] += 1
             if self._failures[name] >= self._dead_after and name not in self.dead:
                 self.dead[name] = error
-                logger.warning("server %s marked dead after %d consecutive failures: %s", name, self._failures[name], error)
+                logger.warning(
+                    "server %s marked dead after %d consecutive failures: %s", name, self._failures[name], error
+                )
 
     def bench(self, name: str, reason: str) -> None:
         """Take ``name`` out of rotation (e.g. a failed refresh) until ``restore``."""
@@ -131,7 +133,10 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
             continue
         pool.release(name)
         return result
-    raise FleetError(f"group {index} failed on every attempt (dead servers: {sorted(pool.dead) or 'none'}):\n  " + "\n  ".join(errors or ["no serving server"]))
+    raise FleetError(
+        f"group {index} failed on every attempt (dead servers: {sorted(pool.dead) or 'none'}):\n  "
+        + "\n  ".join(errors or ["no serving server"])
+    )
 
 
 def run_groups(pool: ServerPool, policy: RetryPolicy, count: int, send: Callable[[str, int], T]) -> list[T]:

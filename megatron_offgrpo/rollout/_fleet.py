@@ -29,15 +29,22 @@ class FleetEngine:
     a refresh keep their old weights and leave the rotation until a later refresh succeeds on them.
     """
 
-    def __init__(self, servers: list[ServerClient], transport: WeightTransport, policy: RetryPolicy | None = None,
-                 revive_every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        servers: list[ServerClient],
+        transport: WeightTransport,
+        policy: RetryPolicy | None = None,
+        revive_every_s: float = 10.0,
+    ) -> None:
         """Connect: read every worker's version, label each engine with it, and check the servers agree.
 
         Raises:
             ValueError: no servers, or two with one name. FleetError: no server is reachable.
         """
         if not servers:
-            raise ValueError("FleetEngine servers=[]: give at least one server (offgrpo fleet start, then FleetEngine.from_state)")
+            raise ValueError(
+                "FleetEngine servers=[]: give at least one server (offgrpo fleet start, then FleetEngine.from_state)"
+            )
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"FleetEngine servers: duplicate names {names}: each server needs its own name")
@@ -61,7 +68,10 @@ class FleetEngine:
     def _worker_version(self, server: ServerClient) -> int:
         info = summarize(server.rpc("offgrpo_info", {}, server.control_timeout_s))
         if not info["ok"]:
-            raise FleetError(f"server {server.name}: offgrpo_info failed ({info.get('error')}): is it started with the worker extension?")
+            raise FleetError(
+                f"server {server.name}: offgrpo_info failed ({info.get('error')}): "
+                "is it started with the worker extension?"
+            )
         return int(info["version"])
 
     def _label(self, server: ServerClient, version: int) -> None:
@@ -77,13 +87,17 @@ class FleetEngine:
             versions[name] = self._worker_version(server)
             self._label(server, versions[name])
         if not versions:
-            raise FleetError(f"no server of {sorted(self.servers)} answers /health: start the fleet (offgrpo fleet start)")
+            raise FleetError(
+                f"no server of {sorted(self.servers)} answers /health: start the fleet (offgrpo fleet start)"
+            )
         newest = max(versions.values())
         for name, version in versions.items():
             if version != newest:
                 self.pool.bench(name, f"serves version {version}, the fleet serves {newest}")
         if len(set(versions.values())) > 1:
-            logger.warning("servers hold different versions %s: serving %d, the others wait for the next refresh", versions, newest)
+            logger.warning(
+                "servers hold different versions %s: serving %d, the others wait for the next refresh", versions, newest
+            )
         return newest
 
     def _revive(self) -> None:
@@ -117,7 +131,9 @@ class FleetEngine:
         self._revive()
 
         def send(name: str, index: int) -> list[Sample]:
-            return parse_group(self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name)
+            return parse_group(
+                self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name
+            )
 
         groups = run_groups(self.pool, self.policy, len(prompts), send)
         return [sample for group in groups for sample in group]
@@ -192,7 +208,9 @@ class FleetEngine:
                 try:
                     answers = self.transport.install([self.servers[n] for n in paused], prepared, version)
                 except Exception as exc:
-                    answers = {n: {"ok": False, "error": f"transport failed: {type(exc).__name__}: {exc}"} for n in paused}
+                    answers = {
+                        n: {"ok": False, "error": f"transport failed: {type(exc).__name__}: {exc}"} for n in paused
+                    }
                 for name in paused:
                     problem = self._finish(name, answers.get(name, {}), version)
                     if problem:
@@ -200,12 +218,28 @@ class FleetEngine:
             finally:
                 installed = time.perf_counter()
                 failures.update(self._each(paused, "resume"))
-            return self._conclude(version, names, answers, failures, {
-                "prepare_s": staged - start, "pause_s": installed_at - staged, "install_s": installed - installed_at,
-                "resume_s": time.perf_counter() - installed, "total_s": time.perf_counter() - start})
+            return self._conclude(
+                version,
+                names,
+                answers,
+                failures,
+                {
+                    "prepare_s": staged - start,
+                    "pause_s": installed_at - staged,
+                    "install_s": installed - installed_at,
+                    "resume_s": time.perf_counter() - installed,
+                    "total_s": time.perf_counter() - start,
+                },
+            )
 
-    def _conclude(self, version: int, names: list[str], answers: dict[str, dict[str, Any]], failures: dict[str, str],
-                  timings: dict[str, float]) -> RefreshReport:
+    def _conclude(
+        self,
+        version: int,
+        names: list[str],
+        answers: dict[str, dict[str, Any]],
+        failures: dict[str, str],
+        timings: dict[str, float],
+    ) -> RefreshReport:
         succeeded = [n for n in names if n not in failures]
         for name in succeeded:
             self.pool.restore(name)
@@ -225,11 +259,24 @@ class FleetEngine:
             for key, value in answer.items():
                 if key.endswith("_s"):
                     detail[f"server_{key}"] = max(detail.get(f"server_{key}", 0.0), float(value))
-        report = RefreshReport(version=self._version, transport=self.transport.name, seconds=timings["total_s"],
-                               servers={n: int(version) for n in succeeded}, bytes=metrics.bytes,
-                               tensors=metrics.tensors, buckets=metrics.buckets, detail=detail)
-        logger.info("refresh to version %d via %s: %.3f s on %s (failed: %s)", version, self.transport.name,
-                    report.seconds, succeeded, sorted(failures))
+        report = RefreshReport(
+            version=self._version,
+            transport=self.transport.name,
+            seconds=timings["total_s"],
+            servers={n: int(version) for n in succeeded},
+            bytes=metrics.bytes,
+            tensors=metrics.tensors,
+            buckets=metrics.buckets,
+            detail=detail,
+        )
+        logger.info(
+            "refresh to version %d via %s: %.3f s on %s (failed: %s)",
+            version,
+            self.transport.name,
+            report.seconds,
+            succeeded,
+            sorted(failures),
+        )
         if failures:
             raise RefreshError(int(version), failures, benched=bool(benched))
         return report

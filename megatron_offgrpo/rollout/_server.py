@@ -44,7 +44,9 @@ class ServerClient:
     def generate(self, prompt: Prompt, n: int, params: SamplingParams, group_id: int) -> dict[str, Any]:
         """One group: all ``n`` samples of ``prompt`` in one request (so they share server and version)."""
         body = {
-            "token_ids": list(prompt.prompt_ids), "model": self.model, "sampling_params": sampling_body(params, n, group_id),
+            "token_ids": list(prompt.prompt_ids),
+            "model": self.model,
+            "sampling_params": sampling_body(params, n, group_id),
             "request_id": f"offgrpo-g{group_id}-{uuid.uuid4().hex[:12]}",
         }
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)
@@ -73,7 +75,9 @@ class ServerClient:
 
     def version_label(self) -> str:
         """The engine's current weight-version label."""
-        return str(call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"])
+        return str(
+            call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"]
+        )
 
     def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
         """Call a worker-extension method on every worker of this server; one result dict per worker."""

@@ -26,8 +26,14 @@ class DiskTransport:
 
     name = "disk"
 
-    def __init__(self, root: str | Path, keep: int = 2, bucket_bytes: int | None = None,
-                 hf_config: dict[str, Any] | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        keep: int = 2,
+        bucket_bytes: int | None = None,
+        hf_config: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"DiskTransport keep={keep}: keep at least the served version (keep >= 1)")
         self.root = Path(root)
@@ -41,18 +47,24 @@ class DiskTransport:
             path = Path(weights).resolve()
             found = manifest_version(path) if path.is_dir() else None
             if found != version:
-                raise ValueError(f"weights={path}: its manifest is for version {found}, update_weights was called with "
-                                 f"version={version}: write it with write_version_dir(path, buckets, {version})")
+                raise ValueError(
+                    f"weights={path}: its manifest is for version {found}, update_weights was called with "
+                    f"version={version}: write it with write_version_dir(path, buckets, {version})"
+                )
             self._metrics = TransferMetrics({"write": 0.0})
             return path
         buckets = rebucket(weights, self.bucket_bytes) if self.bucket_bytes is not None else weights
-        path, stats = write_version_dir(version_dir(self.root, version), buckets, version, self.hf_config, overwrite=True)
+        path, stats = write_version_dir(
+            version_dir(self.root, version), buckets, version, self.hf_config, overwrite=True
+        )
         self._metrics = TransferMetrics({"write": time.perf_counter() - start}, **stats)
         return path.resolve()
 
     def install(self, targets: list[WorkerTarget], prepared: Path, version: int) -> dict[str, dict[str, Any]]:
         """Every target's workers check and load ``prepared`` concurrently."""
-        answers, _ = call_targets(targets, "offgrpo_load_dir", lambda i, t: {"path": str(prepared), "version": version}, self.timeout_s)
+        answers, _ = call_targets(
+            targets, "offgrpo_load_dir", lambda i, t: {"path": str(prepared), "version": version}, self.timeout_s
+        )
         if any(a.get("ok") for a in answers.values()) and prepared.parent == self.root.resolve():
             prune_versions(self.root, self.keep, protect=[version])
         return answers

@@ -30,7 +30,14 @@ BUCKET, END, ABORT = 1, 2, 3
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store: the trainer hosts it (``port`` 0 picks a free port, read back as ``store.port``)."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def make_group(store: dist.Store, group_id: str, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
@@ -112,7 +119,9 @@ def _packed(buckets: Iterable[Named], depth: int = 1) -> Iterator[tuple[bytes, t
         thread.join(5.0)
 
 
-def send_stream(group, buckets: Iterable[Named], version: int, device: torch.device = torch.device("cpu")) -> dict[str, int]:
+def send_stream(
+    group, buckets: Iterable[Named], version: int, device: torch.device = torch.device("cpu")
+) -> dict[str, int]:
     """Broadcast ``buckets`` then an end message from rank 0; on an exception mid-stream, broadcast an abort.
 
     The next bucket is exported and packed in a helper thread while the current one is on the wire.
@@ -130,7 +139,13 @@ def send_stream(group, buckets: Iterable[Named], version: int, device: torch.dev
     except BaseException as exc:
         _message(group, ABORT, json.dumps({"reason": f"{type(exc).__name__}: {exc}"}).encode(), None, device)
         raise
-    _message(group, END, json.dumps({"version": int(version), "buckets": stats["buckets"], "bytes": stats["bytes"]}).encode(), None, device)
+    _message(
+        group,
+        END,
+        json.dumps({"version": int(version), "buckets": stats["buckets"], "bytes": stats["bytes"]}).encode(),
+        None,
+        device,
+    )
     return stats
 
 
@@ -141,7 +156,11 @@ def recv_stream(group, device: torch.device = torch.device("cpu")) -> Iterator[t
         kind, meta_len, buf_len = (int(x) for x in header)
         meta = bytes(_bcast(group, torch.empty(meta_len, dtype=torch.uint8, device=device)).cpu().numpy().tobytes())
         if kind == BUCKET:
-            buffer = _bcast(group, torch.empty(buf_len, dtype=torch.uint8, device=device)) if buf_len else torch.empty(0, dtype=torch.uint8)
+            buffer = (
+                _bcast(group, torch.empty(buf_len, dtype=torch.uint8, device=device))
+                if buf_len
+                else torch.empty(0, dtype=torch.uint8)
+            )
             yield BUCKET, unpack_bucket(meta, buffer)
             continue
         yield kind, json.loads(meta)
