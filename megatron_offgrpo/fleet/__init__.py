@@ -16,16 +16,14 @@ from megatron_offgrpo.fleet._launcher import (
     MIDDLEWARE,
     TOKENIZER_FILES,
     FleetSpec,
-    fleet_status,
     is_loopback,
     is_this_machine,
     server_command,
-    server_healthy,
     server_url,
     start_fleet,
-    stop_fleet,
 )
 from megatron_offgrpo.fleet._merge import merge_states
+from megatron_offgrpo.fleet._processes import fleet_status, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._server_size import ServerSize, read_hf_config, size_server
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
 from megatron_offgrpo.fleet._worker_ext import OffgrpoWorkerExtension

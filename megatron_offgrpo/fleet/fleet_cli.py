@@ -20,7 +20,8 @@ import threading
 from pathlib import Path
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
-from megatron_offgrpo.fleet._launcher import FleetSpec, fleet_status, start_fleet, stop_fleet
+from megatron_offgrpo.fleet._launcher import FleetSpec, start_fleet
+from megatron_offgrpo.fleet._processes import fleet_status, stop_fleet
 from megatron_offgrpo.fleet._merge import merge_states
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
