@@ -30,7 +30,7 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.12-py3
 FROM ${BASE_IMAGE}
 
-# The fleet's vLLM: the version the worker extension (megatron_offgrpo/rollout/_worker_ext.py) was tested with.
+# The fleet's vLLM: the version the worker extension (megatron_offgrpo/fleet/_worker_ext.py) was tested with.
 ARG VLLM_VERSION=0.32.0
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -60,7 +60,7 @@ COPY checkpoint_tools ./checkpoint_tools
 RUN python -m pip install --constraint /opt/offgrpo/keep.txt -e .
 # The fleet environment: the project with its vllm extra (already satisfied by the wheel above).
 RUN env -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null /opt/vllm/bin/python -m pip install -e ".[vllm]" \
- && /opt/vllm/bin/python -c "import vllm, megatron_offgrpo.rollout; print('fleet env: vllm', vllm.__version__)"
+ && /opt/vllm/bin/python -c "import vllm, megatron_offgrpo.fleet; print('fleet env: vllm', vllm.__version__)"
 
 COPY configs ./configs
 COPY launch ./launch

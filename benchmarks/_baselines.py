@@ -1,6 +1,6 @@
 """The slow refresh baselines of ``benchmarks/refresh.py``: the per-tensor pattern of peer trainers.
 
-They live here, not in ``megatron_offgrpo.rollout``: nothing but the benchmark (and the tests that keep it honest)
+They live here, not in ``megatron_offgrpo.transports``: nothing but the benchmark (and the tests that keep it honest)
 sends one message or writes one file per tensor, so the production transports carry no knob for it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport
+from megatron_offgrpo.transports import CollectiveTransport, DiskTransport
 
 
 class PerTensorCollectiveTransport(CollectiveTransport):

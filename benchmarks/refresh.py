@@ -55,7 +55,7 @@ def make_model_dir(name: str, out: Path) -> Path:
 
     from checkpoint_tools._mapping import hf_shapes
     from megatron_offgrpo.model import arch_from_hf_config, hf_config_dict
-    from megatron_offgrpo.rollout import write_version_dir
+    from megatron_offgrpo.transports import write_version_dir
 
     cfg = dict(TINY) if name == "tiny" else json.loads((QWEN05 / "config.json").read_text())
     arch = arch_from_hf_config(cfg)
@@ -121,7 +121,7 @@ def _perturb(model, scale: float = 0.02) -> None:
 
 def _transport(case: tuple[str, str], workdir: Path, bucket_bytes: int):
     from benchmarks._baselines import PerTensorCollectiveTransport, per_tensor_disk
-    from megatron_offgrpo.rollout import CollectiveTransport, DiskTransport, SharedMemoryTransport
+    from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport
 
     kind, mode = case
     per_tensor = mode == "per-tensor"
@@ -190,8 +190,8 @@ def install_cost(args: argparse.Namespace) -> None:
                       VLLM_CPU_OMP_THREADS_BIND="nobind")
     from vllm import LLM
 
-    from megatron_offgrpo.rollout import read_version_dir
-    from megatron_offgrpo.rollout._launcher import EXTENSION
+    from megatron_offgrpo.transports import read_version_dir
+    from megatron_offgrpo.fleet import EXTENSION
     from megatron_offgrpo.runtime import use_huge_pages
 
     use_huge_pages()  # as the fleet's servers run
@@ -234,7 +234,7 @@ def install_cost(args: argparse.Namespace) -> None:
 # ----- orchestration ---------------------------------------------------------------------------------------------
 def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Fleet up, trainer process, fleet down; returns the trainer's measurements."""
-    from megatron_offgrpo.rollout import FleetSpec, start_fleet, stop_fleet
+    from megatron_offgrpo.fleet import FleetSpec, start_fleet, stop_fleet
 
     model_dir = make_model_dir(name, workdir / name / "hf")
     state_dir = workdir / name / "fleet"

@@ -20,7 +20,7 @@ COMMANDS = {
     "sft": "megatron_offgrpo.train.sft_entry",
     "eval": "megatron_offgrpo.train.evaluate",
     "report": "megatron_offgrpo.train.report",
-    "fleet": "megatron_offgrpo.rollout.fleet_cli",
+    "fleet": "megatron_offgrpo.fleet.fleet_cli",
 }
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
     "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron TP x PP checkpoint"),

@@ -17,8 +17,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]  # not tests.helpers: that imports torch, and this test needs none
 PKGS = ("megatron_offgrpo", "checkpoint_tools")
-HF_ONLY = ("megatron_offgrpo.rollout", "megatron_offgrpo.fleet")  # rooms that never import model/
+HF_ONLY = ("megatron_offgrpo.rollout", "megatron_offgrpo.fleet", "megatron_offgrpo.transports")  # never import model/
 MODEL = "megatron_offgrpo.model"
+# The three rooms of generation, by the process they run in, and the only rooms each may import: transports (the
+# weights' way into the servers, and its wire format) at the bottom, the fleet (inside and around the vLLM servers)
+# on it, the trainer-side client (rollout) on both. Neither the fleet nor the transports know the client.
+GENERATION_MAY_IMPORT = {
+    "megatron_offgrpo.transports": {"checkpoint_tools"},
+    "megatron_offgrpo.fleet": {"megatron_offgrpo.transports", "checkpoint_tools", "megatron_offgrpo.runtime"},
+    "megatron_offgrpo.rollout": {
+        "megatron_offgrpo.transports",
+        "megatron_offgrpo.fleet",
+        "checkpoint_tools",
+        "megatron_offgrpo.data",
+    },
+}
 
 
 def room_of_module(mod: str) -> str | None:
@@ -65,7 +78,7 @@ def scan(root: Path) -> tuple[list[str], dict[str, set[str]], list[str]]:
                         continue
                     edges[src].add(dst)
                     where = f"{path.relative_to(root)}:{node.lineno} {src} -> {name}"
-                    tail = name[len(dst):].lstrip(".").split(".")
+                    tail = name[len(dst) :].lstrip(".").split(".")
                     if any(t.startswith("_") and not t.startswith("__") for t in tail if t):
                         private.append(where)
                     if src in HF_ONLY and dst == MODEL:
@@ -129,6 +142,15 @@ def test_the_fleet_side_never_imports_the_model(repo_scan):
     )
 
 
+def test_the_generation_rooms_import_only_what_they_may(repo_scan):
+    _, edges, _ = repo_scan
+    assert set(GENERATION_MAY_IMPORT) <= set(edges), "a generation room is missing or imports nothing of ours"
+    extra = {
+        room: sorted(edges[room] - allowed) for room, allowed in GENERATION_MAY_IMPORT.items() if edges[room] - allowed
+    }
+    assert not extra, f"generation rooms import rooms they may not: {extra}"
+
+
 def test_the_scan_sees_every_kind_of_violation(tmp_path):
     files = {
         "megatron_offgrpo/__init__.py": "",
@@ -154,4 +176,6 @@ def test_the_scan_sees_every_kind_of_violation(tmp_path):
     ]
     assert cycles(edges) == [["megatron_offgrpo.config", "megatron_offgrpo.train"]]
     assert [m.split(":")[0] for m in model_imports] == [
-        "megatron_offgrpo/rollout/_a.py", "megatron_offgrpo/rollout/_b.py"]
+        "megatron_offgrpo/rollout/_a.py",
+        "megatron_offgrpo/rollout/_b.py",
+    ]

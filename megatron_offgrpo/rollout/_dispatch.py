@@ -17,8 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from megatron_offgrpo.fleet import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._errors import FleetError
-from megatron_offgrpo.rollout._http import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._samples import BadResponse
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,9 @@ class ServerPool:
             self._failures[name] += 1
             if self._failures[name] >= self._dead_after and name not in self.dead:
                 self.dead[name] = error
-                logger.warning("server %s marked dead after %d consecutive failures: %s", name, self._failures[name], error)
+                logger.warning(
+                    "server %s marked dead after %d consecutive failures: %s", name, self._failures[name], error
+                )
 
     def bench(self, name: str, reason: str) -> None:
         """Take ``name`` out of rotation (e.g. a failed refresh) until ``restore``."""
@@ -131,7 +133,10 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
             continue
         pool.release(name)
         return result
-    raise FleetError(f"group {index} failed on every attempt (dead servers: {sorted(pool.dead) or 'none'}):\n  " + "\n  ".join(errors or ["no serving server"]))
+    raise FleetError(
+        f"group {index} failed on every attempt (dead servers: {sorted(pool.dead) or 'none'}):\n  "
+        + "\n  ".join(errors or ["no serving server"])
+    )
 
 
 def run_groups(pool: ServerPool, policy: RetryPolicy, count: int, send: Callable[[str, int], T]) -> list[T]:

@@ -10,8 +10,9 @@ def require_newer(version: int, served: int, holder: str = "engine") -> None:
         ValueError: naming both versions.
     """
     if int(version) <= served:
-        raise ValueError(f"update_weights version={version}: the {holder} already serves version {served}; "
-                         "versions must increase")
+        raise ValueError(
+            f"update_weights version={version}: the {holder} already serves version {served}; versions must increase"
+        )
 
 
 class FleetError(RuntimeError):
@@ -33,9 +34,14 @@ class RefreshError(RuntimeError):
         self.version = version
         self.failures = dict(failures)
         lines = "\n  ".join(f"{name}: {reason}" for name, reason in sorted(failures.items()))
-        after = ("they get no work until a later refresh succeeds on them" if benched
-                 else "they keep their previous weights and the engine still serves its previous version")
-        super().__init__(f"weight refresh to version {version} failed on {len(failures)} server(s); {after}:\n  {lines}")
+        after = (
+            "they get no work until a later refresh succeeds on them"
+            if benched
+            else "they keep their previous weights and the engine still serves its previous version"
+        )
+        super().__init__(
+            f"weight refresh to version {version} failed on {len(failures)} server(s); {after}:\n  {lines}"
+        )
 
 
 class RefreshVerificationError(RuntimeError):

@@ -72,8 +72,11 @@ def _auto(model_dir: str | Path | None, **kwargs: Any) -> RolloutEngine:
             return VLLMEngine(model_dir, **kwargs)
         except Exception as exc:  # any start-up failure: the run goes on with the engine that needs nothing
             reason = f"vLLM did not start ({type(exc).__name__}: {_first_line(exc)})"
-    warnings.warn(f"rollout.engine=auto: {reason}; using the transformers engine (much slower at real model sizes)",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"rollout.engine=auto: {reason}; using the transformers engine (much slower at real model sizes)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return TransformersEngine(model_dir)
 
 
@@ -82,14 +85,23 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:300] if lines else "no message"
 
 
-def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir: str | Path | None = None,
-           bucket_bytes: int | None = None, hf_config: dict | None = None, collective_host: str | None = None,
-           shm_dir: str | Path = "/dev/shm", **kwargs: Any) -> RolloutEngine:
-    from megatron_offgrpo.rollout._collective import CollectiveTransport
-    from megatron_offgrpo.rollout._disk import DiskTransport
+def _fleet(
+    state: str | Path | None = None,
+    transport: Any = "disk",
+    shared_dir: str | Path | None = None,
+    bucket_bytes: int | None = None,
+    hf_config: dict | None = None,
+    collective_host: str | None = None,
+    shm_dir: str | Path = "/dev/shm",
+    **kwargs: Any,
+) -> RolloutEngine:
     from megatron_offgrpo.rollout._fleet import FleetEngine
-    from megatron_offgrpo.rollout._shm import SharedMemoryTransport
-    from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES
+    from megatron_offgrpo.transports import (
+        DEFAULT_BUCKET_BYTES,
+        CollectiveTransport,
+        DiskTransport,
+        SharedMemoryTransport,
+    )
 
     if state is None:
         raise ValueError("make_engine kind='fleet' needs state=<the fleet's --state-dir or fleet.json>")
@@ -99,13 +111,18 @@ def _fleet(state: str | Path | None = None, transport: Any = "disk", shared_dir:
         transport = DiskTransport(shared_dir, bucket_bytes=bucket_bytes, hf_config=hf_config)
     elif transport == "collective":
         host = {} if collective_host is None else {"host": collective_host}  # None: the transport's own default
-        transport = CollectiveTransport(bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
-                                        **host)
+        transport = CollectiveTransport(
+            bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, **host
+        )
     elif transport == "shm":
         _require_servers_here(state)
-        transport = SharedMemoryTransport(shm_dir, bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        transport = SharedMemoryTransport(
+            shm_dir, bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        )
     elif isinstance(transport, str):
-        raise ValueError(f"make_engine transport={transport!r}: choose 'disk', 'collective' or 'shm' (or pass a transport object)")
+        raise ValueError(
+            f"make_engine transport={transport!r}: choose 'disk', 'collective' or 'shm' (or pass a transport object)"
+        )
     return FleetEngine.from_state(state, transport, **kwargs)
 
 
@@ -113,9 +130,11 @@ def _require_servers_here(state: str | Path) -> None:
     """The shm transport's servers map files on this machine: refuse a fleet elsewhere now, not at the first refresh."""
     from urllib.parse import urlparse
 
-    from megatron_offgrpo.rollout._launcher import is_this_machine, load_state
+    from megatron_offgrpo.fleet import is_this_machine, load_state
 
-    elsewhere = [s["name"] for s in load_state(state)["servers"] if not is_this_machine(urlparse(s["url"]).hostname or "")]
+    elsewhere = [s.name for s in load_state(state).servers if not is_this_machine(urlparse(s.url).hostname or "")]
     if elsewhere:
-        raise ValueError(f"transport 'shm' needs every fleet server on this machine (they map the trainer's files in its "
-                         f"shm directory), but {elsewhere} run elsewhere: use transport 'collective' or 'disk'")
+        raise ValueError(
+            f"transport 'shm' needs every fleet server on this machine (they map the trainer's files in its "
+            f"shm directory), but {elsewhere} run elsewhere: use transport 'collective' or 'disk'"
+        )

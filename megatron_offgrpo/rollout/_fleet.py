@@ -11,12 +11,10 @@ from typing import Any
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
-from megatron_offgrpo.rollout._protocol import Buckets, WeightTransport
-from megatron_offgrpo.rollout._rpc import summarize
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.rollout._worker_ext import DIRTY
+from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +29,22 @@ class FleetEngine:
     a refresh keep their old weights and leave the rotation until a later refresh succeeds on them.
     """
 
-    def __init__(self, servers: list[ServerClient], transport: WeightTransport, policy: RetryPolicy | None = None,
-                 revive_every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        servers: list[ServerClient],
+        transport: WeightTransport,
+        policy: RetryPolicy | None = None,
+        revive_every_s: float = 10.0,
+    ) -> None:
         """Connect: read every worker's version, label each engine with it, and check the servers agree.
 
         Raises:
             ValueError: no servers, or two with one name. FleetError: no server is reachable.
         """
         if not servers:
-            raise ValueError("FleetEngine servers=[]: give at least one server (offgrpo fleet start, then FleetEngine.from_state)")
+            raise ValueError(
+                "FleetEngine servers=[]: give at least one server (offgrpo fleet start, then FleetEngine.from_state)"
+            )
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"FleetEngine servers: duplicate names {names}: each server needs its own name")
@@ -54,7 +59,8 @@ class FleetEngine:
     @classmethod
     def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":
         """Connect to the fleet recorded by ``offgrpo fleet start`` (its state file and token)."""
-        from megatron_offgrpo.rollout._launcher import load_state, servers_of
+        from megatron_offgrpo.fleet import load_state
+        from megatron_offgrpo.rollout._server import servers_of
 
         return cls(servers_of(load_state(state_file)), transport, **kwargs)
 
@@ -62,7 +68,10 @@ class FleetEngine:
     def _worker_version(self, server: ServerClient) -> int:
         info = summarize(server.rpc("offgrpo_info", {}, server.control_timeout_s))
         if not info["ok"]:
-            raise FleetError(f"server {server.name}: offgrpo_info failed ({info.get('error')}): is it started with the worker extension?")
+            raise FleetError(
+                f"server {server.name}: offgrpo_info failed ({info.get('error')}): "
+                "is it started with the worker extension?"
+            )
         return int(info["version"])
 
     def _label(self, server: ServerClient, version: int) -> None:
@@ -78,13 +87,17 @@ class FleetEngine:
             versions[name] = self._worker_version(server)
             self._label(server, versions[name])
         if not versions:
-            raise FleetError(f"no server of {sorted(self.servers)} answers /health: start the fleet (offgrpo fleet start)")
+            raise FleetError(
+                f"no server of {sorted(self.servers)} answers /health: start the fleet (offgrpo fleet start)"
+            )
         newest = max(versions.values())
         for name, version in versions.items():
             if version != newest:
                 self.pool.bench(name, f"serves version {version}, the fleet serves {newest}")
         if len(set(versions.values())) > 1:
-            logger.warning("servers hold different versions %s: serving %d, the others wait for the next refresh", versions, newest)
+            logger.warning(
+                "servers hold different versions %s: serving %d, the others wait for the next refresh", versions, newest
+            )
         return newest
 
     def _revive(self) -> None:
@@ -118,7 +131,9 @@ class FleetEngine:
         self._revive()
 
         def send(name: str, index: int) -> list[Sample]:
-            return parse_group(self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name)
+            return parse_group(
+                self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name
+            )
 
         groups = run_groups(self.pool, self.policy, len(prompts), send)
         return [sample for group in groups for sample in group]
@@ -193,7 +208,9 @@ class FleetEngine:
                 try:
                     answers = self.transport.install([self.servers[n] for n in paused], prepared, version)
                 except Exception as exc:
-                    answers = {n: {"ok": False, "error": f"transport failed: {type(exc).__name__}: {exc}"} for n in paused}
+                    answers = {
+                        n: {"ok": False, "error": f"transport failed: {type(exc).__name__}: {exc}"} for n in paused
+                    }
                 for name in paused:
                     problem = self._finish(name, answers.get(name, {}), version)
                     if problem:
@@ -201,12 +218,28 @@ class FleetEngine:
             finally:
                 installed = time.perf_counter()
                 failures.update(self._each(paused, "resume"))
-            return self._conclude(version, names, answers, failures, {
-                "prepare_s": staged - start, "pause_s": installed_at - staged, "install_s": installed - installed_at,
-                "resume_s": time.perf_counter() - installed, "total_s": time.perf_counter() - start})
+            return self._conclude(
+                version,
+                names,
+                answers,
+                failures,
+                {
+                    "prepare_s": staged - start,
+                    "pause_s": installed_at - staged,
+                    "install_s": installed - installed_at,
+                    "resume_s": time.perf_counter() - installed,
+                    "total_s": time.perf_counter() - start,
+                },
+            )
 
-    def _conclude(self, version: int, names: list[str], answers: dict[str, dict[str, Any]], failures: dict[str, str],
-                  timings: dict[str, float]) -> RefreshReport:
+    def _conclude(
+        self,
+        version: int,
+        names: list[str],
+        answers: dict[str, dict[str, Any]],
+        failures: dict[str, str],
+        timings: dict[str, float],
+    ) -> RefreshReport:
         succeeded = [n for n in names if n not in failures]
         for name in succeeded:
             self.pool.restore(name)
@@ -220,17 +253,30 @@ class FleetEngine:
                 benched.append(name)
         if succeeded:
             self._version = int(version)
-        stats = getattr(self.transport, "last_stats", {}) or {}
-        detail = {**timings, **{k: float(v) for k, v in stats.items() if k.endswith("_s")}}
+        metrics = self.transport.metrics()
+        detail = {**timings, **{f"{phase}_s": float(seconds) for phase, seconds in metrics.seconds.items()}}
         for answer in answers.values():
             for key, value in answer.items():
                 if key.endswith("_s"):
                     detail[f"server_{key}"] = max(detail.get(f"server_{key}", 0.0), float(value))
-        report = RefreshReport(version=self._version, transport=self.transport.name, seconds=timings["total_s"],
-                               servers={n: int(version) for n in succeeded}, bytes=int(stats.get("bytes", 0)),
-                               tensors=int(stats.get("tensors", 0)), buckets=int(stats.get("buckets", 0)), detail=detail)
-        logger.info("refresh to version %d via %s: %.3f s on %s (failed: %s)", version, self.transport.name,
-                    report.seconds, succeeded, sorted(failures))
+        report = RefreshReport(
+            version=self._version,
+            transport=self.transport.name,
+            seconds=timings["total_s"],
+            servers={n: int(version) for n in succeeded},
+            bytes=metrics.bytes,
+            tensors=metrics.tensors,
+            buckets=metrics.buckets,
+            detail=detail,
+        )
+        logger.info(
+            "refresh to version %d via %s: %.3f s on %s (failed: %s)",
+            version,
+            self.transport.name,
+            report.seconds,
+            succeeded,
+            sorted(failures),
+        )
         if failures:
             raise RefreshError(int(version), failures, benched=bool(benched))
         return report

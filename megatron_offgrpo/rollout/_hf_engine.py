@@ -4,8 +4,9 @@ batching), chosen automatically only when vLLM is not installed.
 
 A sampled token's log-prob is log-softmax(logits / temperature) (the raw model's when greedy), like the fleet's
 ``logprobs_mode=processed_logprobs`` when top-p and top-k are off (vLLM also renormalises over the kept tokens
-when they are on); probe log-probs are raw, as in vLLM. Refreshes go through the same checks as the fleet's workers (manifest
-version and CRCs for a directory; the complete name/shape set always) before any parameter is touched.
+when they are on); probe log-probs are raw, as in vLLM. Refreshes go through the same checks as the fleet's
+workers (manifest version and CRCs for a directory; the complete name/shape set always) before any parameter is
+touched.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
-from megatron_offgrpo.rollout._protocol import Buckets
 from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
-from megatron_offgrpo.rollout._tensors import check_complete, expected_hf_shapes
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.rollout._weights_dir import manifest_version, read_version_dir
+from megatron_offgrpo.transports import Buckets, check_complete, manifest_version, read_version_dir
 
 
 class TransformersEngine:
@@ -40,7 +40,9 @@ class TransformersEngine:
 
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        self.model = (
+            transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype).to(self.device).eval()
+        )
         config = self.model.config.to_dict()
         self._expected = expected_hf_shapes(config)
         self._eos = self._eos_ids()
@@ -64,12 +66,23 @@ class TransformersEngine:
             torch.manual_seed(params.seed + group_id)
         ids = torch.tensor([list(prompt.prompt_ids)] * rows, device=self.device)
         stops = self._eos + list(params.stop_token_ids)
-        sampling = {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+        sampling = (
+            {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+        )
         sampling["repetition_penalty"] = 1.0  # SamplingParams has no penalties: ignore the model's generation_config
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=not greedy, max_new_tokens=params.max_tokens,
-                                  min_new_tokens=0, eos_token_id=stops or None, pad_token_id=(stops or [0])[0],
-                                  output_logits=True, return_dict_in_generate=True, **sampling)
-        new = out.sequences[:, ids.shape[1]:]
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=not greedy,
+            max_new_tokens=params.max_tokens,
+            min_new_tokens=0,
+            eos_token_id=stops or None,
+            pad_token_id=(stops or [0])[0],
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        new = out.sequences[:, ids.shape[1] :]
         scale = 1.0 if greedy else params.temperature
         logits = torch.stack(out.logits, dim=1).float() / scale  # [rows, T, V] raw logits of each generated position
         logps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [rows, T]
@@ -79,8 +92,18 @@ class TransformersEngine:
             end = next((t + 1 for t, tok in enumerate(tokens) if tok in stops), None)
             finish = "stop" if end is not None else "length"
             end = end or len(tokens)
-            samples.append(Sample(prompt.prompt_id, group_id, list(prompt.prompt_ids), tokens[:end], values[:end],
-                                  self._version, finish, server=self.name))
+            samples.append(
+                Sample(
+                    prompt.prompt_id,
+                    group_id,
+                    list(prompt.prompt_ids),
+                    tokens[:end],
+                    values[:end],
+                    self._version,
+                    finish,
+                    server=self.name,
+                )
+            )
         return fill_group(samples, n)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
@@ -100,7 +123,11 @@ class TransformersEngine:
             require_newer(version, self._version)
             start = time.perf_counter()
             try:
-                tensors = read_version_dir(weights, version) if isinstance(weights, (str, Path)) else [t for b in weights for t in b]
+                tensors = (
+                    read_version_dir(weights, version)
+                    if isinstance(weights, (str, Path))
+                    else [t for b in weights for t in b]
+                )
                 check_complete({n: tuple(t.shape) for n, t in tensors}, self._expected)
             except ValueError as exc:
                 raise RefreshError(int(version), {self.name: str(exc)}) from None
@@ -110,8 +137,14 @@ class TransformersEngine:
                     params[name].copy_(tensor)
             self._version = int(version)
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-            return RefreshReport(self._version, "local", time.perf_counter() - start, {self.name: self._version},
-                                 bytes=nbytes, tensors=len(tensors))
+            return RefreshReport(
+                self._version,
+                "local",
+                time.perf_counter() - start,
+                {self.name: self._version},
+                bytes=nbytes,
+                tensors=len(tensors),
+            )
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:

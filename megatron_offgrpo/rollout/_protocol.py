@@ -1,17 +1,13 @@
-"""The boundaries of the rollout room: the engine the trainer calls, and the transports behind its refresh."""
+"""The boundary of the rollout room: the engine the trainer calls."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Protocol, runtime_checkable
-
-from torch import Tensor
+from typing import Protocol, runtime_checkable
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-
-Buckets = Iterable[list[tuple[str, Tensor]]]
-"""HF-named tensors in buckets, as ``checkpoint_tools.stream_hf_buckets`` yields them."""
+from megatron_offgrpo.transports import Buckets
 
 
 @runtime_checkable
@@ -45,39 +41,4 @@ class ProbeEngine(Protocol):
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """Per server: the version it serves and log p(token_ids[t] | token_ids[:t]) for t = 1..T-1 ([T-1] floats)."""
-        ...
-
-
-class WorkerTarget(Protocol):
-    """One engine whose workers run ``OffgrpoWorkerExtension`` (a fleet server, or an in-process vllm.LLM)."""
-
-    name: str
-
-    def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
-        """Call ``method`` on every worker of the engine; one result per worker."""
-        ...
-
-
-class WeightTransport(Protocol):
-    """Moves one version's weights into the workers of some targets (one class per transport).
-
-    ``prepare`` runs while the targets still serve the previous version (e.g. the disk transport writes the
-    version directory then); the engine then pauses the targets, calls ``install``, and resumes them.
-    """
-
-    name: str
-
-    def prepare(self, weights: Buckets | Path, version: int) -> Any:
-        """Stage ``version`` (write files, or wrap the lazy bucket stream); returns what ``install`` takes."""
-        ...
-
-    def install(self, targets: list[WorkerTarget], prepared: Any, version: int) -> dict[str, dict[str, Any]]:
-        """Deliver and install ``version`` on every target's workers; per target: {"ok", "error"?, timings}.
-
-        A target whose workers reject the weights (checksum, version, names, shapes) keeps its previous weights.
-        """
-        ...
-
-    def close(self) -> None:
-        """Release groups, files or sockets the transport holds."""
         ...

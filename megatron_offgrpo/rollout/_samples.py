@@ -69,12 +69,16 @@ def parse_version(spans: list[dict[str, Any]] | None, where: str) -> int:
     """
     labels = {str(span["version"]) for span in spans or []}
     if len(labels) != 1:
-        raise BadResponse(f"{where}: weight versions {sorted(labels) or 'missing'}: a sample must come from exactly one version")
+        raise BadResponse(
+            f"{where}: weight versions {sorted(labels) or 'missing'}: a sample must come from exactly one version"
+        )
     label = labels.pop()
     try:
         return int(label)
     except ValueError:
-        raise BadResponse(f"{where}: weight version label {label!r} is not an integer (the server was never given its version)") from None
+        raise BadResponse(
+            f"{where}: weight version label {label!r} is not an integer (the server was never given its version)"
+        ) from None
 
 
 def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, server: str) -> list[Sample]:
@@ -97,11 +101,18 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
         finish = choice.get("finish_reason") or ""
         if finish not in ("stop", "length"):
             raise BadResponse(f"{where}: finish_reason {finish!r} (aborted or failed)")
-        samples.append(Sample(
-            prompt_id=prompt.prompt_id, group_id=group_id, prompt_ids=list(prompt.prompt_ids), response_ids=list(ids),
-            behavior_logprobs=[float(c["logprob"]) for c in content],
-            policy_version=parse_version(choice.get("weight_versions"), where), finish_reason=finish, server=server,
-        ))
+        samples.append(
+            Sample(
+                prompt_id=prompt.prompt_id,
+                group_id=group_id,
+                prompt_ids=list(prompt.prompt_ids),
+                response_ids=list(ids),
+                behavior_logprobs=[float(c["logprob"]) for c in content],
+                policy_version=parse_version(choice.get("weight_versions"), where),
+                finish_reason=finish,
+                server=server,
+            )
+        )
     if len({s.policy_version for s in samples}) != 1:
         raise BadResponse(f"{where}: the group's samples come from several versions")
     return samples

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout._http import RequestRejected, ServerDown, call_json
+from megatron_offgrpo.fleet import FleetState, RequestRejected, ServerDown, call_json, fleet_token
 from megatron_offgrpo.rollout._samples import sampling_body
 
 
@@ -44,7 +44,9 @@ class ServerClient:
     def generate(self, prompt: Prompt, n: int, params: SamplingParams, group_id: int) -> dict[str, Any]:
         """One group: all ``n`` samples of ``prompt`` in one request (so they share server and version)."""
         body = {
-            "token_ids": list(prompt.prompt_ids), "model": self.model, "sampling_params": sampling_body(params, n, group_id),
+            "token_ids": list(prompt.prompt_ids),
+            "model": self.model,
+            "sampling_params": sampling_body(params, n, group_id),
             "request_id": f"offgrpo-g{group_id}-{uuid.uuid4().hex[:12]}",
         }
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)
@@ -73,10 +75,18 @@ class ServerClient:
 
     def version_label(self) -> str:
         """The engine's current weight-version label."""
-        return str(call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"])
+        return str(
+            call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"]
+        )
 
     def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
         """Call a worker-extension method on every worker of this server; one result dict per worker."""
         body = {"method": method, "kwargs": {"payload": json.dumps(kwargs)}, "timeout": timeout}
         answer = self._post("/collective_rpc", body, timeout + 30.0)
         return list((answer or {}).get("results") or [])
+
+
+def servers_of(state: FleetState, token: str | None = None, **kwargs: Any) -> list[ServerClient]:
+    """``ServerClient``s of a recorded fleet (``fleet.load_state``; token from ``fleet.fleet_token`` unless given)."""
+    token = token if token is not None else fleet_token(state)
+    return [ServerClient(s.name, s.url, state.served_model_name, token, **kwargs) for s in state.servers]

@@ -29,14 +29,17 @@ def make_probe_ids(vocab_size: int, length: int = 32, seed: int = 1234) -> list[
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
-def verify_refresh(engine: ProbeEngine, probe_ids: list[int], expected_logprobs: list[float], version: int, atol: float) -> dict[str, float]:
+def verify_refresh(
+    engine: ProbeEngine, probe_ids: list[int], expected_logprobs: list[float], version: int, atol: float
+) -> dict[str, float]:
     """Check every serving engine/server scores ``probe_ids`` like the trainer, at ``version``.
 
     Args:
         engine: a rollout engine with ``probe_logprobs`` (all engines of this package have it).
         probe_ids: [T] the probe token ids. expected_logprobs: [T-1] the trainer's log p(probe[t] | probe[:t]),
             t = 1..T-1, from the weights of ``version`` at temperature 1 (vLLM's prompt log-probs are never
-            temperature-scaled, whatever the sampling temperature or logprobs mode). atol: max allowed |delta| per token (``probe_atol(dtype)``).
+            temperature-scaled, whatever the sampling temperature or logprobs mode).
+            atol: max allowed |delta| per token (``probe_atol(dtype)``).
 
     Returns:
         server name -> max |delta log-prob| (for logs).
@@ -47,8 +50,10 @@ def verify_refresh(engine: ProbeEngine, probe_ids: list[int], expected_logprobs:
             more than ``atol`` (or gives NaN).
     """
     if len(expected_logprobs) != len(probe_ids) - 1:
-        raise ValueError(f"expected_logprobs has {len(expected_logprobs)} values for {len(probe_ids)} probe ids: "
-                         f"give one log-prob per probe token after the first ({len(probe_ids) - 1})")
+        raise ValueError(
+            f"expected_logprobs has {len(expected_logprobs)} values for {len(probe_ids)} probe ids: "
+            f"give one log-prob per probe token after the first ({len(probe_ids) - 1})"
+        )
     results = engine.probe_logprobs(probe_ids)
     errors: dict[str, float] = {}
     bad: dict[str, float] = {}

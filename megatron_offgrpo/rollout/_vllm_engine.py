@@ -16,23 +16,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.fleet import TOKENIZER_FILES, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
-from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
-from megatron_offgrpo.rollout._launcher import EXTENSION, TOKENIZER_FILES
-from megatron_offgrpo.rollout._protocol import Buckets
-from megatron_offgrpo.rollout._rpc import summarize
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.rollout._weights_dir import version_dir, write_version_dir
+from megatron_offgrpo.transports import WORKER_EXTENSION, Buckets, summarize, version_dir, write_version_dir
 
 
 def _install_in_worker(worker, tensors, version: int) -> dict[str, Any]:
     """Runs inside the (in-process) worker: the extension's checks, then the reload."""
     problem = worker._offgrpo_check_version(version)
-    return {"ok": False, "error": problem, "version": worker._offgrpo_version()} if problem else worker._offgrpo_install(tensors, version, {})
+    return (
+        {"ok": False, "error": problem, "version": worker._offgrpo_version()}
+        if problem
+        else worker._offgrpo_install(tensors, version, {})
+    )
 
 
 def _world_size() -> int:
@@ -46,8 +45,15 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 256,
-                 in_process: bool = True, **llm_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        max_num_seqs: int = 256,
+        in_process: bool = True,
+        **llm_kwargs: Any,
+    ) -> None:
         """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``).
 
         Args:
@@ -74,10 +80,18 @@ class VLLMEngine:
         llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
         hf_config = json.loads((model_dir / "config.json").read_text())
         llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype))
-        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # the sampled distribution's log-probs (see FleetSpec)
+        llm_kwargs.setdefault(
+            "logprobs_mode", "processed_logprobs"
+        )  # the sampled distribution's log-probs (see FleetSpec)
         llm_kwargs.setdefault("skip_tokenizer_init", not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
         self.model_dir = model_dir
-        self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, worker_extension_cls=EXTENSION, **llm_kwargs)
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            worker_extension_cls=WORKER_EXTENSION,
+            **llm_kwargs,
+        )
         self._lock = threading.Lock()
         self._version = int(self._rpc("offgrpo_info", {})["version"])
         self.llm.llm_engine.set_weight_version(str(self._version))
@@ -102,8 +116,11 @@ class VLLMEngine:
         if n < 1:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
         with self._lock:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
-                                        [self._params(params, n, i) for i in range(len(prompts))], use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
+                [self._params(params, n, i) for i in range(len(prompts))],
+                use_tqdm=False,
+            )
         samples = []
         for index, (prompt, output) in enumerate(zip(prompts, outputs)):
             group = []
@@ -113,8 +130,18 @@ class VLLMEngine:
                 logprobs = [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
                 if completion.finish_reason not in ("stop", "length"):
                     raise BadResponse(f"{where}: finish_reason {completion.finish_reason!r}")
-                group.append(Sample(prompt.prompt_id, index, list(prompt.prompt_ids), list(completion.token_ids), logprobs,
-                                    parse_version(spans, where), completion.finish_reason, server=self.name))
+                group.append(
+                    Sample(
+                        prompt.prompt_id,
+                        index,
+                        list(prompt.prompt_ids),
+                        list(completion.token_ids),
+                        logprobs,
+                        parse_version(spans, where),
+                        completion.finish_reason,
+                        server=self.name,
+                    )
+                )
             samples.extend(fill_group(group, n))
         return samples
 
@@ -128,10 +155,16 @@ class VLLMEngine:
             require_newer(version, self._version)
             start = time.perf_counter()
             if isinstance(weights, (str, Path)):
-                answer, transport = self._rpc("offgrpo_load_dir", {"path": str(Path(weights).resolve()), "version": int(version)}), "disk"
+                answer, transport = (
+                    self._rpc("offgrpo_load_dir", {"path": str(Path(weights).resolve()), "version": int(version)}),
+                    "disk",
+                )
             elif self.in_process:
                 tensors = [t for bucket in weights for t in bucket]
-                answer, transport = summarize(self.llm.collective_rpc(_install_in_worker, args=(tensors, int(version)))), "memory"
+                answer, transport = (
+                    summarize(self.llm.collective_rpc(_install_in_worker, args=(tensors, int(version)))),
+                    "memory",
+                )
             else:
                 path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
                 answer, transport = self._rpc("offgrpo_load_dir", {"path": str(path), "version": int(version)}), "disk"
@@ -141,8 +174,14 @@ class VLLMEngine:
             self.llm.llm_engine.set_weight_version(str(int(version)))
             self._version = int(version)
             detail = {k: float(v) for k, v in answer.items() if k.endswith("_s")}
-            return RefreshReport(self._version, transport, time.perf_counter() - start, {self.name: self._version},
-                                 tensors=int(answer.get("tensors", 0)), detail=detail)
+            return RefreshReport(
+                self._version,
+                transport,
+                time.perf_counter() - start,
+                {self.name: self._version},
+                tensors=int(answer.get("tensors", 0)),
+                detail=detail,
+            )
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """The engine's version and prompt log-probs of ``token_ids``."""
@@ -159,7 +198,9 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the engine down and drop temporary refresh directories."""
         if getattr(self, "llm", None) is not None:
-            shutdown = getattr(self.llm.llm_engine, "shutdown", None) or getattr(self.llm.llm_engine.engine_core, "shutdown", None)
+            shutdown = getattr(self.llm.llm_engine, "shutdown", None) or getattr(
+                self.llm.llm_engine.engine_core, "shutdown", None
+            )
             if shutdown is not None:
                 shutdown()
             self.llm = None

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout import (
-    RefreshError,
-    RefreshVerificationError,
-    verify_refresh,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.rollout import RefreshError, RefreshVerificationError, verify_refresh
+from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout.tiny import as_buckets, hf_probe_logprobs
 
 PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]
@@ -33,7 +28,7 @@ def check_groups(engine, n: int = 4) -> None:
     samples = engine.generate(PROMPTS, n, SAMPLED)
     assert len(samples) == len(PROMPTS) * n
     for index, prompt in enumerate(PROMPTS):
-        group = samples[index * n:(index + 1) * n]
+        group = samples[index * n : (index + 1) * n]
         assert {s.group_id for s in group} == {index} and {s.prompt_id for s in group} == {prompt.prompt_id}
         assert len({s.server for s in group}) == 1 and {s.policy_version for s in group} == {engine.version()}
         for s in group:
@@ -58,10 +53,12 @@ def check_behavior_logprobs(
     for sample in engine.generate(PROMPTS[:3], 2, params):
         ids = torch.tensor([sample.prompt_ids + sample.response_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(sample.prompt_ids) - 1:-1].float() / temperature
+            logits = model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].float() / temperature
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(sample.behavior_logprobs), expected, atol=atol), (
-            sample.behavior_logprobs, expected.tolist())
+            sample.behavior_logprobs,
+            expected.tolist(),
+        )
 
 
 def check_refresh_matches_fresh(engine, weights, version: int, fresh_greedy: list[list[int]]) -> None:
@@ -109,8 +106,9 @@ def check_verification(
         verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 1, atol)
     assert set(caught.value.servers) == set(engine.probe_logprobs(probe))  # every server is named
     stale = dict(good)
-    # one tensor of an old version
-    stale["model.layers.0.mlp.gate_proj.weight"] = stale_from["model.layers.0.mlp.gate_proj.weight"]
+    stale["model.layers.0.mlp.gate_proj.weight"] = stale_from[
+        "model.layers.0.mlp.gate_proj.weight"
+    ]  # one tensor of an old version
     engine.update_weights(as_buckets(stale), version + 2)
     with pytest.raises(RefreshVerificationError, match=f"version {version + 2}"):
         verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 2, atol)

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError
-from megatron_offgrpo.rollout._http import RequestRejected, ServerDown
+from megatron_offgrpo.fleet import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._samples import BadResponse
 
 FAST = RetryPolicy(backoff_s=0.001, max_backoff_s=0.002, max_inflight_per_server=2)

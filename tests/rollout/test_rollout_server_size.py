@@ -8,10 +8,9 @@ import shutil
 
 import pytest
 
-from megatron_offgrpo.rollout import FleetSpec, kv_cache_bytes, size_server
-from megatron_offgrpo.rollout import _launcher
-from megatron_offgrpo.rollout._launcher import server_command
-from megatron_offgrpo.rollout._server_size import GIB, read_hf_config
+from megatron_offgrpo.fleet import FleetSpec, kv_cache_bytes, read_hf_config, server_command, size_server
+from megatron_offgrpo.fleet import _launcher
+from megatron_offgrpo.fleet._server_size import GIB
 from tests.helpers import REPO
 
 ASSETS = REPO / "megatron_offgrpo" / "assets"

@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from benchmarks._baselines import PerTensorCollectiveTransport
-from megatron_offgrpo.rollout import (
+from checkpoint_tools import expected_hf_shapes
+from megatron_offgrpo.fleet import OffgrpoWorkerExtension
+from megatron_offgrpo.transports import (
+    DIRTY,
     CollectiveTransport,
     DiskTransport,
-    OffgrpoWorkerExtension,
     SharedMemoryTransport,
+    sweep_dead_sessions,
     write_version_dir,
 )
-from megatron_offgrpo.rollout._shm import sweep_dead_sessions
-from megatron_offgrpo.rollout._tensors import expected_hf_shapes
-from megatron_offgrpo.rollout._worker_ext import DIRTY
 from tests.helpers import REPO
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
@@ -36,7 +36,8 @@ class FakeWorker(OffgrpoWorkerExtension):
         config = types.SimpleNamespace(to_dict=lambda: dict(TINY))
         self.model_runner = types.SimpleNamespace(
             model_config=types.SimpleNamespace(model=str(model_dir), hf_config=config, dtype=torch.float32),
-            get_model=lambda: torch.nn.Module())
+            get_model=lambda: torch.nn.Module(),
+        )
         self.rank, self.device, self.installed, self.fail_reload = rank, torch.device("cpu"), None, fail_reload
 
     def reload_weights(self, weights_iterator, is_checkpoint_format=True):
@@ -74,8 +75,11 @@ def weights(tiny_dir):
 
 
 def _same(installed, weights):
-    return (installed is not None and set(installed) == set(weights)
-            and all(torch.equal(installed[n], weights[n]) for n in weights))
+    return (
+        installed is not None
+        and set(installed) == set(weights)
+        and all(torch.equal(installed[n], weights[n]) for n in weights)
+    )
 
 
 def test_expected_shapes_match_the_hf_checkpoint(tiny_dir):
@@ -118,8 +122,9 @@ def test_incomplete_or_misshapen_refresh_is_rejected(tmp_path, tiny_dir, weights
     answer = transport.install([target], transport.prepare(as_buckets(missing), 1), 1)["s0"]
     assert "1 tensor(s) missing" in answer["error"] and "up_proj" in answer["error"]
     bad = dict(weights)
-    # [128,256] -> [256,128]
-    bad["model.layers.0.mlp.down_proj.weight"] = weights["model.layers.0.mlp.down_proj.weight"].t().contiguous()
+    bad["model.layers.0.mlp.down_proj.weight"] = (
+        weights["model.layers.0.mlp.down_proj.weight"].t().contiguous()
+    )  # [128,256] -> [256,128]
     answer = transport.install([target], transport.prepare(as_buckets(bad), 2), 2)["s0"]
     assert "down_proj.weight' has shape [256, 128]" in answer["error"] and target.workers[0].installed is None
 
@@ -144,7 +149,7 @@ def test_collective_transport_installs_bit_exact(tiny_dir, weights, bucket_bytes
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
     expected_buckets = {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes)
     if expected_buckets is not None:
-        assert transport.last_stats["buckets"] == expected_buckets
+        assert transport.metrics().buckets == expected_buckets
     # a second refresh reuses the group; a changed fleet rebuilds it
     assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(weights), 2), 2).values())
     assert all(a["ok"] for a in transport.install(targets[:1], transport.prepare(as_buckets(weights), 3), 3).values())
@@ -186,7 +191,9 @@ def test_per_bucket_calls_stage_until_the_last_commit(tiny_dir, weights):
     worker = target.workers[0]
     original = worker.reload_weights
     worker.reload_weights = lambda weights_iterator, is_checkpoint_format=True: (
-        installs.append(1), original(weights_iterator))
+        installs.append(1),
+        original(weights_iterator),
+    )
     assert transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"]["ok"]
     assert installs == [1] and _same(worker.installed, weights)  # 27 calls, one complete install
 
@@ -200,8 +207,9 @@ def test_shm_transport_installs_bit_exact_and_rewrites_its_files(tmp_path, tiny_
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
     session = transport._session
     files = sorted(p.name for p in session.glob("bucket-*.bin"))
-    assert len(files) == transport.last_stats["buckets"] == {0: len(weights), 256 * 1024**2: 1}.get(
-        bucket_bytes, len(files))
+    assert (
+        len(files) == transport.metrics().buckets == {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes, len(files))
+    )
     newer = perturbed(weights, seed=2)
     assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(newer), 2), 2).values())
     assert all(_same(w.installed, newer) for t in targets for w in t.workers)  # the same files, rewritten in place
@@ -256,10 +264,13 @@ def test_shm_full_directory_is_a_clear_error(tmp_path, weights, monkeypatch):
 
 def test_shm_files_go_at_exit_and_sessions_of_killed_trainers_are_swept(tmp_path, weights):
     def trainer(end: str) -> int:
-        code = ("import sys, os, torch; from megatron_offgrpo.rollout import SharedMemoryTransport as T; "
-                f"t = T(sys.argv[1]); t.prepare([[('w', torch.ones(1000))]], 1); {end}")
-        return subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                              timeout=120).returncode
+        code = (
+            "import sys, os, torch; from megatron_offgrpo.transports import SharedMemoryTransport as T; "
+            f"t = T(sys.argv[1]); t.prepare([[('w', torch.ones(1000))]], 1); {end}"
+        )
+        return subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120
+        ).returncode
 
     assert trainer("raise RuntimeError('the run failed')") == 1  # an exception ends the run without close()
     assert not list(tmp_path.glob("offgrpo-shm-*"))
@@ -287,8 +298,12 @@ class _TiedModel(torch.nn.Module):
         self.repacks = []
         for layer in (self.model.embed_tokens, self.lm_head):
             layer.cpu_linear = object()
-            layer.quant_method = types.SimpleNamespace(process_weights_after_loading=lambda layer: (
-                self.repacks.append(layer), setattr(layer, "cpu_linear", object())))
+            layer.quant_method = types.SimpleNamespace(
+                process_weights_after_loading=lambda layer: (
+                    self.repacks.append(layer),
+                    setattr(layer, "cpu_linear", object()),
+                )
+            )
 
 
 @pytest.mark.parametrize("reload_rebuilds_embedding", [True, False])

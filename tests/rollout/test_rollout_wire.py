@@ -10,23 +10,33 @@ import torch
 
 from checkpoint_tools import CheckpointError, rebucket
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout._auth import ControlTokenMiddleware
-from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, END, make_group, make_store, recv_stream, send_stream
+from megatron_offgrpo.fleet import ControlTokenMiddleware
 from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_prompt_logprobs, sampling_body
-from megatron_offgrpo.rollout._tensors import check_complete, pack_bucket, unpack_bucket
-from megatron_offgrpo.rollout._weights_dir import (
+from megatron_offgrpo.transports import (
+    ABORT,
+    BUCKET,
+    END,
+    check_complete,
+    make_group,
+    make_store,
     manifest_version,
+    pack_bucket,
     prune_versions,
     read_version_dir,
+    recv_stream,
+    send_stream,
+    unpack_bucket,
     version_dir,
     write_version_dir,
 )
 
 
 def _bucket():
-    return [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
-            ("b", torch.tensor([1, 2], dtype=torch.bfloat16)),
-            ("c", torch.arange(12, dtype=torch.float32).reshape(3, 4).t())]  # a non-contiguous view
+    return [
+        ("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("b", torch.tensor([1, 2], dtype=torch.bfloat16)),
+        ("c", torch.arange(12, dtype=torch.float32).reshape(3, 4).t()),
+    ]  # a non-contiguous view
 
 
 def test_pack_unpack_roundtrip_bit_exact():
@@ -137,9 +147,15 @@ def test_gloo_stream_abort_reaches_receivers():
 
 
 def _answer(versions=("4",), n=2, finish="length"):
-    choice = lambda i: {"index": i, "finish_reason": finish, "token_ids": [7, 8],  # noqa: E731
-                        "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}, {"token_id": 8, "logprob": -1.5}]},
-                        "weight_versions": [{"version": v, "start": 0, "end": 2} for v in versions]}
+    def choice(i):
+        return {
+            "index": i,
+            "finish_reason": finish,
+            "token_ids": [7, 8],
+            "logprobs": {"content": [{"token_id": 7, "logprob": -0.5}, {"token_id": 8, "logprob": -1.5}]},
+            "weight_versions": [{"version": v, "start": 0, "end": 2} for v in versions],
+        }
+
     return {"choices": [choice(i) for i in range(n)]}
 
 
@@ -147,15 +163,19 @@ def test_parse_group_reads_the_served_version():
     prompt = Prompt("p", (1, 2, 3))
     samples = parse_group(_answer(), prompt, group_id=5, n=2, server="s0")
     assert [(s.group_id, s.policy_version, s.response_ids, s.behavior_logprobs, s.server) for s in samples] == [
-        (5, 4, [7, 8], [-0.5, -1.5], "s0")] * 2
+        (5, 4, [7, 8], [-0.5, -1.5], "s0")
+    ] * 2
 
 
-@pytest.mark.parametrize("answer, match", [
-    (_answer(versions=("4", "5")), "exactly one version"),
-    (_answer(versions=("default",)), "never given its version"),
-    (_answer(n=3), "3 choices for a group of 2"),
-    (_answer(finish="abort"), "aborted"),
-])
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (_answer(versions=("4", "5")), "exactly one version"),
+        (_answer(versions=("default",)), "never given its version"),
+        (_answer(n=3), "3 choices for a group of 2"),
+        (_answer(finish="abort"), "aborted"),
+    ],
+)
 def test_parse_group_refuses_bad_answers(answer, match):
     with pytest.raises(BadResponse, match=match):
         parse_group(answer, Prompt("p", (1,)), 0, 2, "s0")
@@ -166,13 +186,19 @@ def test_greedy_groups_are_asked_once_and_replicated():
     samples = parse_group(_answer(n=1), Prompt("p", (1,)), 0, 4, "s0")
     assert len(samples) == 4 and len({tuple(s.response_ids) for s in samples}) == 1
     body = sampling_body(SamplingParams(seed=10, stop_token_ids=(9,), top_k=-1), 4, 3)
-    assert (body["seed"] == 13 and body["stop_token_ids"] == [9] and body["top_k"] == 0
-            and body["repetition_penalty"] == 1.0)
+    assert (
+        body["seed"] == 13
+        and body["stop_token_ids"] == [9]
+        and body["top_k"] == 0
+        and body["repetition_penalty"] == 1.0
+    )
 
 
 def test_parse_prompt_logprobs():
-    answer = {"prompt_logprobs": [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.0}}],
-              "choices": [{"weight_versions": [{"version": "2", "start": 0, "end": 1}]}]}
+    answer = {
+        "prompt_logprobs": [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.0}}],
+        "choices": [{"weight_versions": [{"version": "2", "start": 0, "end": 1}]}],
+    }
     assert parse_prompt_logprobs(answer, [4, 5, 6], "s0") == (2, [-1.0, -2.0])
 
 
@@ -198,5 +224,6 @@ def test_token_middleware_guards_control_paths():
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer wrong")]) == 401
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer s3cret")]) == 200
     assert _asgi_call(guard, "/inference/v1/generate") == 401
-    # no token configured: open (loopback only)
-    assert _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200
+    assert (
+        _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200
+    )  # no token configured: open (loopback only)

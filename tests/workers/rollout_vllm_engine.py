@@ -52,7 +52,8 @@ def check_auto_fallback(model_dir: Path) -> None:
 
 
 def main() -> None:
-    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids, write_version_dir
+    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids
+    from megatron_offgrpo.transports import write_version_dir
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 

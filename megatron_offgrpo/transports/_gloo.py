@@ -23,14 +23,22 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore
 
-from megatron_offgrpo.rollout._tensors import Named, pack_bucket, unpack_bucket
+from megatron_offgrpo.transports._tensors import Named, pack_bucket, unpack_bucket
 
 BUCKET, END, ABORT = 1, 2, 3
+CPU = torch.device("cpu")  # the streams' default device
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store: the trainer hosts it (``port`` 0 picks a free port, read back as ``store.port``)."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def make_group(store: dist.Store, group_id: str, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
@@ -112,7 +120,9 @@ def _packed(buckets: Iterable[Named], depth: int = 1) -> Iterator[tuple[bytes, t
         thread.join(5.0)
 
 
-def send_stream(group, buckets: Iterable[Named], version: int, device: torch.device = torch.device("cpu")) -> dict[str, int]:
+def send_stream(
+    group, buckets: Iterable[Named], version: int, device: torch.device = CPU
+) -> dict[str, int]:
     """Broadcast ``buckets`` then an end message from rank 0; on an exception mid-stream, broadcast an abort.
 
     The next bucket is exported and packed in a helper thread while the current one is on the wire.
@@ -130,18 +140,28 @@ def send_stream(group, buckets: Iterable[Named], version: int, device: torch.dev
     except BaseException as exc:
         _message(group, ABORT, json.dumps({"reason": f"{type(exc).__name__}: {exc}"}).encode(), None, device)
         raise
-    _message(group, END, json.dumps({"version": int(version), "buckets": stats["buckets"], "bytes": stats["bytes"]}).encode(), None, device)
+    _message(
+        group,
+        END,
+        json.dumps({"version": int(version), "buckets": stats["buckets"], "bytes": stats["bytes"]}).encode(),
+        None,
+        device,
+    )
     return stats
 
 
-def recv_stream(group, device: torch.device = torch.device("cpu")) -> Iterator[tuple[int, Any]]:
+def recv_stream(group, device: torch.device = CPU) -> Iterator[tuple[int, Any]]:
     """Receive messages until end/abort: yields (BUCKET, named tensors) ..., then (END, meta) or (ABORT, meta)."""
     while True:
         header = _bcast(group, torch.empty(3, dtype=torch.int64, device=device)).tolist()
         kind, meta_len, buf_len = (int(x) for x in header)
         meta = bytes(_bcast(group, torch.empty(meta_len, dtype=torch.uint8, device=device)).cpu().numpy().tobytes())
         if kind == BUCKET:
-            buffer = _bcast(group, torch.empty(buf_len, dtype=torch.uint8, device=device)) if buf_len else torch.empty(0, dtype=torch.uint8)
+            buffer = (
+                _bcast(group, torch.empty(buf_len, dtype=torch.uint8, device=device))
+                if buf_len
+                else torch.empty(0, dtype=torch.uint8)
+            )
             yield BUCKET, unpack_bucket(meta, buffer)
             continue
         yield kind, json.loads(meta)

@@ -26,7 +26,9 @@ class RequestRejected(ValueError):
         self.status = status
 
 
-def call_json(method: str, url: str, body: Any = None, token: str | None = None, timeout: float = 30.0, query: str = "") -> Any:
+def call_json(
+    method: str, url: str, body: Any = None, token: str | None = None, timeout: float = 30.0, query: str = ""
+) -> Any:
     """One HTTP request; returns the decoded JSON body (None for an empty body).
 
     Raises:

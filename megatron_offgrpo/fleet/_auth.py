@@ -52,6 +52,11 @@ class ControlTokenMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": f"unauthorized: {path} needs 'Authorization: Bearer <fleet token>' (set {TOKEN_ENV} on the client)"}).encode()
+        body = json.dumps(
+            {
+                "error": f"unauthorized: {path} needs 'Authorization: Bearer <fleet token>' "
+                f"(set {TOKEN_ENV} on the client)"
+            }
+        ).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})

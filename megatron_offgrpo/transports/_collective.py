@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._gloo import make_group, make_store, send_stream
-from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
-from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_stream
+from megatron_offgrpo.transports._gloo import make_group, make_store, send_stream
+from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
+from megatron_offgrpo.transports._rpc import call_targets
+from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_stream
 
 
 class CollectiveTransport:
@@ -34,10 +34,19 @@ class CollectiveTransport:
 
     name = "collective"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 backend: str = "gloo", device: str = "cpu", timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        backend: str = "gloo",
+        device: str = "cpu",
+        timeout_s: float = 120.0,
+    ) -> None:
         if bucket_bytes < 0:
-            raise ValueError(f"CollectiveTransport bucket_bytes={bucket_bytes} must be >= 0 (0 = one tensor per message)")
+            raise ValueError(
+                f"CollectiveTransport bucket_bytes={bucket_bytes} must be >= 0 (0 = one tensor per message)"
+            )
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"CollectiveTransport backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
         self.host, self.port, self.bucket_bytes = host, port, bucket_bytes
@@ -46,7 +55,7 @@ class CollectiveTransport:
         self._group = None
         self._group_id = ""
         self._members: tuple[str, ...] = ()
-        self.last_stats: dict[str, float] = {}
+        self._metrics = TransferMetrics()
 
     def _ensure_group(self, targets: list[WorkerTarget]) -> None:
         names = tuple(t.name for t in targets)
@@ -64,10 +73,21 @@ class CollectiveTransport:
             bases.append(world)
             world += int(infos[target.name]["workers"])
         group_id = uuid.uuid4().hex[:12]
-        args = {"group_id": group_id, "host": self.host, "port": self._store.port, "world_size": world,
-                "timeout_s": self.timeout_s, "backend": self.backend}
-        answers, group = call_targets(targets, "offgrpo_join_group", lambda i, t: {**args, "rank_base": bases[i]}, self.timeout_s,
-                                      background=lambda: make_group(self._store, group_id, 0, world, self.timeout_s, self.backend))
+        args = {
+            "group_id": group_id,
+            "host": self.host,
+            "port": self._store.port,
+            "world_size": world,
+            "timeout_s": self.timeout_s,
+            "backend": self.backend,
+        }
+        answers, group = call_targets(
+            targets,
+            "offgrpo_join_group",
+            lambda i, t: {**args, "rank_base": bases[i]},
+            self.timeout_s,
+            background=lambda: make_group(self._store, group_id, 0, world, self.timeout_s, self.backend),
+        )
         bad = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
         if bad:
             raise ConnectionError(f"servers {bad} failed to join the refresh group")
@@ -89,7 +109,7 @@ class CollectiveTransport:
         except BaseException:
             self._group, self._members = None, ()  # a failed stream may leave the group out of step: rebuild next time
             raise
-        self.last_stats = {"join_s": joined - start, "send_s": time.perf_counter() - joined, **stats}
+        self._metrics = TransferMetrics({"join": joined - start, "send": time.perf_counter() - joined}, **stats)
         return answers
 
     def _send(self, targets: list[WorkerTarget], buckets: Buckets, version: int) -> tuple[dict, dict]:
@@ -98,11 +118,18 @@ class CollectiveTransport:
 
     def _stream(self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool) -> tuple[dict, dict]:
         payload = {"group_id": self._group_id, "version": version, "commit": commit}
-        return call_targets(targets, "offgrpo_receive", lambda i, t: payload, self.timeout_s,
-                            background=lambda: send_stream(self._group, buckets, version, self.device))
+        return call_targets(
+            targets,
+            "offgrpo_receive",
+            lambda i, t: payload,
+            self.timeout_s,
+            background=lambda: send_stream(self._group, buckets, version, self.device),
+        )
+
+    def metrics(self) -> TransferMetrics:
+        """The last refresh's join and send times and size (bytes, tensors, messages)."""
+        return self._metrics
 
     def close(self) -> None:
         """Drop the group and the store (the servers drop theirs on the next join)."""
         self._group, self._store, self._members = None, None, ()
-
-

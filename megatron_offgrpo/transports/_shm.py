@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._protocol import Buckets, WorkerTarget
-from megatron_offgrpo.rollout._rpc import call_targets
-from megatron_offgrpo.rollout._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
+from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
+from megatron_offgrpo.transports._rpc import call_targets
+from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
 
 SESSION_PREFIX = "offgrpo-shm-"
 LOCK_NAME = "owner.lock"
@@ -66,19 +66,25 @@ class SharedMemoryTransport:
 
     name = "shm"
 
-    def __init__(self, directory: str | Path = "/dev/shm", bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, directory: str | Path = "/dev/shm", bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0
+    ) -> None:
         if bucket_bytes < 0:
-            raise ValueError(f"SharedMemoryTransport bucket_bytes={bucket_bytes} must be >= 0 (0 = one file per tensor)")
+            raise ValueError(
+                f"SharedMemoryTransport bucket_bytes={bucket_bytes} must be >= 0 (0 = one file per tensor)"
+            )
         self.directory = Path(directory)
         if not self.directory.is_dir():
-            raise ValueError(f"SharedMemoryTransport directory={str(self.directory)!r} is not a directory: give a RAM-backed "
-                             "directory the servers also see (default /dev/shm)")
+            raise ValueError(
+                f"SharedMemoryTransport directory={str(self.directory)!r} is not a directory: give a RAM-backed "
+                "directory the servers also see (default /dev/shm)"
+            )
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self._session: Path | None = None
         self._remove_session: weakref.finalize | None = None
         self._buffers: list[_Buffer] = []
         self._created = 0
-        self.last_stats: dict[str, float] = {}
+        self._metrics = TransferMetrics()
 
     # ----- session: the directory this transport owns --------------------------------------------------------
     def _open_session(self) -> Path:
@@ -117,10 +123,13 @@ class SharedMemoryTransport:
             if exc.errno != errno.ENOSPC:
                 raise
             stat = os.statvfs(self.directory)
-            raise OSError(errno.ENOSPC, f"the shm transport cannot reserve {nbytes / 1e6:.0f} MB in {self.directory} "
-                          f"({stat.f_bavail * stat.f_frsize / 1e6:.0f} MB free; it holds one copy of the model): enlarge it "
-                          "(docker run --shm-size=..., or --ipc=host), set rollout.shm_dir to a larger RAM-backed directory, "
-                          "or use the collective transport") from None
+            raise OSError(
+                errno.ENOSPC,
+                f"the shm transport cannot reserve {nbytes / 1e6:.0f} MB in {self.directory} "
+                f"({stat.f_bavail * stat.f_frsize / 1e6:.0f} MB free; it holds one copy of the model): enlarge it "
+                "(docker run --shm-size=..., or --ipc=host), set rollout.shm_dir to a larger RAM-backed directory, "
+                "or use the collective transport",
+            ) from None
         finally:
             os.close(fd)
         buffer = _Buffer(name, nbytes, torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8))
@@ -147,22 +156,32 @@ class SharedMemoryTransport:
         except BaseException:
             self._drop()
             raise
-        for stale in self._buffers[len(layout):]:  # the model needs fewer files than last time
+        for stale in self._buffers[len(layout) :]:  # the model needs fewer files than last time
             (self._session / stale.file).unlink(missing_ok=True)
-        del self._buffers[len(layout):]
-        self.last_stats = {"write_s": time.perf_counter() - start, "bytes": sum(b["bytes"] for b in layout), "buckets": len(layout),
-                           "tensors": sum(len(b["tensors"]) for b in layout)}
+        del self._buffers[len(layout) :]
+        self._metrics = TransferMetrics(
+            {"write": time.perf_counter() - start},
+            bytes=sum(b["bytes"] for b in layout),
+            tensors=sum(len(b["tensors"]) for b in layout),
+            buckets=len(layout),
+        )
         return layout
 
-    def install(self, targets: list[WorkerTarget], prepared: list[dict[str, Any]], version: int) -> dict[str, dict[str, Any]]:
+    def install(
+        self, targets: list[WorkerTarget], prepared: list[dict[str, Any]], version: int
+    ) -> dict[str, dict[str, Any]]:
         """Every target's workers map the files, check the tensor set and version, and reload, concurrently."""
         start = time.perf_counter()
         payload = {"dir": str(self._session), "version": int(version), "buckets": prepared}
         answers, _ = call_targets(targets, "offgrpo_load_shm", lambda i, t: payload, self.timeout_s)
         if not all(a.get("ok") for a in answers.values()):
             self._drop()
-        self.last_stats["call_s"] = time.perf_counter() - start
+        self._metrics.seconds["call"] = time.perf_counter() - start
         return answers
+
+    def metrics(self) -> TransferMetrics:
+        """The last refresh's pack and call times and size (bytes, tensors, files)."""
+        return self._metrics
 
     def close(self) -> None:
         """Remove this transport's files (workers hold no mapping outside a load call)."""

@@ -1,6 +1,6 @@
 """The worker extension every fleet server (and the in-process vllm.LLM) runs: verified, versioned reloads.
 
-vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.rollout.OffgrpoWorkerExtension``)
+vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension``)
 and exposes its methods through ``collective_rpc``. Each method takes one JSON string and returns a JSON dict with
 ``ok`` and either the result or ``error``: a refresh is rejected *before* anything is loaded when the manifest's
 version is not the one asked for, the version does not increase, a file is truncated or fails its CRC-32, or the
@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron_offgrpo.rollout._tensors import Named, check_complete, expected_hf_shapes
-
-DIRTY = -1
+from checkpoint_tools import expected_hf_shapes
+from megatron_offgrpo.transports import DIRTY, Named, check_complete
 
 
 def _ok(**kwargs: Any) -> dict[str, Any]:
@@ -39,7 +38,7 @@ class OffgrpoWorkerExtension:
     # ----- state -----------------------------------------------------------------------------------------------
     def _offgrpo_version(self) -> int:
         if getattr(self, "_offgrpo_current", None) is None:
-            from megatron_offgrpo.rollout._weights_dir import manifest_version
+            from megatron_offgrpo.transports import manifest_version
 
             try:
                 found = manifest_version(self.model_runner.model_config.model)
@@ -71,12 +70,17 @@ class OffgrpoWorkerExtension:
     # ----- RPC methods -----------------------------------------------------------------------------------------
     def offgrpo_info(self, payload: str = "{}") -> dict[str, Any]:
         """{"version", "rank", "pid", "dtype", "tensors"} of this worker."""
-        return _ok(version=self._offgrpo_version(), rank=int(getattr(self, "rank", 0)), pid=os.getpid(),
-                   dtype=str(self.model_runner.model_config.dtype).removeprefix("torch."), tensors=len(self._offgrpo_expected()))
+        return _ok(
+            version=self._offgrpo_version(),
+            rank=int(getattr(self, "rank", 0)),
+            pid=os.getpid(),
+            dtype=str(self.model_runner.model_config.dtype).removeprefix("torch."),
+            tensors=len(self._offgrpo_expected()),
+        )
 
     def offgrpo_load_dir(self, payload: str) -> dict[str, Any]:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
-        from megatron_offgrpo.rollout._weights_dir import read_version_dir
+        from megatron_offgrpo.transports import read_version_dir
 
         args, version, refused = self._offgrpo_versioned(payload)
         if refused:
@@ -91,13 +95,22 @@ class OffgrpoWorkerExtension:
 
     def offgrpo_join_group(self, payload: str) -> dict[str, Any]:
         """Join broadcast group ``{"group_id", "host", "port", "rank_base", "world_size", "timeout_s", "backend"}``."""
-        from megatron_offgrpo.rollout._gloo import make_group, make_store
+        from megatron_offgrpo.transports import make_group, make_store
 
         args = json.loads(payload)
         rank = int(args["rank_base"]) + int(getattr(self, "rank", 0))
         try:
-            store = make_store(args["host"], int(args["port"]), int(args["world_size"]), False, float(args["timeout_s"]))
-            group = make_group(store, args["group_id"], rank, int(args["world_size"]), float(args["timeout_s"]), args.get("backend", "gloo"))
+            store = make_store(
+                args["host"], int(args["port"]), int(args["world_size"]), False, float(args["timeout_s"])
+            )
+            group = make_group(
+                store,
+                args["group_id"],
+                rank,
+                int(args["world_size"]),
+                float(args["timeout_s"]),
+                args.get("backend", "gloo"),
+            )
         except Exception as exc:
             return _fail(f"joining refresh group {args['group_id']} failed: {type(exc).__name__}: {exc}")
         groups = getattr(self, "_offgrpo_groups", None) or {}
@@ -114,7 +127,7 @@ class OffgrpoWorkerExtension:
     def offgrpo_receive(self, payload: str) -> dict[str, Any]:
         """Receive one stream on group ``{"group_id", "version", "commit"}``; with ``commit`` (default) check the
         streams received for this version so far and install them, else stage them for a later commit."""
-        from megatron_offgrpo.rollout._gloo import ABORT, BUCKET, recv_stream
+        from megatron_offgrpo.transports import ABORT, BUCKET, recv_stream
 
         args = json.loads(payload)
         version = int(args["version"])
@@ -133,14 +146,19 @@ class OffgrpoWorkerExtension:
                 buckets += 1
             elif kind == ABORT:
                 self._offgrpo_staged = None
-                return _fail(f"the trainer aborted the stream of version {version}: {body.get('reason')}", version=self._offgrpo_version())
+                return _fail(
+                    f"the trainer aborted the stream of version {version}: {body.get('reason')}",
+                    version=self._offgrpo_version(),
+                )
             else:
                 end = body
         recv_s = time.perf_counter() - start
         problem = self._offgrpo_check_version(version)
         if end["version"] is None or int(end["version"]) != version or int(end["buckets"]) != buckets:
-            problem = (f"stream is for version {end['version']} with {end['buckets']} buckets, expected version {version} "
-                       f"and received {buckets} buckets")
+            problem = (
+                f"stream is for version {end['version']} with {end['buckets']} buckets, expected version {version} "
+                f"and received {buckets} buckets"
+            )
         if problem:
             self._offgrpo_staged = None
             return _fail(problem, version=self._offgrpo_version())
@@ -152,7 +170,7 @@ class OffgrpoWorkerExtension:
     def offgrpo_load_shm(self, payload: str) -> dict[str, Any]:
         """Install the shared-memory buckets ``{"dir", "version", "buckets": [{"file", "bytes", "tensors"}]}``:
         map each file, view the tensors in place, check and reload (the mappings are gone when this returns)."""
-        from megatron_offgrpo.rollout._tensors import unpack_entries
+        from megatron_offgrpo.transports import unpack_entries
 
         args, version, refused = self._offgrpo_versioned(payload)
         if refused:
@@ -166,12 +184,19 @@ class OffgrpoWorkerExtension:
                 if size < bucket["bytes"]:
                     raise ValueError(f"holds {size} bytes, the trainer wrote {bucket['bytes']}")
                 # shared=False: a private read-only mapping of the trainer's pages (no copy; no write permission needed)
-                tensors.extend(unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8)))
+                tensors.extend(
+                    unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8))
+                )
             except FileNotFoundError:
-                return _fail(f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
-                             "that see its directory (use the collective or disk transport across hosts)", version=self._offgrpo_version())
+                return _fail(
+                    f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
+                    "that see its directory (use the collective or disk transport across hosts)",
+                    version=self._offgrpo_version(),
+                )
             except Exception as exc:
-                return _fail(f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version())
+                return _fail(
+                    f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version()
+                )
         return self._offgrpo_install(tensors, version, {"map_s": time.perf_counter() - start})
 
     # ----- install ---------------------------------------------------------------------------------------------
@@ -188,12 +213,18 @@ class OffgrpoWorkerExtension:
             self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         except Exception as exc:
             self._offgrpo_current = DIRTY
-            return _fail(f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}", version=DIRTY)
+            return _fail(
+                f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}",
+                version=DIRTY,
+            )
         try:
             tied_refreshed = self._offgrpo_refresh_tied_head(tied_pair, embed_kernel_before)
         except Exception as exc:
             self._offgrpo_current = DIRTY
-            return _fail(f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}", version=DIRTY)
+            return _fail(
+                f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}",
+                version=DIRTY,
+            )
         self._offgrpo_current = version
         timings["load_s"] = time.perf_counter() - start
         return _ok(version=version, tensors=len(tensors), tied_head_refreshed=tied_refreshed, **timings)

@@ -17,8 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from checkpoint_tools import CODE_DTYPES, DTYPE_CODES, Named, rebucket
-from checkpoint_tools import expected_hf_shapes  # noqa: F401  (the served model's name/shape set, for the engines)
-from megatron_offgrpo.rollout._weights_dir import read_version_dir
+from megatron_offgrpo.transports._weights_dir import read_version_dir
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
@@ -59,13 +58,20 @@ def bucket_layout(bucket: Named) -> tuple[list[dict[str, Any]], int]:
     entries, offset = [], 0
     for name, tensor in bucket:
         nbytes = tensor.numel() * tensor.element_size()
-        entries.append({"name": name, "dtype": DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "offsets": [offset, offset + nbytes]})
+        entries.append(
+            {
+                "name": name,
+                "dtype": DTYPE_CODES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "offsets": [offset, offset + nbytes],
+            }
+        )
         offset += nbytes
     return entries, offset
 
 
 def pack_into(bucket: Named, entries: list[dict[str, Any]], buffer: torch.Tensor) -> None:
-    """Copy each tensor of ``bucket`` to its ``[begin, end)`` bytes of ``buffer`` (``uint8``, from ``bucket_layout``)."""
+    """Copy each tensor of ``bucket`` to its ``[begin, end)`` bytes of ``buffer`` (``uint8``; see ``bucket_layout``)."""
     for (_, tensor), entry in zip(bucket, entries):
         begin, end = entry["offsets"]
         if end > begin:

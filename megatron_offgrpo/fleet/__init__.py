@@ -1,0 +1,59 @@
+"""Fleet: what runs in or operates the vLLM servers the trainer generates with.
+
+Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight installs; vLLM loads it by the dotted
+path ``transports.WORKER_EXTENSION``) and ``ControlTokenMiddleware`` (the shared-token check). Around them: the
+launcher (``FleetSpec``, ``start_fleet`` / ``stop_fleet`` / ``fleet_status``, the recorded ``FleetState`` read by
+``load_state``), server sizing (``size_server``, ``kv_cache_bytes``), ``merge_states`` for multi-node fleets, and
+JSON over HTTP to a server (``call_json``). ``python -m megatron_offgrpo.fleet.fleet_cli`` is ``offgrpo fleet``.
+Nothing here imports megatron; the weight wire format comes from ``transports``.
+"""
+
+from megatron_offgrpo.fleet._auth import TOKEN_ENV, ControlTokenMiddleware
+from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
+from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
+from megatron_offgrpo.fleet._launcher import (
+    EXTENSION,
+    MIDDLEWARE,
+    TOKENIZER_FILES,
+    FleetSpec,
+    is_loopback,
+    is_this_machine,
+    server_command,
+    server_url,
+    start_fleet,
+)
+from megatron_offgrpo.fleet._merge import merge_states
+from megatron_offgrpo.fleet._processes import fleet_status, server_healthy, stop_fleet
+from megatron_offgrpo.fleet._server_size import ServerSize, read_hf_config, size_server
+from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
+from megatron_offgrpo.fleet._worker_ext import OffgrpoWorkerExtension
+
+__all__ = [
+    "EXTENSION",
+    "MIDDLEWARE",
+    "TOKENIZER_FILES",
+    "TOKEN_ENV",
+    "ControlTokenMiddleware",
+    "FleetSpec",
+    "FleetState",
+    "OffgrpoWorkerExtension",
+    "RequestRejected",
+    "ServerDown",
+    "ServerRecord",
+    "ServerSize",
+    "call_json",
+    "fleet_status",
+    "fleet_token",
+    "is_loopback",
+    "is_this_machine",
+    "kv_cache_bytes",
+    "load_state",
+    "merge_states",
+    "read_hf_config",
+    "server_command",
+    "server_healthy",
+    "server_url",
+    "size_server",
+    "start_fleet",
+    "stop_fleet",
+]

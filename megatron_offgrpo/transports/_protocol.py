@@ -1,0 +1,73 @@
+"""The boundary of the transports room: what a transport talks to, what it does, and what it measured."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+from torch import Tensor
+
+Buckets = Iterable[list[tuple[str, Tensor]]]
+"""HF-named tensors in buckets, as ``checkpoint_tools.stream_hf_buckets`` yields them."""
+
+DIRTY = -1
+"""The version a worker reports after a reload failed midway: its weights are undefined until a full refresh."""
+
+WORKER_EXTENSION = "megatron_offgrpo.fleet.OffgrpoWorkerExtension"
+"""The dotted path vLLM loads as ``worker_extension_cls``: the worker side of every transport's RPCs."""
+
+
+@dataclasses.dataclass
+class TransferMetrics:
+    """What the trainer's side of one transfer measured (``WeightTransport.metrics`` after ``install``).
+
+    Attributes:
+        seconds: phase -> wall seconds on the trainer (e.g. "write", "join", "send", "call").
+        bytes: payload bytes written or sent. tensors: tensors moved. buckets: files or messages used.
+    """
+
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+
+
+class WorkerTarget(Protocol):
+    """One engine whose workers run ``OffgrpoWorkerExtension`` (a fleet server, or an in-process vllm.LLM)."""
+
+    name: str
+
+    def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
+        """Call ``method`` on every worker of the engine; one result per worker."""
+        ...
+
+
+class WeightTransport(Protocol):
+    """Moves one version's weights into the workers of some targets (one class per transport).
+
+    ``prepare`` runs while the targets still serve the previous version (e.g. the disk transport writes the
+    version directory then); the engine then pauses the targets, calls ``install``, resumes them and reads
+    ``metrics``.
+    """
+
+    name: str
+
+    def prepare(self, weights: Buckets | Path, version: int) -> Any:
+        """Stage ``version`` (write files, or wrap the lazy bucket stream); returns what ``install`` takes."""
+        ...
+
+    def install(self, targets: list[WorkerTarget], prepared: Any, version: int) -> dict[str, dict[str, Any]]:
+        """Deliver and install ``version`` on every target's workers; per target: {"ok", "error"?, timings}.
+
+        A target whose workers reject the weights (checksum, version, names, shapes) keeps its previous weights.
+        """
+        ...
+
+    def metrics(self) -> TransferMetrics:
+        """What the last ``prepare`` + ``install`` measured on the trainer's side."""
+        ...
+
+    def close(self) -> None:
+        """Release groups, files or sockets the transport holds."""
+        ...
