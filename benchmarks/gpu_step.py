@@ -15,9 +15,11 @@ N_body = per-layer matmul weights (QKV, output projection, SwiGLU) x L layers; T
 T_loss response tokens (prompts never reach it). MFU = FLOPs / step time / ``--peak-tflops`` (default 989: the
 dense BF16 peak of an H100 SXM or H200, per NVIDIA's datasheets; FP8 steps are measured against it too).
 
-Fused loss: hidden [N, H] in the model's dtype x the model's output layer [V, H], grpo_clip, token mean, forward +
-backward; ``impl="triton"`` (compiled, CUDA only) against ``impl="torch"`` on the same inputs: loss difference and
-relative gradient difference ||g_triton - g_torch|| / ||g_torch||, median time after a warm-up.
+Fused loss (default N = 16384): hidden [N, H] in the model's dtype x the model's output layer [V, H], grpo_clip, token
+mean, forward + backward, on the same inputs: ``impl="torch"`` (the reference row), ``impl="triton"`` (compiled, CUDA
+only), Liger's ``LigerFusedLinearGRPOLoss`` (torch.compile'd on CUDA; its row says so when liger-kernel is missing) and
+the naive materialised logits. Per row: median time, peak CUDA memory above the inputs (the gradients the benchmark
+keeps left out), loss difference and relative gradient difference ||g - g_torch|| / ||g_torch||.
 
 Usage:
     python benchmarks/gpu_step.py [--precision bf16|fp8] [--fp8-recipe delayed] [--out runs/gpu-step]
@@ -43,13 +45,16 @@ PEAK_TFLOPS = 989.0  # H100 SXM / H200 dense BF16 (NVIDIA datasheets)
 # bf16 operands, fp32 accumulation: METHOD.md's expected range is 1e-3..1e-2 relative; above it is a mismatch
 LOSS_MATCH_RTOL = 1e-2
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
-            samples=4, micro_batches=4, loss_tokens=8192, repeats=10)
+            samples=4, micro_batches=4, loss_tokens=16384, repeats=10)
 TINY = dict(config=ASSETS / "tiny-qwen2", precision="fp32", steps=2, warmup=1, seq=32, prompt=8,
-            samples=4, micro_batches=2, loss_tokens=128, repeats=2)
+            samples=4, micro_batches=2, loss_tokens=256, repeats=2)
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "loss impl", "tokens/step", "loss tokens/step",
                 "step s (median)", "tokens/s", "TFLOP/s", "MFU", "loss"]
-LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "loss", "loss diff vs torch", "grad rel diff vs torch",
-                "status"]
+LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "peak extra MiB", "loss", "loss diff vs torch",
+                "grad rel diff vs torch", "status"]
+LOSS_IMPLS = ("torch", "triton", "liger", "naive")
+LIGER_SEQ = 256  # tokens per sequence of the Liger row (it takes one advantage per sequence)
+LIGER_CHUNK_SEQS = 8  # sequences per Liger chunk: 2048 tokens (1 sequence per chunk ran 5x slower on an H100)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,11 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4, help="G: samples per prompt")
     parser.add_argument("--loss-impl", default="auto", choices=["auto", "torch", "triton"],
                         help="fused-loss path inside the training step (auto: triton on CUDA)")
-    parser.add_argument("--loss-tokens", type=int, help="N of the fused-loss comparison (default 8192)")
+    parser.add_argument("--loss-tokens", type=int, help="N of the fused-loss comparison (default 16384)")
     parser.add_argument("--repeats", type=int, help="timed repeats of the fused-loss comparison (default 10)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-device peak for MFU")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step under torch.profiler; its top-30 ops to OUT/profile.txt")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-step"), help="directory for gpu_step.md/json")
     args = parser.parse_args(argv)
     for key, value in (TINY if args.tiny else FULL).items():
@@ -180,8 +187,11 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
         return result
 
     seconds, _ = _median_seconds(step, ctx.device, args.warmup, args.steps)
-    if not all(math.isfinite(loss) for loss in losses):
-        raise SystemExit(f"gpu_step: non-finite training loss {losses}")
+    timed_losses = list(losses)
+    if args.profile:
+        _profile(step, ctx.device, args.out / "profile.txt")
+    if not all(math.isfinite(loss) for loss in timed_losses):
+        raise SystemExit(f"gpu_step: non-finite training loss {timed_losses}")
     positions = sum(mb.tokens.numel() for mb in mbs)
     loss_tokens = int(sum(mb.loss_mask.sum() for mb in mbs))
     tflops = step_flops(arch, positions, mbs[0].tokens.shape[1], loss_tokens) / seconds / 1e12
@@ -192,8 +202,23 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
             "loss tokens/step": loss_tokens, "step s (median)": round(seconds, 4),
             "tokens/s": round(positions / seconds, 1), "TFLOP/s": round(tflops, 2),
             "MFU": f"{100 * tflops / args.peak_tflops:.1f}%" if on_cuda else "n/a (CPU)",
-            "loss": f"{losses[-1]:.6g}"}
+            "loss": f"{timed_losses[-1]:.6g}"}
     return row, output_weight(policy.model).detach()
+
+
+def _profile(step, device, path: Path) -> None:
+    """One more step under torch.profiler: the 30 ops with the most self device time (CPU time on CPU), to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+    print(table)
 
 
 def _device_name(device) -> str:
@@ -203,37 +228,87 @@ def _device_name(device) -> str:
 
 
 def loss_rows(weight, args, device) -> list[dict]:
-    """Fused loss forward + backward, torch path vs compiled Triton path, on the same random inputs."""
+    """Fused loss forward + backward on the same random inputs: our torch path (the reference row), our compiled
+    Triton path, Liger's ``LigerFusedLinearGRPOLoss`` (torch.compile'd chunks) and the naive materialised logits.
+
+    Advantages are constant over each ``LIGER_SEQ``-token sequence (Liger takes one per sequence), so all four compute
+    the same function: grpo_clip (eps 0.2), no KL, token mean."""
     import torch
 
-    from megatron_offgrpo.algo import ObjectiveParams
+    from megatron_offgrpo.algo import ObjectiveParams, reference_loss
     from megatron_offgrpo.kernels import fused_linear_grpo_loss, resolve_impl
 
     n, (vocab, hidden_size) = args.loss_tokens, weight.shape
+    if n % LIGER_SEQ:
+        raise SystemExit(f"gpu_step: --loss-tokens {n} is not a multiple of {LIGER_SEQ}")
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     hidden = torch.randn(n, hidden_size, generator=gen, device=device).to(weight.dtype)
     targets = torch.randint(0, vocab, (n,), generator=gen, device=device)
     behavior = -math.log(vocab) + 0.05 * torch.randn(n, generator=gen, device=device)
-    advantages = torch.randn(n, generator=gen, device=device)
+    seq_adv = torch.randn(n // LIGER_SEQ, generator=gen, device=device)
+    advantages = seq_adv.repeat_interleave(LIGER_SEQ)
     mask = torch.ones(n, dtype=torch.bool, device=device)
+    params = ObjectiveParams()
 
-    def run(impl: str):
+    def ours(impl: str, h, w):
+        loss, _ = fused_linear_grpo_loss(h, w, targets, behavior, advantages, mask, params, impl=impl)
+        return loss
+
+    def naive(h, w):
+        return reference_loss((h @ w.t()).float(), targets, behavior, advantages, mask, params)[0]
+
+    def liger_fn():
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=device.type == "cuda", use_ref_model=False,
+                                           chunk_size=LIGER_CHUNK_SEQS, epsilon_low=0.2, epsilon_high=0.2,
+                                           loss_type="bnpo", temperature=1.0)
+        batch, seq_mask = n // LIGER_SEQ, torch.ones(n // LIGER_SEQ, LIGER_SEQ, dtype=torch.long, device=device)
+
+        def liger(h, w):
+            out = loss_fn(h.view(batch, LIGER_SEQ, hidden_size), w, targets.view(batch, LIGER_SEQ), seq_mask,
+                          seq_adv, old_per_token_logps=behavior.view(batch, LIGER_SEQ))
+            return out[0] if isinstance(out, tuple) else out
+
+        return liger
+
+    def available(name: str):
+        """The loss function of ``name``, or the reason it cannot run here."""
+        if name in ("torch", "triton"):
+            try:
+                resolve_impl(name, device)
+            except ValueError:
+                return "needs CUDA" if device.type != "cuda" else "triton not importable"
+            return functools.partial(ours, name)
+        if name == "liger":
+            try:
+                return liger_fn()
+            except ImportError:
+                return "liger-kernel not installed"
+        return naive
+
+    def forward_backward(fn):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        loss, _ = fused_linear_grpo_loss(h, w, targets, behavior, advantages, mask, ObjectiveParams(), impl=impl)
+        loss = fn(h, w)
         loss.backward()
-        return loss.detach().double(), h.grad.float(), w.grad.float()
+        return loss.detach(), h.grad, w.grad
+
+    def run(fn):
+        loss, grad_h, grad_w = forward_backward(fn)
+        return loss.double(), grad_h.float(), grad_w.float()
 
     rows, reference = [], None
-    for impl in ("torch", "triton"):
+    for name in LOSS_IMPLS:
         row = dict.fromkeys(LOSS_COLUMNS, "-")
-        row.update({"impl": impl, "N x V": f"{n} x {vocab}"})
-        try:
-            resolve_impl(impl, device)
-        except ValueError:
-            row["status"] = "needs CUDA" if device.type != "cuda" else "triton not importable"
+        row.update({"impl": name, "N x V": f"{n} x {vocab}"})
+        fn = available(name)
+        if isinstance(fn, str):
+            row["status"] = fn
             rows.append(row)
             continue
-        seconds, (loss, grad_h, grad_w) = _median_seconds(functools.partial(run, impl), device, 1, args.repeats)
+        seconds, (loss, grad_h, grad_w) = _median_seconds(functools.partial(run, fn), device, 2, args.repeats)
+        if device.type == "cuda":
+            row["peak extra MiB"] = _peak_extra_mib(functools.partial(forward_backward, fn), device)
         row.update({"fwd+bwd ms (median)": round(1e3 * seconds, 3), "loss": f"{float(loss):.6g}", "status": "ok"})
         if reference is None:
             reference = (loss, grad_h, grad_w)
@@ -244,7 +319,21 @@ def loss_rows(weight, args, device) -> list[dict]:
             row.update({"loss diff vs torch": f"{loss_diff:.2e}", "grad rel diff vs torch": f"{grad_diff:.2e}",
                         "status": "ok" if max(loss_diff, grad_diff) <= LOSS_MATCH_RTOL else "MISMATCH"})
         rows.append(row)
+        del grad_h, grad_w
     return rows
+
+
+def _peak_extra_mib(run, device) -> int:
+    """Peak CUDA memory of one ``run()`` above what was allocated before it (the gradients it makes included)."""
+    import torch
+
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    outputs = run()
+    torch.cuda.synchronize(device)
+    del outputs
+    return round((torch.cuda.max_memory_allocated(device) - base) / 2**20)
 
 
 def markdown(columns: list[str], rows: list[dict]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,6 +227,8 @@ def docs_cwd(tmp_path_factory):
     workspace = DocsWorkspace(tmp_path_factory.mktemp("docs-cwd"))
     yield workspace
     workspace.stop_fleets()
+    # about 5 GB of runs by the end: a failing command's output is already in its report
+    shutil.rmtree(workspace.root, ignore_errors=True)
 
 
 def _param(cmd: DocCommand):

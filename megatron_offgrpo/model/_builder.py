@@ -88,7 +88,10 @@ def build_gpt_stage(
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         rotary_percent=1.0,
     )
-    return model.to(config.params_dtype)
+    # Megatron's parallel linears allocate on the current GPU themselves, but the local spec's norms (torch
+    # fallbacks without apex) are built on the host: move the whole stage, as megatron's own get_model does.
+    on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
+    return model.to(device=torch.cuda.current_device() if on_gpu else "cpu", dtype=config.params_dtype)
 
 
 def _hidden_passthrough(hidden_states, weight=None, runtime_gather_output=None):

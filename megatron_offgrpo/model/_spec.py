@@ -2,7 +2,8 @@
 
 Decided once by ``have_te()`` (megatron's ``HAVE_TE`` habit). Parameter names differ between the two specs (TE
 fuses the pre-attention and pre-MLP RMSNorm weights into ``linear_qkv`` / ``linear_fc1`` as
-``layer_norm_weight``); ``checkpoint_tools`` maps both.
+``layer_norm_weight``); ``checkpoint_tools`` maps both. The local spec's core attention is ``SdpaAttention``
+(``_sdpa.py``): no parameters, so the names are megatron's.
 """
 
 from __future__ import annotations
@@ -34,4 +35,8 @@ def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None) -> ModuleSpec:
 
             raise RuntimeError(f"the Transformer Engine layer spec was requested but {te_status()[1]}")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    from megatron_offgrpo.model._sdpa import SdpaAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec

@@ -18,8 +18,8 @@ from tests.helpers import REPO
 SCRIPT = REPO / "benchmarks" / "gpu_step.py"
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "loss impl", "tokens/step", "loss tokens/step",
                 "step s (median)", "tokens/s", "TFLOP/s", "MFU", "loss"]
-LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "loss", "loss diff vs torch", "grad rel diff vs torch",
-                "status"]
+LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "peak extra MiB", "loss", "loss diff vs torch",
+                "grad rel diff vs torch", "status"]
 
 
 def _module():
@@ -29,9 +29,11 @@ def _module():
     return module
 
 
-def _run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(tmp_path), *extra],
+def _run(tmp_path, *extra: str, device: str = "cpu") -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, str(SCRIPT), "--device", device, "--tiny", "--out", str(tmp_path), *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -63,11 +65,33 @@ def test_cpu_mode_trains_and_reports(tmp_path):
     assert float(step["tokens/s"]) * float(step["step s (median)"]) == pytest.approx(256, rel=1e-2)
     assert step["MFU"] == "n/a (CPU)" and step["loss impl"] == "torch"
     by_impl = {row["impl"]: row for row in losses}
+    assert list(by_impl) == ["torch", "triton", "liger", "naive"]
     assert by_impl["torch"]["status"] == "ok" and float(by_impl["torch"]["fwd+bwd ms (median)"]) > 0
     assert by_impl["triton"]["status"] == "needs CUDA"
+    assert by_impl["liger"]["status"] in ("ok", "liger-kernel not installed")
+    # the naive materialised logits compute the same loss and gradients as the fused torch path (fp32)
+    assert by_impl["naive"]["status"] == "ok" and float(by_impl["naive"]["grad rel diff vs torch"]) < 1e-5
+    assert by_impl["torch"]["peak extra MiB"] == "-"  # device memory is read on CUDA only
     written = (tmp_path / "gpu_step.md").read_text()
     assert written.strip() in proc.stdout and _tables(written)[0][1][0] == step
     assert json.loads((tmp_path / "gpu_step.json").read_text())["step"]["tokens/s"] == float(step["tokens/s"])
+
+
+@pytest.mark.gpu
+def test_cuda_mode_trains_and_every_loss_path_agrees(tmp_path):
+    """The GPU twin of the CPU mode: the policy is built on the GPU (the first GPU run found the local spec's norms
+    left on the host, which megatron's bf16 optimizer refused) and every loss path agrees with the torch one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    proc = _run(tmp_path, "--precision", "bf16", device="cuda")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (_, (step,)), (_, losses) = _tables(proc.stdout)
+    assert step["loss impl"] == "triton" and step["MFU"].endswith("%") and math.isfinite(float(step["loss"]))
+    for row in losses:
+        assert row["status"] in ("ok", "liger-kernel not installed"), row
+        assert row["status"] != "ok" or int(row["peak extra MiB"]) >= 0
 
 
 def test_fp8_without_transformer_engine_is_refused(tmp_path):
