@@ -26,4 +26,4 @@ if [[ $# -lt 1 || ! "$1" =~ ^(start|stop|status|merge)$ ]]; then
 fi
 
 cd "$ROOT"
-exec "$PYTHON" -m megatron_offgrpo.fleet.fleet_cli "$@"
+exec "$PYTHON" -m megatron_offgrpo.cli.fleet "$@"

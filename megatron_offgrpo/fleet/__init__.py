@@ -4,7 +4,7 @@ Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight insta
 path ``transports.WORKER_EXTENSION``) and ``ControlTokenMiddleware`` (the shared-token check). Around them: the
 launcher (``FleetSpec``, ``start_fleet`` / ``stop_fleet`` / ``fleet_status``, the recorded ``FleetState`` read by
 ``load_state``), server sizing (``size_server``, ``kv_cache_bytes``), ``merge_states`` for multi-node fleets, and
-JSON over HTTP to a server (``call_json``). ``python -m megatron_offgrpo.fleet.fleet_cli`` is ``offgrpo fleet``.
+JSON over HTTP to a server (``call_json``). ``python -m megatron_offgrpo.cli.fleet`` is ``offgrpo fleet``.
 Nothing here imports megatron; the weight wire format comes from ``transports``.
 """
 
@@ -16,6 +16,7 @@ from megatron_offgrpo.fleet._launcher import (
     MIDDLEWARE,
     TOKENIZER_FILES,
     FleetSpec,
+    gpu_count,
     is_loopback,
     is_this_machine,
     server_command,
@@ -35,6 +36,7 @@ __all__ = [
     "TOKEN_ENV",
     "ControlTokenMiddleware",
     "FleetSpec",
+    "gpu_count",
     "FleetState",
     "OffgrpoWorkerExtension",
     "RequestRejected",

@@ -162,7 +162,7 @@ def server_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     try:
         import torch
 
@@ -304,7 +304,7 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
 
     A server that fails to start stops the whole fleet (no half-started fleet is left behind).
     """
-    gpus = _gpu_count()
+    gpus = gpu_count()
     spec.validate(gpus)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ __all__ = [
     "hf_config_dict",
     "load_arch",
     "output_weight",
+    "params_dtype",
+    "precision_transformer_config",
     "qwen_layer_spec",
     "resolve_model_dir",
     "transformer_config",
@@ -32,6 +34,10 @@ def __getattr__(name: str):
         from megatron_offgrpo.model import _builder
 
         return getattr(_builder, name)
+    if name in ("params_dtype", "precision_transformer_config"):
+        from megatron_offgrpo.model import _precision
+
+        return getattr(_precision, name)
     if name == "qwen_layer_spec":
         from megatron_offgrpo.model._spec import qwen_layer_spec
 

@@ -1,1 +1,27 @@
-"""The trainer: builders from the config, the megatron step with the fused loss, the loop, checkpoints, metrics."""
+"""The trainer: builders from the config, the megatron step with the fused loss, the loop, checkpoints, metrics.
+
+The door the commands (``megatron_offgrpo.cli``) enter by. Names load lazily: ``offgrpo train --help`` must not
+import megatron-core (5-7 s), and logging is set up before it is imported.
+"""
+
+_EXPORTS = {
+    "train": "megatron_offgrpo.train.loop",
+    "sft": "megatron_offgrpo.train.sft",
+    "evaluate": "megatron_offgrpo.train._eval",
+    "config_or_exit": "megatron_offgrpo.train._preflight",
+    "claim_run_dir": "megatron_offgrpo.train._preflight",
+    "setup_logging": "megatron_offgrpo.train._logs",
+    "make_rollout_engine": "megatron_offgrpo.train._rollout_side",
+    "load_prompts": "megatron_offgrpo.train._setup",
+    "load_tokenizer": "megatron_offgrpo.train._setup",
+    "read_metrics": "megatron_offgrpo.train._metrics",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

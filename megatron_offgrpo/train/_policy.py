@@ -12,10 +12,14 @@ from pathlib import Path
 import torch
 
 from megatron_offgrpo.config import ModelConfig, OptimConfig
-from megatron_offgrpo.model import QwenArch, build_gpt_stage, expose_hidden_states, transformer_config
-from megatron_offgrpo.runtime import ParallelContext, have_te
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+from megatron_offgrpo.model import (
+    QwenArch,
+    build_gpt_stage,
+    expose_hidden_states,
+    params_dtype,
+    precision_transformer_config,
+)
+from megatron_offgrpo.runtime import ParallelContext
 
 
 @dataclasses.dataclass
@@ -30,16 +34,8 @@ class Policy:
 
 
 def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
-    if model_cfg.precision == "fp8" and not have_te():
-        from megatron_offgrpo.runtime import te_status
-
-        raise ValueError(f"model.precision='fp8' needs Transformer Engine, but {te_status()[1]}: use bf16 or fp32")
-    config = transformer_config(arch, ctx.tp_size, ctx.pp_size, params_dtype=PRECISION_DTYPES[model_cfg.precision])
-    if model_cfg.precision == "fp8":
-        config.fp8 = "hybrid"
-        config.fp8_recipe = model_cfg.fp8_recipe
-        config.fp8_amax_history_len = model_cfg.fp8_amax_history
-        config.fp8_margin = model_cfg.fp8_margin
+    config = precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
+                                          model_cfg.fp8_amax_history, model_cfg.fp8_margin)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     return expose_hidden_states(stage)
 
@@ -75,7 +71,7 @@ def build_policy(
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
-                        bf16=bf16, params_dtype=PRECISION_DTYPES[model_cfg.precision],
+                        bf16=bf16, params_dtype=params_dtype(model_cfg.precision),
                         use_distributed_optimizer=optim.distributed_optimizer),
         [ddp],
     )

@@ -68,7 +68,8 @@ def load_tokenizer(hf_path: str):
     return transformers.AutoTokenizer.from_pretrained(model_dir if has_own else ASSETS / "qwen2-tokenizer")
 
 
-def _prompts(config: Config, tokenizer, split: str):
+def load_prompts(config: Config, tokenizer, split: str) -> list:
+    """The prompts of ``split`` of the recipe's dataset, built as the engine sees them."""
     d = config.data
     records = load_records(d.name, split, d.source, d.path, question_key=d.question_key, answer_key=d.answer_key,
                            count=d.count, seed=config.parallel.seed, max_operand=d.max_operand)
@@ -103,7 +104,7 @@ def setup_run(config: Config) -> Run:
     run = Run(config, ctx, arch, policy, tokenizer,
               config.algo.objective_params(r.drgrpo_constant()),
               config.algo.advantage_params(), sampling_params(r, seed=config.parallel.seed),
-              get_reward(config.data.reward), PromptStream(_prompts(config, tokenizer, config.data.split),
+              get_reward(config.data.reward), PromptStream(load_prompts(config, tokenizer, config.data.split),
                                                            config.parallel.seed),
               probe_ids=make_probe_ids(arch.vocab_size))
     if r.behavior_logprobs == "recompute":
@@ -120,7 +121,7 @@ def setup_run(config: Config) -> Run:
 
         run.engine = make_rollout_engine(config, v0, run_dir, arch.max_position_embeddings)
         if config.train.eval_every:
-            run.eval_prompts = _prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
+            run.eval_prompts = load_prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
         run.log = MetricsLog(run_dir, config.train.steps)
         if r.overlap:
             import concurrent.futures

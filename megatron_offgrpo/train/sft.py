@@ -23,7 +23,7 @@ from megatron_offgrpo.model import load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._setup import _prompts, load_tokenizer
+from megatron_offgrpo.train._setup import load_prompts, load_tokenizer
 from megatron_offgrpo.train._step import policy_step
 from megatron_offgrpo.train._weights import export_hf_dir
 
@@ -59,7 +59,7 @@ def sft(config: Config) -> Path:
     arch = load_arch(config.model.hf_path)
     policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
     tokenizer = load_tokenizer(config.model.hf_path)
-    stream = PromptStream(_prompts(config, tokenizer, config.data.split), config.parallel.seed)
+    stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
     batch = config.rollout.prompts_per_step * config.rollout.group_size
     teacher = random.Random(config.parallel.seed + 1)
     start = time.time()

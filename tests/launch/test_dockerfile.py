@@ -147,7 +147,7 @@ def test_the_containers_torch_is_never_replaced():
 
 
 def test_fleet_environment_is_the_one_the_fleet_cli_uses():
-    from megatron_offgrpo.fleet.fleet_cli import PYTHON_ENV
+    from megatron_offgrpo.cli.fleet import PYTHON_ENV
 
     env = " ".join(of("ENV"))
     assert f"{PYTHON_ENV}={FLEET_VENV_PYTHON}" in env, f"ENV must point ${PYTHON_ENV} at the fleet's venv"
@@ -180,7 +180,7 @@ def _check_offgrpo(argv: list[str], capsys) -> None:
         assert words and words[0] in CONVERT, f"offgrpo convert has no {words[:1]}"
         path.append(words[0])
     elif sub == "fleet":
-        from megatron_offgrpo.fleet.fleet_cli import build_parser
+        from megatron_offgrpo.cli.fleet import build_parser
 
         actions = build_parser()._subparsers._group_actions[0].choices
         assert words and words[0] in actions, f"offgrpo fleet has no action {words[:1]} ({sorted(actions)})"

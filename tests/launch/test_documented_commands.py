@@ -8,11 +8,11 @@ import shlex
 
 import pytest
 
-from megatron_offgrpo.fleet.fleet_cli import build_parser
+from megatron_offgrpo.cli.fleet import build_parser
 from tests.helpers import REPO
 
 SOURCES = [*sorted((REPO / "configs").rglob("*.yaml")), *sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
-           REPO / "Dockerfile", *sorted((REPO / "launch").glob("*.sh")), REPO / "megatron_offgrpo/fleet/fleet_cli.py"]
+           REPO / "Dockerfile", *sorted((REPO / "launch").glob("*.sh")), REPO / "megatron_offgrpo/cli/fleet.py"]
 # the command and its arguments up to a comment, a closing backtick or the end of the line (not a bare mention)
 COMMAND = re.compile(r"(?:offgrpo fleet|launch/fleet\.sh) start +(--[^#`\n]*)")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_offgrpo.fleet import server_url
-from megatron_offgrpo.fleet.fleet_cli import build_parser
+from megatron_offgrpo.cli.fleet import build_parser
 from tests.helpers import REPO
 
 SBATCH = REPO / "launch" / "slurm.sbatch"

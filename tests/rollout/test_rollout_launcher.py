@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_offgrpo.fleet import TOKEN_ENV, FleetSpec, is_this_machine, load_state, server_command, stop_fleet
-from megatron_offgrpo.fleet.fleet_cli import main as fleet_main
+from megatron_offgrpo.cli.fleet import main as fleet_main
 from tests.helpers import REPO
 
 
@@ -140,7 +140,7 @@ def test_merge_refuses_fleets_that_disagree(tmp_path, capsys):
 
 def test_servers_run_under_the_fleet_python(tiny_dir, monkeypatch):
     # The container keeps vLLM (and its own torch) in a separate environment named by this variable.
-    from megatron_offgrpo.fleet.fleet_cli import PYTHON_ENV, build_parser
+    from megatron_offgrpo.cli.fleet import PYTHON_ENV, build_parser
 
     monkeypatch.setenv(PYTHON_ENV, "/opt/vllm/bin/python")
     assert build_parser().parse_args(["start", "--model", str(tiny_dir)]).python == "/opt/vllm/bin/python"
@@ -154,7 +154,7 @@ def test_foreground_watch_stops_on_sigterm_or_a_dead_server(tmp_path, capsys):
     import signal
     import threading
 
-    from megatron_offgrpo.fleet.fleet_cli import watch
+    from megatron_offgrpo.cli.fleet import watch
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:

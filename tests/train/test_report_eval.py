@@ -12,7 +12,7 @@ from tests.helpers import REPO, save_hf_model
 
 
 def test_report_summary_and_plot(tmp_path):
-    from megatron_offgrpo.train.report import make_report, summary
+    from megatron_offgrpo.cli.report import make_report, summary
 
     lines = []
     for step in range(10):
@@ -30,7 +30,7 @@ def test_report_summary_and_plot(tmp_path):
 
 def test_report_compares_runs_and_names_held_out_accuracy(tmp_path):
     """Two runs side by side (v read from the versions), greedy accuracy before the first update and after the last."""
-    from megatron_offgrpo.train.report import summary
+    from megatron_offgrpo.cli.report import summary
 
     for v in (1, 4):
         records = [{"step": s, "wall_s": 3.0 * (s + 1), "reward_mean": 0.5, "policy_version": s - s % v,

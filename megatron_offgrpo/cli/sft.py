@@ -14,12 +14,16 @@ def main(argv: list[str] | None = None) -> None:
                         "(they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train._preflight import config_or_exit
+    from megatron_offgrpo.train import config_or_exit
 
     config = config_or_exit(args.config, args.overrides)
-    from megatron_offgrpo.train._logs import setup_logging
+    from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
-    from megatron_offgrpo.train.sft import sft
+    from megatron_offgrpo.train import sft
 
     print(f"warm-up model: {sft(config)}")
+
+
+if __name__ == "__main__":
+    main()

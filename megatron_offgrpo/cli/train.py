@@ -15,16 +15,20 @@ def main(argv: list[str] | None = None) -> None:
                         "the console (they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train._preflight import claim_run_dir, config_or_exit
+    from megatron_offgrpo.train import claim_run_dir, config_or_exit
 
     config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []))
     claim_run_dir(config)
-    from megatron_offgrpo.train._logs import setup_logging
+    from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import use_huge_pages
-    from megatron_offgrpo.train.loop import train
+    from megatron_offgrpo.train import train
 
     use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
     run_dir = train(config)
     print(f"run directory: {run_dir}  (plots: offgrpo report {run_dir})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
-"""The ``offgrpo`` command. Each sub-command is a module CLI with its own ``--help``; all flags: docs/cli.md.
+"""The ``offgrpo`` command (this room's door); each sub-command is a module here with ``main(argv)`` and its own
+``--help``; all flags: docs/cli.md.
 
     offgrpo train   --config RECIPE [--resume] [key=value ...]     (under torchrun for several processes)
     offgrpo sft     --config RECIPE [key=value ...]                supervised warm-up -> HF directory
@@ -16,11 +17,11 @@ import importlib.metadata
 import sys
 
 COMMANDS = {
-    "train": "megatron_offgrpo.train.cli_entry",
-    "sft": "megatron_offgrpo.train.sft_entry",
-    "eval": "megatron_offgrpo.train.evaluate",
-    "report": "megatron_offgrpo.train.report",
-    "fleet": "megatron_offgrpo.fleet.fleet_cli",
+    "train": "megatron_offgrpo.cli.train",
+    "sft": "megatron_offgrpo.cli.sft",
+    "eval": "megatron_offgrpo.cli.eval",
+    "report": "megatron_offgrpo.cli.report",
+    "fleet": "megatron_offgrpo.cli.fleet",
 }
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
     "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron TP x PP checkpoint"),
