@@ -9,7 +9,7 @@ import transformers
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.data import Prompt, arithmetic_records, build_prompt, extract_answer
-from megatron_offgrpo.train.sft import teacher_batch
+from megatron_offgrpo.train._sft import teacher_batch
 from tests.helpers import TOKENIZER_DIR
 
 
