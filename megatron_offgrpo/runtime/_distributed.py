@@ -98,10 +98,16 @@ def init_parallel(
         apply_cpu_compat()
         device = torch.device("cpu")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()) if world_size == 1 else "29500")
+        if "MASTER_PORT" in os.environ:  # torchrun (or the user) set the rendezvous: env:// reads it
+            init_method = "env://"
+        else:
+            # Passed, not written into os.environ: every child process (a test's subprocess, vLLM's engine core)
+            # would inherit the port and try to listen on it for its own one-process group (EADDRINUSE).
+            port = _free_port() if world_size == 1 else 29500
+            init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
         dist.init_process_group(
             backend=backend or default_backend(),
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -84,3 +84,20 @@ def test_layout_not_dividing_world_size_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match=r"tp=4 x pp=1 does not divide world_size=2"):
         runtime.init_parallel(tp=4, pp=1)
+
+
+def test_one_process_group_leaves_no_rendezvous_in_the_environment():
+    """A one-process group must not export MASTER_ADDR/MASTER_PORT: every child process inherited the port and its own
+    one-process group then failed with EADDRINUSE (the whole suite's subprocess runs, once a test had initialised
+    in-process)."""
+    proc = run_python("""
+        import os
+        for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+            os.environ.pop(key, None)
+        from megatron_offgrpo.runtime import destroy_parallel, init_parallel
+        ctx = init_parallel(1, 1)
+        print(ctx.world_size, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        destroy_parallel()
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["1", "None", "None"]
