@@ -46,7 +46,7 @@ class MetricsLog:
         from, before it stopped) are dropped, since the run logs them again, and wall-clock continues from the last
         record kept."""
         self._file.close()
-        kept = [r for r in (json.loads(x) for x in self.path.read_text().splitlines() if x.strip()) if r["step"] < step]
+        kept = [r for r in read_metrics(self.path.parent) if r["step"] < step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
         tmp.replace(self.path)
