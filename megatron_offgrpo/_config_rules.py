@@ -136,7 +136,7 @@ def _collective_host_errors(host: str | None) -> list[str]:
 
 def _algo_errors(config: Any) -> list[str]:
     """Let ``algo``'s own parameter validation speak (it knows which switches combine)."""
-    constant = config.rollout.drgrpo_constant()  # the trainer's value (train._setup)
+    constant = config.rollout.drgrpo_constant()  # the trainer's value (train._trainer_side)
     out = []
     for build in (lambda: config.algo.objective_params(constant), config.algo.advantage_params):
         try:

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def make_probe_ids(vocab_size: int, length: int = 32, seed: int = 1234) -> list[int]:
     """The probe: a fixed pseudo-random sequence of ``length`` token ids below ``vocab_size`` (same on every call).
 
-    The one builder of the probe sequence: the trainer's refresh check (``train._setup``), the refresh benchmark
+    The one builder of the probe sequence: the trainer's refresh check (``train._sync.verify``), the refresh benchmark
     and the tests all take it from here.
     """
     if length < 2:

@@ -12,8 +12,8 @@ _EXPORTS = {
     "claim_run_dir": "megatron_offgrpo.train._preflight",
     "setup_logging": "megatron_offgrpo.train._logs",
     "make_rollout_engine": "megatron_offgrpo.train._rollout_side",
-    "load_prompts": "megatron_offgrpo.train._setup",
-    "load_tokenizer": "megatron_offgrpo.train._setup",
+    "load_prompts": "megatron_offgrpo.train._prompts",
+    "load_tokenizer": "megatron_offgrpo.train._prompts",
     "read_metrics": "megatron_offgrpo.train._metrics",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,21 +1,133 @@
-"""Rank 0's side of the wall: build the engine, refresh and verify it, generate and score, share the samples."""
+"""Rank 0's side of the wall: the engine, the prompt stream, the reward. It gives ``list[Sample]`` out and takes
+weight buckets in; it never sees the policy."""
 
 from __future__ import annotations
 
 import collections
-import time
+import concurrent.futures
+import dataclasses
+import logging
 from pathlib import Path
-from typing import Sequence
-
-import torch
-import torch.distributed as dist
+from typing import Callable, Sequence
 
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.train._eval import EVAL_BATCH
+from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
+from megatron_offgrpo.rollout import RefreshReport, RolloutEngine
+from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
+from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
+from megatron_offgrpo.train.builders import sampling_params
+from megatron_offgrpo.transports import Buckets
+
+logger = logging.getLogger(__name__)
 
 
-def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int):
+@dataclasses.dataclass
+class RolloutSide:
+    """What generates and scores samples (global rank 0 only)."""
+
+    config: Config
+    engine: RolloutEngine
+    stream: PromptStream
+    tokenizer: object
+    reward_fn: Callable[[str, str | None], float]
+    eval_prompts: list[Prompt]
+    # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
+    _executor: concurrent.futures.ThreadPoolExecutor | None = None
+    _pending: tuple[int, concurrent.futures.Future] | None = None
+
+    @classmethod
+    def build(cls, config: Config, model_dir: Path, run_dir: Path, max_positions: int) -> RolloutSide:
+        """The engine serving ``model_dir`` (the policy exported as version 0), and the prompts it answers.
+
+        Args:
+            run_dir: a disk refresh writes its versions under it. max_positions: the model's context length.
+        """
+        tokenizer = load_tokenizer(config.model.hf_path)
+        stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
+        eval_prompts = (load_prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
+                        if config.train.eval_every else [])
+        engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
+        side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts)
+        if config.rollout.overlap:
+            side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
+        return side
+
+    def generate(self, step: int) -> list[Sample]:
+        """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step."""
+        cfg = self.config
+        params = sampling_params(cfg.rollout, seed=cfg.parallel.seed + 100_003 * step)
+        prompts, group_size = self.stream.next_batch(cfg.rollout.prompts_per_step), cfg.rollout.group_size
+        samples = self.engine.generate(prompts, group_size, params)
+        if len(samples) != len(prompts) * group_size:
+            raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
+        for sample in samples:
+            text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+            sample.reward = float(self.reward_fn(text, prompts[sample.group_id].answer))
+        return samples
+
+    def batch(self, step: int) -> list[Sample]:
+        """Step ``step``'s samples: the batch ``prefetch`` started during the previous step, else generated now."""
+        if self._pending is None:
+            return self.generate(step)
+        (due, future), self._pending = self._pending, None
+        if due != step:
+            raise RuntimeError(f"the prefetched batch is step {due}'s, asked for step {step}'s")
+        return future.result()
+
+    def prefetch(self, step: int) -> None:
+        """With ``rollout.overlap``: start generating step ``step``'s batch (none past the last step)."""
+        if self._executor is not None and step < self.config.train.steps:
+            self._pending = (step, self._executor.submit(self.generate, step))
+
+    def install(self, buckets: Buckets, version: int) -> RefreshReport | None:
+        """``engine.update_weights``, tolerating servers that failed when the others installed the version
+        (then None, with a warning).
+
+        A fleet server that died (or failed to install) since the last refresh leaves the rotation and the run goes
+        on with the rest (a later refresh brings it back if it recovers); only a refresh that no server installed
+        stops the run.
+        """
+        from megatron_offgrpo.rollout import RefreshError
+
+        try:
+            return self.engine.update_weights(buckets, version)
+        except RefreshError as exc:
+            if self.engine.version() != version:
+                raise
+            logger.warning("%s\ntraining goes on with the servers that installed version %d", exc, version)
+            return None
+
+    def verify(self, probe_ids: list[int], expected: list[float], version: int) -> None:
+        """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
+        ``expected`` (the trainer's log-probs) within the run's tolerance."""
+        from megatron_offgrpo.rollout import verify_refresh
+        from megatron_offgrpo.train.builders import verify_tolerance
+
+        atol = verify_tolerance(self.config.rollout, self.config.model.precision)
+        verify_refresh(self.engine, probe_ids, expected, version, atol)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy of the engine's weights on the eval prompts ({} without ``train.eval_every``)."""
+        if not self.config.train.eval_every:
+            return {}
+        return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer,
+                        self.config.rollout.max_new_tokens)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this side: where the prompt stream is."""
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["stream"])
+
+    def close(self) -> None:
+        """Wait for a prefetch in flight, then release the engine."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self.engine.close()
+
+
+def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> RolloutEngine:
     """The engine of ``rollout.engine``, serving the weights in ``model_dir`` as version 0 (rank 0 only).
 
     Args:
@@ -58,40 +170,18 @@ def _collective_host(r) -> str | None:
     return None if all(is_loopback(host) for host in hosts) else socket.getfqdn()
 
 
-def generate_and_score(engine, prompts: Sequence[Prompt], group_size: int, params: SamplingParams, reward_fn,
-                       tokenizer) -> tuple[list[Sample], float]:
-    """G samples per prompt from the engine, each scored; returns them and the seconds spent generating."""
-    start = time.perf_counter()
-    samples = engine.generate(list(prompts), group_size, params)
-    seconds = time.perf_counter() - start
-    if len(samples) != len(prompts) * group_size:
-        raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
-    for sample in samples:
-        prompt = prompts[sample.group_id]
-        sample.reward = float(reward_fn(tokenizer.decode(sample.response_ids, skip_special_tokens=True), prompt.answer))
-    return samples, seconds
-
-
-def broadcast_samples(samples: list[Sample] | None) -> list[Sample]:
-    """Rank 0's samples on every rank (every rank needs them: all stages build the same micro-batches)."""
-    box = [samples]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def staleness(samples: Sequence[Sample], step: int, bound: int) -> dict[str, float]:
-    """Staleness (step - policy_version) statistics; raises when a sample exceeds ``bound``."""
+def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
+    """Rewards, lengths and staleness (step - policy_version) of a step's samples; raises when a sample is older
+    than ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
     values = [step - s.policy_version for s in samples]
-    if max(values) > bound or min(values) < 0:
+    if max(values) > staleness_bound or min(values) < 0:
         raise RuntimeError(
-            f"step {step}: sample staleness {min(values)}..{max(values)} outside [0, {bound}] "
+            f"step {step}: sample staleness {min(values)}..{max(values)} outside [0, {staleness_bound}] "
             f"(versions {sorted({s.policy_version for s in samples})}): the engine did not serve the expected weights"
         )
     hist = collections.Counter(values)
-    return {"staleness_max": max(values), "staleness_mean": sum(values) / len(values),
-            **{f"staleness_{k}": hist[k] / len(values) for k in range(bound + 1)}}
-
-
-def rewards_tensor(samples: Sequence[Sample]) -> torch.Tensor:
-    """[B*G] rewards in sample order."""
-    return torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    rewards = [s.reward for s in samples]
+    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+            "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
+            **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)}}

@@ -23,7 +23,7 @@ from megatron_offgrpo.model import load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._setup import load_prompts, load_tokenizer
+from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
 from megatron_offgrpo.train._step import policy_step
 from megatron_offgrpo.train._weights import export_hf_dir
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from checkpoint_tools import DIST_MODEL_KEY
 from megatron_offgrpo.config import load_config
@@ -21,7 +20,7 @@ from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._checkpoint import latest_checkpoint
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._sync import probe_logprobs
+from megatron_offgrpo.train._trainer_side import probe_logprobs
 from megatron_offgrpo.train.loop import train
 from tests.train.conftest import TINY
 
@@ -39,7 +38,7 @@ def main() -> None:
     ckpt = latest_checkpoint(out)
     loaded = dist_checkpointing.load({DIST_MODEL_KEY: policy.model.sharded_state_dict()}, str(ckpt))
     policy.model.load_state_dict(loaded[DIST_MODEL_KEY])
-    logp = probe_logprobs(SimpleNamespace(policy=policy, ctx=ctx), PROBE)
+    logp = probe_logprobs(policy.model, ctx, PROBE)
     if ctx.rank == 0:
         (out / "trainer_probe.json").write_text(json.dumps({"checkpoint": str(ckpt), "probe": PROBE, "logp": logp}))
         print("PROBE WRITTEN")

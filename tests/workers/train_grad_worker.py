@@ -10,19 +10,19 @@ import torch
 from megatron_offgrpo.algo import compute_group_advantages, reference_loss
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.model import output_weight
-from megatron_offgrpo.train import _rollout_side as R
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
-from megatron_offgrpo.train._setup import setup_run
+from megatron_offgrpo.train._setup import setup
+from megatron_offgrpo.train._sync import share_samples
 from megatron_offgrpo.train._step import backward_pass
 from tests.train.conftest import TINY
 
 G = 4
 
 
-def reference_grads(run, samples, adv, params) -> dict[str, torch.Tensor]:
+def reference_grads(trainer, samples, adv, params) -> dict[str, torch.Tensor]:
     """The whole step as one batch, logits materialised, algo's reference loss, plain autograd."""
     (mb,) = build_microbatches(samples, adv.advantages, adv.sample_valid, G, 0, 1, token_budget=10**9)
-    model = run.policy.model
+    model = trainer.policy.model
     hidden = model(mb.tokens, mb.positions, None)
     logits = hidden.reshape(-1, hidden.shape[-1]) @ output_weight(model).t()
     loss, _ = reference_loss(logits, mb.flat("targets"), mb.flat("behavior_logp"), mb.flat("advantages"),
@@ -34,30 +34,29 @@ def reference_grads(run, samples, adv, params) -> dict[str, torch.Tensor]:
 def main() -> None:
     out_dir, aggregation = sys.argv[1], sys.argv[2]
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregation}"])
-    run = setup_run(config)
-    samples = None
-    if run.ctx.rank == 0:
-        samples, _ = R.generate_and_score(run.engine, run.stream.next_batch(4), G, run.sampling, run.reward_fn,
-                                          run.tokenizer)
-    samples = R.broadcast_samples(samples)
-    adv = compute_group_advantages(R.rewards_tensor(samples), G, run.adv_params)
+    trainer, rollout, log = setup(config)
+    samples = share_samples(rollout.generate(0) if rollout is not None else None)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    adv = compute_group_advantages(rewards, G, trainer.advantage)
     assert int(adv.sample_valid.sum()) >= G, "need groups with reward variance"
     for s in samples:  # off-policy: behavior log-probs that differ from the current policy, so ratios clip
         s.behavior_logprobs = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.behavior_logprobs)]
-    expected = reference_grads(run, samples, adv, run.obj_params)
-    mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, G, run.ctx.dp_rank, run.ctx.dp_size,
-                             token_budget=120)
+    expected = reference_grads(trainer, samples, adv, trainer.objective)
+    ctx = trainer.ctx
+    mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, G, ctx.dp_rank, ctx.dp_size, token_budget=120)
     assert len(mbs) >= 2, f"want several micro-batches per rank, got {len(mbs)}"
-    backward_pass(run.policy.ddp, run.ctx, mbs, run.obj_params, global_token_count(samples, adv.sample_valid),
+    backward_pass(trainer.policy.ddp, ctx, mbs, trainer.objective, global_token_count(samples, adv.sample_valid),
                   global_seq_count(adv.sample_valid))
     worst = 0.0
-    for name, param in run.policy.model.named_parameters():
+    for name, param in trainer.policy.model.named_parameters():
         ref = expected[name] if expected[name] is not None else torch.zeros_like(param)
         err = (param.main_grad - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
         worst = max(worst, err)
         assert err < 1e-5, f"{name}: relative grad error {err:.3g}"
-    print(f"MATCH dp={run.ctx.dp_size} micro-batches={len(mbs)} worst relative error {worst:.2e}")
-    run.close()
+    print(f"MATCH dp={ctx.dp_size} micro-batches={len(mbs)} worst relative error {worst:.2e}")
+    if rollout is not None:
+        rollout.close()
+        log.close()
 
 
 if __name__ == "__main__":

@@ -8,38 +8,35 @@ import sys
 import torch
 
 from megatron_offgrpo.config import load_config
-from megatron_offgrpo.train import _rollout_side as R
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
-from megatron_offgrpo.train._setup import setup_run
+from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._step import backward_pass, policy_step
-from megatron_offgrpo.train.loop import _behavior_and_ref
+from megatron_offgrpo.train._sync import share_samples
 from tests.train.conftest import TINY
 
 
-def grads(run, mbs, params, tokens, seqs) -> dict[str, torch.Tensor]:
-    backward_pass(run.policy.ddp, run.ctx, mbs, params, tokens, seqs)
-    return {n: p.main_grad.detach().clone() for n, p in run.policy.model.named_parameters()}
+def grads(trainer, mbs, params, tokens, seqs) -> dict[str, torch.Tensor]:
+    backward_pass(trainer.policy.ddp, trainer.ctx, mbs, params, tokens, seqs)
+    return {n: p.main_grad.detach().clone() for n, p in trainer.policy.model.named_parameters()}
 
 
 def main() -> None:
     out_dir = sys.argv[1]
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", "rollout.behavior_logprobs=recompute",
                                        "rollout.refresh_every=1"])
-    run = setup_run(config)
-    samples = None
-    if run.ctx.rank == 0:
-        samples, _ = R.generate_and_score(run.engine, run.stream.next_batch(4), 4, run.sampling, run.reward_fn,
-                                          run.tokenizer)
-    samples = R.broadcast_samples(samples)
+    trainer, rollout, log = setup(config)
+    samples = share_samples(rollout.generate(0) if rollout is not None else None)
     from megatron_offgrpo.algo import compute_group_advantages
 
-    adv = compute_group_advantages(R.rewards_tensor(samples), 4, run.adv_params)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    adv = compute_group_advantages(rewards, 4, trainer.advantage)
     assert adv.sample_valid.any(), "need at least one group with reward variance"
-    mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, 4, run.ctx.dp_rank, run.ctx.dp_size, 4096)
-    _behavior_and_ref(run, mbs)  # behavior = the snapshot pushed at v=1: the current weights, exactly
+    ctx = trainer.ctx
+    mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, 4, ctx.dp_rank, ctx.dp_size, 4096)
+    trainer.fill_logprobs(mbs)  # behavior = the snapshot pushed at v=1: the current weights, exactly
     tokens, seqs = global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid)
-    clip = grads(run, mbs, config.algo.objective_params(), tokens, seqs)
-    on_policy = grads(run, mbs, dataclasses_replace(config.algo, objective="gpg").objective_params(), tokens, seqs)
+    clip = grads(trainer, mbs, config.algo.objective_params(), tokens, seqs)
+    on_policy = grads(trainer, mbs, dataclasses_replace(config.algo, objective="gpg").objective_params(), tokens, seqs)
     nonzero = [n for n, g in clip.items() if g.abs().sum() > 0]
     assert nonzero, "no gradient at all"
     for name in clip:
@@ -47,16 +44,18 @@ def main() -> None:
     print(f"IDENTICAL {len(clip)} grads ({len(nonzero)} non-zero)")
 
     # A non-finite loss (here: a NaN behavior log-prob on a valid token) skips the step and leaves the weights.
-    before = {n: p.detach().clone() for n, p in run.policy.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}
     mbs[0].behavior_logp[mbs[0].loss_mask.nonzero()[0].tolist()[0],
                          mbs[0].loss_mask.nonzero()[0].tolist()[1]] = float("nan")
-    result = policy_step(run.policy.ddp, run.policy.optimizer, run.ctx, mbs, config.algo.objective_params(), tokens,
-                         seqs)
+    result = policy_step(trainer.policy.ddp, trainer.policy.optimizer, ctx, mbs, config.algo.objective_params(),
+                         tokens, seqs)
     assert result.skipped and result.loss != result.loss, result
-    assert all(torch.equal(before[n], p) for n, p in run.policy.model.named_parameters()), (
+    assert all(torch.equal(before[n], p) for n, p in trainer.policy.model.named_parameters()), (
         "a skipped step moved weights")
     print("SKIPPED non-finite step")
-    run.close()
+    if rollout is not None:
+        rollout.close()
+        log.close()
 
 
 def dataclasses_replace(obj, **changes):

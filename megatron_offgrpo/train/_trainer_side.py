@@ -1,0 +1,134 @@
+"""The trainer's side of the wall, on every rank: the policy (stage, DDP, optimizer, schedule), the frozen snapshot
+and reference, and what they do with a step's samples. It takes ``list[Sample]`` in and gives weight buckets out;
+it never sees the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_group_advantages
+from megatron_offgrpo.config import Config
+from megatron_offgrpo.data import Sample
+from megatron_offgrpo.model import QwenArch, load_arch
+from megatron_offgrpo.runtime import ParallelContext, init_parallel
+from megatron_offgrpo.train._batch import MicroBatch, build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule, save_checkpoint
+from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
+from megatron_offgrpo.train._step import policy_step, token_logprobs
+from megatron_offgrpo.train._weights import export_buckets, export_hf_dir, hf_extra_dirs, model_card
+
+
+@dataclasses.dataclass
+class TrainerSide:
+    """This rank's share of the learner.
+
+    Attributes:
+        snapshot: the weights the engine serves (``rollout.behavior_logprobs=recompute``): exact behavior log-probs.
+        reference: the initial policy (``algo.kl_beta > 0``): the KL term's log-probs.
+    """
+
+    config: Config
+    ctx: ParallelContext
+    arch: QwenArch
+    policy: Policy
+    objective: ObjectiveParams
+    advantage: AdvantageParams
+    snapshot: torch.nn.Module | None = None
+    reference: torch.nn.Module | None = None
+
+    @classmethod
+    def build(cls, config: Config) -> TrainerSide:
+        """Initialise the process groups and build the policy and its frozen copies (collective)."""
+        ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
+        torch.use_deterministic_algorithms(config.train.deterministic)
+        arch = load_arch(config.model.hf_path)
+        policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
+        side = cls(config, ctx, arch, policy, config.algo.objective_params(config.rollout.drgrpo_constant()),
+                   config.algo.advantage_params())
+        if config.rollout.behavior_logprobs == "recompute":
+            side.snapshot = frozen_copy(policy.model, arch, ctx, config.model)
+        if config.algo.kl_beta > 0:
+            side.reference = frozen_copy(policy.model, arch, ctx, config.model)
+        return side
+
+    def learn(self, samples: Sequence[Sample]) -> dict[str, float]:
+        """One optimizer step on a step's samples (every rank holds them all): group advantages, this DP rank's
+        micro-batches, behavior and reference log-probs, the clipped objective. Returns the step's metrics."""
+        cfg, ctx = self.config, self.ctx
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        adv = compute_group_advantages(rewards, cfg.rollout.group_size, self.advantage)
+        microbatches = build_microbatches(samples, adv.advantages, adv.sample_valid, cfg.rollout.group_size,
+                                          ctx.dp_rank, ctx.dp_size, cfg.optim.micro_batch_tokens, device=ctx.device)
+        self.fill_logprobs(microbatches)
+        result = policy_step(self.policy.ddp, self.policy.optimizer, ctx, microbatches, self.objective,
+                             global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid),
+                             cfg.rollout.temperature)
+        if not result.skipped:
+            self.policy.scheduler.step(increment=1)
+        return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
+                "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics}
+
+    def fill_logprobs(self, microbatches: Sequence[MicroBatch]) -> None:
+        """Exact behavior log-probs (from the snapshot of the pushed weights) and reference log-probs, in place."""
+        temperature = self.config.rollout.temperature
+        if self.snapshot is not None:
+            for mb, logp in zip(microbatches, token_logprobs(self.snapshot, self.ctx, microbatches, temperature)):
+                mb.behavior_logp = torch.where(mb.loss_mask, logp, mb.behavior_logp)
+        if self.reference is not None:
+            for mb, logp in zip(microbatches, token_logprobs(self.reference, self.ctx, microbatches, temperature)):
+                mb.ref_logp = logp
+
+    def weight_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The policy as HF-named buckets, yielded on global rank 0; every rank must iterate (collective)."""
+        return export_buckets(self.policy.model, self.arch, self.ctx, self.config.rollout.bucket_mb * 1024**2)
+
+    def weights_pushed(self) -> None:
+        """The engine now serves the current weights: the snapshot follows (exact behavior log-probs)."""
+        if self.snapshot is not None:
+            copy_weights(self.policy.model, self.snapshot)
+
+    def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
+        """The policy's log-probs of ``probe_ids`` on every rank (collective): what a refreshed engine must match."""
+        return probe_logprobs(self.policy.model, self.ctx, probe_ids)
+
+    def export_hf(self, out: Path) -> Path | None:
+        """The current policy as a HF directory at ``out`` (atomic, replaces an older one; collective; rank 0
+        returns it)."""
+        return export_hf_dir(self.policy.model, self.arch, self.ctx, out, Path(self.config.model.hf_path))
+
+    def save(self, step: int, state: dict) -> None:
+        """Checkpoint after ``step`` steps with the other sides' ``state`` (collective; rank 0's state is written)."""
+        source = Path(self.config.model.hf_path)
+        save_checkpoint(self.config.train.out_dir, step, self.policy.model, self.policy.optimizer,
+                        {**state, "scheduler": self.policy.scheduler.state_dict(), "config": self.config.to_dict()},
+                        card=model_card(self.policy.model, self.arch, self.ctx, source),
+                        extra_dirs=hf_extra_dirs(source))
+
+    def restore(self, checkpoint: Path) -> dict:
+        """Model, optimizer, RNG and LR schedule from ``checkpoint``; returns its saved state (collective)."""
+        state = load_checkpoint(checkpoint, self.policy.model, self.policy.optimizer)
+        resume_schedule(self.policy.scheduler, state["scheduler"])
+        return state
+
+
+def probe_logprobs(model: torch.nn.Module, ctx: ParallelContext, probe_ids: list[int]) -> list[float]:
+    """``model``'s log p(probe[t] | probe[:t]), t >= 1, on every rank (collective).
+
+    At temperature 1 whatever the sampling temperature: engines score a given sequence (vLLM's prompt log-probs)
+    with the raw distribution, and the probe checks the weights, not the sampler.
+    """
+    ids = torch.tensor(probe_ids[:-1]).unsqueeze(0)
+    zeros = torch.zeros_like(ids, dtype=torch.float32)
+    mb = MicroBatch(ids, torch.arange(ids.shape[1]).unsqueeze(0), torch.tensor(probe_ids[1:]).unsqueeze(0),
+                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids)).to(ctx.device)
+    out = token_logprobs(model, ctx, [mb], temperature=1.0)
+    logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64, device=ctx.device)
+    if ctx.tp_rank != 0:
+        logp = torch.zeros_like(logp)  # TP ranks hold copies: count one
+    dist.all_reduce(logp, group=ctx.pp_group)  # only the last stage computed it
+    return logp.tolist()
