@@ -27,7 +27,7 @@ class PerTensorCollectiveTransport(CollectiveTransport):
         total = {"bytes": 0, "buckets": 0, "tensors": 0}
         for bucket in buckets:
             answers, stats = self._stream(targets, [bucket], version, commit=False)
-            if not all(a.get("ok") for a in answers.values()):
+            if not all(a.ok for a in answers.values()):
                 return answers, total
             total = {k: total[k] + stats[k] for k in total}
         answers, _ = self._stream(targets, [], version, commit=True)

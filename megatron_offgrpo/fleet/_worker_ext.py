@@ -1,35 +1,39 @@
 """The worker extension every fleet server (and the in-process vllm.LLM) runs: verified, versioned reloads.
 
 vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension``)
-and exposes its methods through ``collective_rpc``. Each method takes one JSON string and returns a JSON dict with
-``ok`` and either the result or ``error``: a refresh is rejected *before* anything is loaded when the manifest's
+and exposes its methods through ``collective_rpc``. Each RPC method takes one JSON string (but the in-process
+engine's ``offgrpo_install_tensors``) and answers a ``transports.WorkerAnswer`` in its wire form (a JSON dict with
+``ok`` and either the result or ``error``): a refresh is rejected *before* anything is loaded when the manifest's
 version is not the one asked for, the version does not increase, a file is truncated or fails its CRC-32, or the
 tensor set is not exactly the served model's (names and shapes). vLLM's in-place reload cannot be undone once it
-starts, so every check runs first; if the reload itself then fails, the worker marks itself dirty (version -1)
-and the client takes it out of rotation.
+starts, so every check runs first; if the reload itself then fails, the worker marks itself dirty (version -1) and
+the client takes it out of rotation.
 
 This module imports no megatron code (the worker process never needs it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from checkpoint_tools import expected_hf_shapes
-from megatron_offgrpo.transports import DIRTY, Named, check_complete
+from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, check_complete
 
 
-def _ok(**kwargs: Any) -> dict[str, Any]:
-    return {"ok": True, **kwargs}
+def _on_the_wire(method: Callable[..., WorkerAnswer]) -> Callable[..., dict[str, Any]]:
+    """An RPC method answers ``to_wire()`` of its ``WorkerAnswer``: what vLLM pickles or the server sends as JSON."""
 
+    @functools.wraps(method)
+    def rpc(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return method(self, *args, **kwargs).to_wire()
 
-def _fail(error: str, **kwargs: Any) -> dict[str, Any]:
-    return {"ok": False, "error": error, **kwargs}
+    return rpc
 
 
 class OffgrpoWorkerExtension:
@@ -60,17 +64,23 @@ class OffgrpoWorkerExtension:
             return f"version {version} is not newer than the served version {current}: versions must increase"
         return None
 
-    def _offgrpo_versioned(self, payload: str) -> tuple[dict[str, Any], int, dict[str, Any] | None]:
+    def _offgrpo_versioned(self, payload: str) -> tuple[dict[str, Any], int, WorkerAnswer | None]:
         """(arguments, version, the refusal to return or None) of a load call whose payload names a version."""
         args = json.loads(payload)
         version = int(args["version"])
+        return args, version, self._offgrpo_refusal(version)
+
+    def _offgrpo_refusal(self, version: int) -> WorkerAnswer | None:
+        """The answer refusing a load of ``version`` before anything is read, or None when it may go ahead."""
         problem = self._offgrpo_check_version(version)
-        return args, version, (_fail(problem, version=self._offgrpo_version()) if problem else None)
+        return WorkerAnswer.failed(problem, version=self._offgrpo_version()) if problem else None
 
     # ----- RPC methods -----------------------------------------------------------------------------------------
-    def offgrpo_info(self, payload: str = "{}") -> dict[str, Any]:
-        """{"version", "rank", "pid", "dtype", "tensors"} of this worker."""
-        return _ok(
+    @_on_the_wire
+    def offgrpo_info(self, payload: str = "{}") -> WorkerAnswer:
+        """The version, rank, pid, dtype and tensor count of this worker."""
+        return WorkerAnswer(
+            ok=True,
             version=self._offgrpo_version(),
             rank=int(getattr(self, "rank", 0)),
             pid=os.getpid(),
@@ -78,7 +88,8 @@ class OffgrpoWorkerExtension:
             tensors=len(self._offgrpo_expected()),
         )
 
-    def offgrpo_load_dir(self, payload: str) -> dict[str, Any]:
+    @_on_the_wire
+    def offgrpo_load_dir(self, payload: str) -> WorkerAnswer:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
         from megatron_offgrpo.transports import read_version_dir
 
@@ -89,11 +100,11 @@ class OffgrpoWorkerExtension:
         try:
             tensors = read_version_dir(args["path"], version)
         except Exception as exc:
-            return _fail(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
-        read_s = time.perf_counter() - start
-        return self._offgrpo_install(tensors, version, {"read_s": read_s})
+            return WorkerAnswer.failed(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
+        return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start})
 
-    def offgrpo_join_group(self, payload: str) -> dict[str, Any]:
+    @_on_the_wire
+    def offgrpo_join_group(self, payload: str) -> WorkerAnswer:
         """Join broadcast group ``{"group_id", "host", "port", "rank_base", "world_size", "timeout_s", "backend"}``."""
         from megatron_offgrpo.transports import make_group, make_store
 
@@ -112,19 +123,21 @@ class OffgrpoWorkerExtension:
                 args.get("backend", "gloo"),
             )
         except Exception as exc:
-            return _fail(f"joining refresh group {args['group_id']} failed: {type(exc).__name__}: {exc}")
+            return WorkerAnswer.failed(f"joining refresh group {args['group_id']} failed: {type(exc).__name__}: {exc}")
         groups = getattr(self, "_offgrpo_groups", None) or {}
         groups[args["group_id"]] = (store, group)
         self._offgrpo_groups = groups
-        return _ok(rank=rank)
+        return WorkerAnswer(ok=True, rank=rank)
 
-    def offgrpo_leave_group(self, payload: str) -> dict[str, Any]:
+    @_on_the_wire
+    def offgrpo_leave_group(self, payload: str) -> WorkerAnswer:
         """Forget broadcast group ``{"group_id"}`` (its sockets close with it)."""
         group_id = json.loads(payload)["group_id"]
         (getattr(self, "_offgrpo_groups", None) or {}).pop(group_id, None)
-        return _ok()
+        return WorkerAnswer(ok=True)
 
-    def offgrpo_receive(self, payload: str) -> dict[str, Any]:
+    @_on_the_wire
+    def offgrpo_receive(self, payload: str) -> WorkerAnswer:
         """Receive one stream on group ``{"group_id", "version", "commit"}``; with ``commit`` (default) check the
         streams received for this version so far and install them, else stage them for a later commit."""
         from megatron_offgrpo.transports import ABORT, BUCKET, recv_stream
@@ -133,7 +146,7 @@ class OffgrpoWorkerExtension:
         version = int(args["version"])
         entry = (getattr(self, "_offgrpo_groups", None) or {}).get(args["group_id"])
         if entry is None:
-            return _fail(f"not a member of refresh group {args['group_id']!r}: join it first")
+            return WorkerAnswer.failed(f"not a member of refresh group {args['group_id']!r}: join it first")
         staged = getattr(self, "_offgrpo_staged", None)
         if staged is None or staged[0] != version:
             staged = self._offgrpo_staged = (version, [])
@@ -146,7 +159,7 @@ class OffgrpoWorkerExtension:
                 buckets += 1
             elif kind == ABORT:
                 self._offgrpo_staged = None
-                return _fail(
+                return WorkerAnswer.failed(
                     f"the trainer aborted the stream of version {version}: {body.get('reason')}",
                     version=self._offgrpo_version(),
                 )
@@ -161,13 +174,16 @@ class OffgrpoWorkerExtension:
             )
         if problem:
             self._offgrpo_staged = None
-            return _fail(problem, version=self._offgrpo_version())
+            return WorkerAnswer.failed(problem, version=self._offgrpo_version())
         if not args.get("commit", True):
-            return _ok(version=self._offgrpo_version(), staged=len(staged[1]), recv_s=recv_s)
+            return WorkerAnswer(
+                ok=True, version=self._offgrpo_version(), staged=len(staged[1]), seconds={"recv": recv_s}
+            )
         self._offgrpo_staged = None
-        return self._offgrpo_install(staged[1], version, {"recv_s": recv_s})
+        return self._offgrpo_install(staged[1], version, {"recv": recv_s})
 
-    def offgrpo_load_shm(self, payload: str) -> dict[str, Any]:
+    @_on_the_wire
+    def offgrpo_load_shm(self, payload: str) -> WorkerAnswer:
         """Install the shared-memory buckets ``{"dir", "version", "buckets": [{"file", "bytes", "tensors"}]}``:
         map each file, view the tensors in place, check and reload (the mappings are gone when this returns)."""
         from megatron_offgrpo.transports import unpack_entries
@@ -188,24 +204,31 @@ class OffgrpoWorkerExtension:
                     unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8))
                 )
             except FileNotFoundError:
-                return _fail(
+                return WorkerAnswer.failed(
                     f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
                     "that see its directory (use the collective or disk transport across hosts)",
                     version=self._offgrpo_version(),
                 )
             except Exception as exc:
-                return _fail(
+                return WorkerAnswer.failed(
                     f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version()
                 )
-        return self._offgrpo_install(tensors, version, {"map_s": time.perf_counter() - start})
+        return self._offgrpo_install(tensors, version, {"map": time.perf_counter() - start})
+
+    @_on_the_wire
+    def offgrpo_install_tensors(self, tensors: Named, version: int) -> WorkerAnswer:
+        """Check and install ``tensors`` (HF names) as ``version``: what an engine in this process hands over in
+        memory (``collective_rpc("offgrpo_install_tensors", args=(tensors, version))``, no JSON payload)."""
+        return self._offgrpo_refusal(version) or self._offgrpo_install(tensors, version, {})
 
     # ----- install ---------------------------------------------------------------------------------------------
-    def _offgrpo_install(self, tensors: Named, version: int, timings: dict[str, float]) -> dict[str, Any]:
-        """Check the complete name/shape set, then reload in place (one call: all-or-dirty)."""
+    def _offgrpo_install(self, tensors: Named, version: int, seconds: dict[str, float]) -> WorkerAnswer:
+        """Check the complete name/shape set, then reload in place (one call: all-or-dirty); ``seconds``: the
+        phases so far (phase -> wall seconds), the load is added."""
         try:
             check_complete({n: tuple(t.shape) for n, t in tensors}, self._offgrpo_expected())
         except ValueError as exc:
-            return _fail(str(exc), version=self._offgrpo_version())
+            return WorkerAnswer.failed(str(exc), version=self._offgrpo_version())
         start = time.perf_counter()
         tied_pair = self._offgrpo_tied_modules()
         embed_kernel_before = getattr(tied_pair[1], "cpu_linear", None) if tied_pair else None
@@ -213,7 +236,7 @@ class OffgrpoWorkerExtension:
             self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         except Exception as exc:
             self._offgrpo_current = DIRTY
-            return _fail(
+            return WorkerAnswer.failed(
                 f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}",
                 version=DIRTY,
             )
@@ -221,13 +244,18 @@ class OffgrpoWorkerExtension:
             tied_refreshed = self._offgrpo_refresh_tied_head(tied_pair, embed_kernel_before)
         except Exception as exc:
             self._offgrpo_current = DIRTY
-            return _fail(
+            return WorkerAnswer.failed(
                 f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}",
                 version=DIRTY,
             )
         self._offgrpo_current = version
-        timings["load_s"] = time.perf_counter() - start
-        return _ok(version=version, tensors=len(tensors), tied_head_refreshed=tied_refreshed, **timings)
+        return WorkerAnswer(
+            ok=True,
+            version=version,
+            tensors=len(tensors),
+            seconds={**seconds, "load": time.perf_counter() - start},
+            tied_head_refreshed=tied_refreshed,
+        )
 
     def _offgrpo_tied_modules(self) -> tuple[Any, Any] | None:
         """(output layer, embedding) when the model ties them (one shared weight), else None."""

@@ -14,9 +14,11 @@ from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_n
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, summarize
+from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, WorkerAnswer, summarize
 
 logger = logging.getLogger(__name__)
+
+_NO_ANSWER = WorkerAnswer(ok=False)  # a paused server the transport gave no answer for: it installed nothing
 
 
 class FleetEngine:
@@ -67,12 +69,11 @@ class FleetEngine:
     # ----- versions --------------------------------------------------------------------------------------------
     def _worker_version(self, server: ServerClient) -> int:
         info = summarize(server.rpc("offgrpo_info", {}, server.control_timeout_s))
-        if not info["ok"]:
+        if not info.ok or info.version is None:
             raise FleetError(
-                f"server {server.name}: offgrpo_info failed ({info.get('error')}): "
-                "is it started with the worker extension?"
+                f"server {server.name}: offgrpo_info failed ({info.error}): is it started with the worker extension?"
             )
-        return int(info["version"])
+        return info.version
 
     def _label(self, server: ServerClient, version: int) -> None:
         if server.version_label() != str(version):
@@ -171,10 +172,10 @@ class FleetEngine:
             thread.join()
         return errors
 
-    def _finish(self, name: str, answer: dict[str, Any], version: int) -> str | None:
+    def _finish(self, name: str, answer: WorkerAnswer, version: int) -> str | None:
         """After a worker installed ``version``: reset the prefix cache and label the engine; None when all good."""
-        if not answer.get("ok"):
-            return str(answer.get("error", "rejected"))
+        if not answer.ok:
+            return answer.error or "rejected"
         server = self.servers[name]
         try:
             server.reset_prefix_cache()
@@ -208,11 +209,9 @@ class FleetEngine:
                 try:
                     answers = self.transport.install([self.servers[n] for n in paused], prepared, version)
                 except Exception as exc:
-                    answers = {
-                        n: {"ok": False, "error": f"transport failed: {type(exc).__name__}: {exc}"} for n in paused
-                    }
+                    answers = {n: WorkerAnswer.failed(f"transport failed: {type(exc).__name__}: {exc}") for n in paused}
                 for name in paused:
-                    problem = self._finish(name, answers.get(name, {}), version)
+                    problem = self._finish(name, answers.get(name, _NO_ANSWER), version)
                     if problem:
                         failures[name] = problem
             finally:
@@ -236,7 +235,7 @@ class FleetEngine:
         self,
         version: int,
         names: list[str],
-        answers: dict[str, dict[str, Any]],
+        answers: dict[str, WorkerAnswer],
         failures: dict[str, str],
         timings: dict[str, float],
     ) -> RefreshReport:
@@ -245,9 +244,9 @@ class FleetEngine:
             self.pool.restore(name)
         benched = []
         for name in failures:
-            answer = answers.get(name, {})
+            answer = answers.get(name, _NO_ANSWER)
             # dirty weights, or new weights whose engine label could not be set: never serve until repaired
-            unsafe = answer.get("version") == DIRTY or bool(answer.get("ok"))
+            unsafe = answer.version == DIRTY or answer.ok
             if succeeded or unsafe:
                 self.pool.bench(name, f"refresh to version {version} failed: {failures[name]}")
                 benched.append(name)
@@ -255,10 +254,10 @@ class FleetEngine:
             self._version = int(version)
         metrics = self.transport.metrics()
         detail = {**timings, **{f"{phase}_s": float(seconds) for phase, seconds in metrics.seconds.items()}}
-        for answer in answers.values():
-            for key, value in answer.items():
-                if key.endswith("_s"):
-                    detail[f"server_{key}"] = max(detail.get(f"server_{key}", 0.0), float(value))
+        for answer in answers.values():  # the slowest server per phase, e.g. "server_load_s"
+            for phase, seconds in answer.seconds.items():
+                key = f"server_{phase}_s"
+                detail[key] = max(detail.get(key, 0.0), seconds)
         report = RefreshReport(
             version=self._version,
             transport=self.transport.name,

@@ -21,17 +21,14 @@ from megatron_offgrpo.fleet import TOKENIZER_FILES, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import WORKER_EXTENSION, Buckets, summarize, version_dir, write_version_dir
-
-
-def _install_in_worker(worker, tensors, version: int) -> dict[str, Any]:
-    """Runs inside the (in-process) worker: the extension's checks, then the reload."""
-    problem = worker._offgrpo_check_version(version)
-    return (
-        {"ok": False, "error": problem, "version": worker._offgrpo_version()}
-        if problem
-        else worker._offgrpo_install(tensors, version, {})
-    )
+from megatron_offgrpo.transports import (
+    WORKER_EXTENSION,
+    Buckets,
+    WorkerAnswer,
+    summarize,
+    version_dir,
+    write_version_dir,
+)
 
 
 def _world_size() -> int:
@@ -93,11 +90,14 @@ class VLLMEngine:
             **llm_kwargs,
         )
         self._lock = threading.Lock()
-        self._version = int(self._rpc("offgrpo_info", {})["version"])
+        info = self._rpc("offgrpo_info", {})
+        if not info.ok or info.version is None:
+            raise RuntimeError(f"offgrpo_info failed ({info.error}): is vLLM running the worker extension?")
+        self._version = info.version
         self.llm.llm_engine.set_weight_version(str(self._version))
         self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
 
-    def _rpc(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
         return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
 
     def version(self) -> int:
@@ -162,24 +162,24 @@ class VLLMEngine:
             elif self.in_process:
                 tensors = [t for bucket in weights for t in bucket]
                 answer, transport = (
-                    summarize(self.llm.collective_rpc(_install_in_worker, args=(tensors, int(version)))),
+                    summarize(self.llm.collective_rpc("offgrpo_install_tensors", args=(tensors, int(version)))),
                     "memory",
                 )
             else:
                 path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
                 answer, transport = self._rpc("offgrpo_load_dir", {"path": str(path), "version": int(version)}), "disk"
-            if not answer["ok"]:
-                raise RefreshError(int(version), {self.name: answer["error"]})
+            if not answer.ok:
+                raise RefreshError(int(version), {self.name: str(answer.error)})
             self.llm.reset_prefix_cache()
             self.llm.llm_engine.set_weight_version(str(int(version)))
             self._version = int(version)
-            detail = {k: float(v) for k, v in answer.items() if k.endswith("_s")}
+            detail = {f"{phase}_s": seconds for phase, seconds in answer.seconds.items()}
             return RefreshReport(
                 self._version,
                 transport,
                 time.perf_counter() - start,
                 {self.name: self._version},
-                tensors=int(answer.get("tensors", 0)),
+                tensors=answer.tensors or 0,
                 detail=detail,
             )
 

@@ -5,9 +5,11 @@ writes a version directory each server reloads from, ``CollectiveTransport`` bro
 gloo/NCCL group, ``SharedMemoryTransport`` packs buckets into RAM-backed files the servers map. The wire format
 they share with the fleet's worker extension lives here too: version directories (``write_version_dir`` /
 ``read_version_dir``), packed buckets (``pack_bucket``, ``bucket_layout``, ``unpack_entries``), the gloo stream
-(``send_stream`` / ``recv_stream``) and the worker answers (``summarize``, ``DIRTY``). Nothing here imports megatron.
+(``send_stream`` / ``recv_stream``) and the worker answers (``WorkerAnswer``, ``summarize``, ``DIRTY``). Nothing here
+imports megatron.
 """
 
+from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._collective import CollectiveTransport
 from megatron_offgrpo.transports._disk import DiskTransport
 from megatron_offgrpo.transports._gloo import ABORT, BUCKET, END, make_group, make_store, recv_stream, send_stream
@@ -54,6 +56,7 @@ __all__ = [
     "SharedMemoryTransport",
     "TransferMetrics",
     "WeightTransport",
+    "WorkerAnswer",
     "WorkerTarget",
     "bucket_layout",
     "bucket_stream",

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._gloo import make_group, make_store, send_stream
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
 from megatron_offgrpo.transports._rpc import call_targets
@@ -65,13 +66,13 @@ class CollectiveTransport:
             self._store = make_store(self.host, self.port, None, True, self.timeout_s)
         old = self._group_id
         infos, _ = call_targets(targets, "offgrpo_info", lambda i, t: {}, self.timeout_s)
-        bad = {n: a.get("error") for n, a in infos.items() if not a.get("ok")}
+        bad = {n: a.error for n, a in infos.items() if not a.ok}
         if bad:
             raise ConnectionError(f"cannot build the refresh group: servers {bad} did not answer offgrpo_info")
         bases, world = [], 1
         for target in targets:
             bases.append(world)
-            world += int(infos[target.name]["workers"])
+            world += infos[target.name].workers
         group_id = uuid.uuid4().hex[:12]
         args = {
             "group_id": group_id,
@@ -88,7 +89,7 @@ class CollectiveTransport:
             self.timeout_s,
             background=lambda: make_group(self._store, group_id, 0, world, self.timeout_s, self.backend),
         )
-        bad = {n: a.get("error") for n, a in answers.items() if not a.get("ok")}
+        bad = {n: a.error for n, a in answers.items() if not a.ok}
         if bad:
             raise ConnectionError(f"servers {bad} failed to join the refresh group")
         self._group, self._group_id, self._members = group, group_id, names
@@ -99,7 +100,7 @@ class CollectiveTransport:
         """Wrap the lazy bucket stream (a directory is read and sent, for symmetry with the disk transport)."""
         return bucket_stream(weights, version, self.bucket_bytes)
 
-    def install(self, targets: list[WorkerTarget], prepared: Buckets, version: int) -> dict[str, dict[str, Any]]:
+    def install(self, targets: list[WorkerTarget], prepared: Buckets, version: int) -> dict[str, WorkerAnswer]:
         """Join (or rebuild) the group, then broadcast while every worker receives, checks and loads."""
         start = time.perf_counter()
         self._ensure_group(targets)
@@ -112,11 +113,15 @@ class CollectiveTransport:
         self._metrics = TransferMetrics({"join": joined - start, "send": time.perf_counter() - joined}, **stats)
         return answers
 
-    def _send(self, targets: list[WorkerTarget], buckets: Buckets, version: int) -> tuple[dict, dict]:
+    def _send(
+        self, targets: list[WorkerTarget], buckets: Buckets, version: int
+    ) -> tuple[dict[str, WorkerAnswer], dict]:
         """Every bucket in one stream, installed by the workers at its end: (answers, send stats)."""
         return self._stream(targets, buckets, version, commit=True)
 
-    def _stream(self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool) -> tuple[dict, dict]:
+    def _stream(
+        self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool
+    ) -> tuple[dict[str, WorkerAnswer], dict]:
         payload = {"group_id": self._group_id, "version": version, "commit": commit}
         return call_targets(
             targets,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_tools import rebucket
+from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
 from megatron_offgrpo.transports._rpc import call_targets
 from megatron_offgrpo.transports._weights_dir import manifest_version, prune_versions, version_dir, write_version_dir
@@ -60,12 +61,12 @@ class DiskTransport:
         self._metrics = TransferMetrics({"write": time.perf_counter() - start}, **stats)
         return path.resolve()
 
-    def install(self, targets: list[WorkerTarget], prepared: Path, version: int) -> dict[str, dict[str, Any]]:
+    def install(self, targets: list[WorkerTarget], prepared: Path, version: int) -> dict[str, WorkerAnswer]:
         """Every target's workers check and load ``prepared`` concurrently."""
         answers, _ = call_targets(
             targets, "offgrpo_load_dir", lambda i, t: {"path": str(prepared), "version": version}, self.timeout_s
         )
-        if any(a.get("ok") for a in answers.values()) and prepared.parent == self.root.resolve():
+        if any(a.ok for a in answers.values()) and prepared.parent == self.root.resolve():
             prune_versions(self.root, self.keep, protect=[version])
         return answers
 

@@ -8,6 +8,8 @@ from typing import Any, Iterable, Protocol
 
 from torch import Tensor
 
+from megatron_offgrpo.transports._answers import WorkerAnswer
+
 Buckets = Iterable[list[tuple[str, Tensor]]]
 """HF-named tensors in buckets, as ``checkpoint_tools.stream_hf_buckets`` yields them."""
 
@@ -39,7 +41,7 @@ class WorkerTarget(Protocol):
     name: str
 
     def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
-        """Call ``method`` on every worker of the engine; one result per worker."""
+        """Call ``method`` on every worker of the engine; one wire answer per worker (``WorkerAnswer.from_wire``)."""
         ...
 
 
@@ -57,8 +59,8 @@ class WeightTransport(Protocol):
         """Stage ``version`` (write files, or wrap the lazy bucket stream); returns what ``install`` takes."""
         ...
 
-    def install(self, targets: list[WorkerTarget], prepared: Any, version: int) -> dict[str, dict[str, Any]]:
-        """Deliver and install ``version`` on every target's workers; per target: {"ok", "error"?, timings}.
+    def install(self, targets: list[WorkerTarget], prepared: Any, version: int) -> dict[str, WorkerAnswer]:
+        """Deliver and install ``version`` on every target's workers; per target name: its workers' answer.
 
         A target whose workers reject the weights (checksum, version, names, shapes) keeps its previous weights.
         """

@@ -5,32 +5,35 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import WorkerTarget
 
 
-def summarize(results: list[Any]) -> dict[str, Any]:
-    """One target's answer from its workers' answers: ok only if every worker is ok; timings are the max."""
+def summarize(results: list[Any]) -> WorkerAnswer:
+    """One target's answer from its workers' wire answers: ok only if every worker is ok and all name one version;
+    the slowest worker's seconds per phase; version, tensors and rank from the first worker that gives them."""
     if not results:
-        return {"ok": False, "error": "no worker answered"}
-    errors = [
-        r.get("error", "no answer") if isinstance(r, dict) else f"unexpected answer {r!r}"
-        for r in results
-        if not (isinstance(r, dict) and r.get("ok"))
-    ]
-    merged: dict[str, Any] = {"ok": not errors, "workers": len(results)}
-    if errors:
-        merged["error"] = "; ".join(sorted(set(errors)))
-    for result in results:
-        for key, value in result.items() if isinstance(result, dict) else ():
-            if key.endswith("_s"):
-                merged[key] = max(merged.get(key, 0.0), float(value))
-            elif key in ("version", "tensors", "rank") and key not in merged:
-                merged[key] = value
-    versions = {r.get("version") for r in results if isinstance(r, dict)}
+        return WorkerAnswer(ok=False, error="no worker answered", workers=0)
+    answers = [WorkerAnswer.from_wire(r) for r in results]
+    errors = sorted({a.error or "no answer" for a in answers if not a.ok})
+    seconds: dict[str, float] = {}
+    for answer in answers:
+        for phase, value in answer.seconds.items():
+            seconds[phase] = max(seconds.get(phase, 0.0), value)
+    error = "; ".join(errors) if errors else None
+    # only the answers that were dicts vote: one that was not is reported as unexpected, not as a version of None
+    versions = {a.version for a, r in zip(answers, results) if isinstance(r, dict)}
     if len(versions) > 1:
-        merged["ok"] = False
-        merged["error"] = f"workers disagree on the version: {sorted(versions, key=str)}"
-    return merged
+        error = f"workers disagree on the version: {sorted(versions, key=str)}"
+    return WorkerAnswer(
+        ok=error is None,
+        error=error,
+        version=next((a.version for a in answers if a.version is not None), None),
+        tensors=next((a.tensors for a in answers if a.tensors is not None), None),
+        rank=next((a.rank for a in answers if a.rank is not None), None),
+        workers=len(results),
+        seconds=seconds,
+    )
 
 
 def call_targets(
@@ -39,7 +42,7 @@ def call_targets(
     kwargs_of: Callable[[int, WorkerTarget], dict[str, Any]],
     timeout: float,
     background: Callable[[], Any] | None = None,
-) -> tuple[dict[str, dict[str, Any]], Any]:
+) -> tuple[dict[str, WorkerAnswer], Any]:
     """Call ``method`` on every target concurrently (one thread each); optionally run ``background()`` meanwhile.
 
     Args:
@@ -50,13 +53,13 @@ def call_targets(
     Returns:
         (name -> summarized answer, background's return value).
     """
-    answers: dict[str, dict[str, Any]] = {}
+    answers: dict[str, WorkerAnswer] = {}
 
     def call(index: int, target: WorkerTarget) -> None:
         try:
             answers[target.name] = summarize(target.rpc(method, kwargs_of(index, target), timeout))
         except Exception as exc:  # a dead server, a timeout, a rejected token
-            answers[target.name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            answers[target.name] = WorkerAnswer.failed(f"{type(exc).__name__}: {exc}")
 
     threads = [
         threading.Thread(target=call, args=(i, t), daemon=True, name=f"offgrpo-rpc-{t.name}")
@@ -73,7 +76,7 @@ def call_targets(
     for thread in threads:
         thread.join(timeout + 60.0)
     for target in targets:
-        answers.setdefault(target.name, {"ok": False, "error": f"no answer within {timeout + 60.0:.0f} s"})
+        answers.setdefault(target.name, WorkerAnswer.failed(f"no answer within {timeout + 60.0:.0f} s"))
     if failure is not None:
         raise failure
     return answers, value

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
 from megatron_offgrpo.transports._rpc import call_targets
 from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
@@ -169,12 +170,12 @@ class SharedMemoryTransport:
 
     def install(
         self, targets: list[WorkerTarget], prepared: list[dict[str, Any]], version: int
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, WorkerAnswer]:
         """Every target's workers map the files, check the tensor set and version, and reload, concurrently."""
         start = time.perf_counter()
         payload = {"dir": str(self._session), "version": int(version), "buckets": prepared}
         answers, _ = call_targets(targets, "offgrpo_load_shm", lambda i, t: payload, self.timeout_s)
-        if not all(a.get("ok") for a in answers.values()):
+        if not all(a.ok for a in answers.values()):
             self._drop()
         self._metrics.seconds["call"] = time.perf_counter() - start
         return answers

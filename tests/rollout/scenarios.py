@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout import RefreshError, RefreshVerificationError, verify_refresh
+from megatron_offgrpo.rollout import RefreshError, RefreshReport, RefreshVerificationError, verify_refresh
 from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout.tiny import as_buckets, hf_probe_logprobs
 
@@ -61,13 +61,15 @@ def check_behavior_logprobs(
         )
 
 
-def check_refresh_matches_fresh(engine, weights, version: int, fresh_greedy: list[list[int]]) -> None:
-    """After a refresh, greedy outputs equal a freshly loaded engine's, and samples carry the new version."""
+def check_refresh_matches_fresh(engine, weights, version: int, fresh_greedy: list[list[int]]) -> RefreshReport:
+    """After a refresh, greedy outputs equal a freshly loaded engine's, and samples carry the new version; returns
+    the refresh's report."""
     report = engine.update_weights(weights, version)
     assert report.version == version == engine.version() and all(v == version for v in report.servers.values())
     samples = engine.generate(PROMPTS, 1, GREEDY)
     assert [s.response_ids for s in samples] == fresh_greedy
     assert {s.policy_version for s in samples} == {version}
+    return report
 
 
 def check_rejections(engine, tmp: Path, weights: dict[str, torch.Tensor], before: list[list[int]]) -> None:

@@ -152,7 +152,15 @@ def test_greedy_after_refresh_equals_fresh_engine(fleet, new_weights, tmp_path, 
     weights, fresh = new_weights[transport]
     try:
         assert scenarios.greedy(engine) != fresh
-        scenarios.check_refresh_matches_fresh(engine, as_buckets(weights), engine.version() + 1, fresh)
+        report = scenarios.check_refresh_matches_fresh(engine, as_buckets(weights), engine.version() + 1, fresh)
+        # the engine's phases, the transport's, and the slowest server's (what logs and benchmarks/refresh.py read)
+        phases = {
+            "disk": {"write_s", "server_read_s"},
+            "collective": {"join_s", "send_s", "server_recv_s"},
+            "shm": {"write_s", "call_s", "server_map_s"},
+        }[transport]
+        phases |= {"prepare_s", "pause_s", "install_s", "resume_s", "total_s", "server_load_s"}
+        assert phases <= set(report.detail), report.detail
     finally:
         engine.close()  # the shm transport's files go with it
 

@@ -91,9 +91,9 @@ def test_disk_transport_installs_verified_version(tmp_path, tiny_dir, weights):
     transport = DiskTransport(tmp_path / "shared", keep=1)
     path = transport.prepare(as_buckets(weights), 1)
     answers = transport.install(targets, path, 1)
-    assert all(a["ok"] and a["version"] == 1 for a in answers.values()), answers
+    assert all(a.ok and a.version == 1 for a in answers.values()), answers
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
-    assert answers["s1"]["workers"] == 2
+    assert answers["s1"].workers == 2
 
 
 def test_disk_transport_rejections_leave_weights_untouched(tmp_path, tiny_dir, weights):
@@ -105,14 +105,14 @@ def test_disk_transport_rejections_leave_weights_untouched(tmp_path, tiny_dir, w
     raw[len(raw) // 2] ^= 0x55
     (path / "model-00001.safetensors").write_bytes(bytes(raw))
     answer = transport.install([target], path, 2)["s0"]
-    assert not answer["ok"] and "does not match the manifest" in answer["error"] and worker.installed is None
+    assert not answer.ok and "does not match the manifest" in answer.error and worker.installed is None
     good = transport.prepare(as_buckets(weights), 3)
-    assert not transport.install([target], good, 4)["s0"]["ok"]  # wrong version for the directory
+    assert not transport.install([target], good, 4)["s0"].ok  # wrong version for the directory
     with pytest.raises(ValueError, match="manifest is for version 3"):
         transport.prepare(good, 4)
     worker._offgrpo_current = 5
     answer = transport.install([target], good, 3)["s0"]
-    assert "not newer than the served version 5" in answer["error"] and worker.installed is None
+    assert "not newer than the served version 5" in answer.error and worker.installed is None
 
 
 def test_incomplete_or_misshapen_refresh_is_rejected(tmp_path, tiny_dir, weights):
@@ -120,13 +120,13 @@ def test_incomplete_or_misshapen_refresh_is_rejected(tmp_path, tiny_dir, weights
     transport = DiskTransport(tmp_path / "shared")
     missing = {n: t for n, t in weights.items() if "layers.1.mlp.up_proj" not in n}
     answer = transport.install([target], transport.prepare(as_buckets(missing), 1), 1)["s0"]
-    assert "1 tensor(s) missing" in answer["error"] and "up_proj" in answer["error"]
+    assert "1 tensor(s) missing" in answer.error and "up_proj" in answer.error
     bad = dict(weights)
     bad["model.layers.0.mlp.down_proj.weight"] = (
         weights["model.layers.0.mlp.down_proj.weight"].t().contiguous()
     )  # [128,256] -> [256,128]
     answer = transport.install([target], transport.prepare(as_buckets(bad), 2), 2)["s0"]
-    assert "down_proj.weight' has shape [256, 128]" in answer["error"] and target.workers[0].installed is None
+    assert "down_proj.weight' has shape [256, 128]" in answer.error and target.workers[0].installed is None
 
 
 def test_failed_reload_marks_the_worker_dirty(tmp_path, tiny_dir, weights):
@@ -134,7 +134,7 @@ def test_failed_reload_marks_the_worker_dirty(tmp_path, tiny_dir, weights):
     target.workers[0].fail_reload = True
     transport = DiskTransport(tmp_path / "shared")
     answer = transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"]
-    assert not answer["ok"] and answer["version"] == DIRTY and "failed midway" in answer["error"]
+    assert not answer.ok and answer.version == DIRTY and "failed midway" in answer.error
 
 
 @pytest.mark.parametrize("bucket_bytes, per_call", [(0, False), (64 * 1024, False), (256 * 1024**2, False), (0, True)])
@@ -145,14 +145,14 @@ def test_collective_transport_installs_bit_exact(tiny_dir, weights, bucket_bytes
     else:
         transport = CollectiveTransport(bucket_bytes=bucket_bytes, timeout_s=60)
     answers = transport.install(targets, transport.prepare(as_buckets(weights), 1), 1)
-    assert all(a["ok"] for a in answers.values()), answers
+    assert all(a.ok for a in answers.values()), answers
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
     expected_buckets = {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes)
     if expected_buckets is not None:
         assert transport.metrics().buckets == expected_buckets
     # a second refresh reuses the group; a changed fleet rebuilds it
-    assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(weights), 2), 2).values())
-    assert all(a["ok"] for a in transport.install(targets[:1], transport.prepare(as_buckets(weights), 3), 3).values())
+    assert all(a.ok for a in transport.install(targets, transport.prepare(as_buckets(weights), 2), 2).values())
+    assert all(a.ok for a in transport.install(targets[:1], transport.prepare(as_buckets(weights), 3), 3).values())
     transport.close()
 
 
@@ -174,9 +174,9 @@ def test_collective_wrong_version_is_rejected_after_draining(tiny_dir, weights):
     target.workers[0]._offgrpo_current = 7
     transport = CollectiveTransport(timeout_s=60)
     answer = transport.install([target], transport.prepare(as_buckets(weights), 7), 7)["s0"]
-    assert "not newer than the served version 7" in answer["error"] and target.workers[0].installed is None
+    assert "not newer than the served version 7" in answer.error and target.workers[0].installed is None
     # the group is still in step: the next (newer) version goes through
-    assert transport.install([target], transport.prepare(as_buckets(weights), 8), 8)["s0"]["ok"]
+    assert transport.install([target], transport.prepare(as_buckets(weights), 8), 8)["s0"].ok
 
 
 def test_initial_version_comes_from_the_served_manifest(tmp_path, weights):
@@ -194,7 +194,7 @@ def test_per_bucket_calls_stage_until_the_last_commit(tiny_dir, weights):
         installs.append(1),
         original(weights_iterator),
     )
-    assert transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"]["ok"]
+    assert transport.install([target], transport.prepare(as_buckets(weights), 1), 1)["s0"].ok
     assert installs == [1] and _same(worker.installed, weights)  # 27 calls, one complete install
 
 
@@ -203,7 +203,7 @@ def test_shm_transport_installs_bit_exact_and_rewrites_its_files(tmp_path, tiny_
     targets = [FakeTarget("s0", tiny_dir), FakeTarget("s1", tiny_dir, workers=2)]
     transport = SharedMemoryTransport(tmp_path, bucket_bytes=bucket_bytes)
     answers = transport.install(targets, transport.prepare(as_buckets(weights), 1), 1)
-    assert all(a["ok"] and a["version"] == 1 for a in answers.values()), answers
+    assert all(a.ok and a.version == 1 for a in answers.values()), answers
     assert all(_same(w.installed, weights) for t in targets for w in t.workers)
     session = transport._session
     files = sorted(p.name for p in session.glob("bucket-*.bin"))
@@ -211,7 +211,7 @@ def test_shm_transport_installs_bit_exact_and_rewrites_its_files(tmp_path, tiny_
         len(files) == transport.metrics().buckets == {0: len(weights), 256 * 1024**2: 1}.get(bucket_bytes, len(files))
     )
     newer = perturbed(weights, seed=2)
-    assert all(a["ok"] for a in transport.install(targets, transport.prepare(as_buckets(newer), 2), 2).values())
+    assert all(a.ok for a in transport.install(targets, transport.prepare(as_buckets(newer), 2), 2).values())
     assert all(_same(w.installed, newer) for t in targets for w in t.workers)  # the same files, rewritten in place
     assert transport._session == session and sorted(p.name for p in session.glob("bucket-*.bin")) == files
     transport.close()
@@ -224,16 +224,16 @@ def test_shm_rejection_drops_the_files_and_keeps_old_weights(tmp_path, tiny_dir,
     worker._offgrpo_current = 7
     transport = SharedMemoryTransport(tmp_path)
     answer = transport.install([target], transport.prepare(as_buckets(weights), 7), 7)["s0"]
-    assert "not newer than the served version 7" in answer["error"] and worker.installed is None
+    assert "not newer than the served version 7" in answer.error and worker.installed is None
     assert transport._session is None and not list(tmp_path.glob("offgrpo-shm-*"))  # a failed call: new files next time
     missing = {n: t for n, t in weights.items() if "layers.0.self_attn.k_proj" not in n}
     answer = transport.install([target], transport.prepare(as_buckets(missing), 8), 8)["s0"]
-    assert "missing" in answer["error"] and "k_proj" in answer["error"] and worker.installed is None
+    assert "missing" in answer.error and "k_proj" in answer.error and worker.installed is None
     layout = transport.prepare(as_buckets(weights), 9)
     transport.close()  # the files are gone: what a server on another host sees
     answer = transport.install([target], layout, 9)["s0"]
-    assert "not found" in answer["error"] and "trainer's host" in answer["error"] and worker.installed is None
-    assert transport.install([target], transport.prepare(as_buckets(weights), 10), 10)["s0"]["ok"]
+    assert "not found" in answer.error and "trainer's host" in answer.error and worker.installed is None
+    assert transport.install([target], transport.prepare(as_buckets(weights), 10), 10)["s0"].ok
 
 
 def test_shm_export_failure_installs_nothing(tmp_path, tiny_dir, weights):
@@ -321,7 +321,7 @@ def test_tied_head_follows_the_reloaded_embedding(tiny_dir, weights, reload_rebu
             embed.quant_method.process_weights_after_loading(embed)
 
     worker.reload_weights = reload
-    answer = worker._offgrpo_install(list(weights.items()), 1, {})
+    answer = worker.offgrpo_install_tensors(list(weights.items()), 1)  # the in-process engine's call
     assert answer["ok"] and answer["tied_head_refreshed"] and head.cpu_linear is not stale
     if reload_rebuilds_embedding:  # one pack of the shared weight, not two: the head takes the embedding's kernel
         assert head.cpu_linear is embed.cpu_linear and model.repacks == [embed]

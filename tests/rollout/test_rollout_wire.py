@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -15,7 +16,9 @@ from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_pr
 from megatron_offgrpo.transports import (
     ABORT,
     BUCKET,
+    DIRTY,
     END,
+    WorkerAnswer,
     check_complete,
     make_group,
     make_store,
@@ -25,6 +28,7 @@ from megatron_offgrpo.transports import (
     read_version_dir,
     recv_stream,
     send_stream,
+    summarize,
     unpack_bucket,
     version_dir,
     write_version_dir,
@@ -200,6 +204,84 @@ def test_parse_prompt_logprobs():
         "choices": [{"weight_versions": [{"version": "2", "start": 0, "end": 1}]}],
     }
     assert parse_prompt_logprobs(answer, [4, 5, 6], "s0") == (2, [-1.0, -2.0])
+
+
+def test_worker_answer_survives_the_json_wire():
+    answer = WorkerAnswer(
+        ok=True, version=3, tensors=27, rank=1, seconds={"read": 0.25, "load": 1.5}, tied_head_refreshed=True
+    )
+    wire = answer.to_wire()
+    # flat, the phases with their "_s" suffix, unset fields left out: the dict a server sends today
+    assert wire == {
+        "ok": True,
+        "version": 3,
+        "tensors": 27,
+        "rank": 1,
+        "tied_head_refreshed": True,
+        "read_s": 0.25,
+        "load_s": 1.5,
+    }
+    assert WorkerAnswer.from_wire(json.loads(json.dumps(wire))) == answer
+    failed = WorkerAnswer.failed("reload failed midway", version=DIRTY)
+    assert WorkerAnswer.from_wire(json.loads(json.dumps(failed.to_wire()))) == failed
+    info = {"ok": True, "version": 0, "rank": 0, "pid": 42, "dtype": "float32", "tensors": 27, "future_fact": [1]}
+    assert WorkerAnswer.from_wire(info) == WorkerAnswer(
+        ok=True, version=0, rank=0, pid=42, dtype="float32", tensors=27
+    )  # a key this side does not know is skipped
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        None,
+        "ok",
+        [{"ok": True}],
+        {},
+        {"ok": 1},
+        {"ok": True, "version": "3"},
+        {"ok": True, "version": True},
+        {"ok": False, "error": 7},
+        {"ok": True, "load_s": "fast"},
+        {"ok": True, "load_s": float("nan")},
+        {"ok": True, "workers": None},
+    ],
+)
+def test_worker_answer_from_garbage_is_a_failure_that_quotes_it(garbage):
+    answer = WorkerAnswer.from_wire(garbage)
+    assert not answer.ok and answer.error == f"unexpected answer {garbage!r}" and answer.version is None
+
+
+def test_summarize_folds_the_workers_answers():
+    ok = [
+        {"ok": True, "version": 2, "tensors": 27, "rank": 0, "read_s": 0.5, "load_s": 1.0},
+        {"ok": True, "version": 2, "tensors": 27, "rank": 1, "read_s": 0.75, "load_s": 0.25},
+    ]
+    # every worker ok: ok; the slowest worker per phase; version, tensors, rank from the first worker
+    assert summarize(ok) == WorkerAnswer(
+        ok=True, version=2, tensors=27, rank=0, workers=2, seconds={"read": 0.75, "load": 1.0}
+    )
+    one_failed = [ok[0], {"ok": False, "error": "checksum mismatch", "version": 2, "read_s": 2.0}]
+    assert summarize(one_failed) == WorkerAnswer(
+        ok=False,
+        error="checksum mismatch",
+        version=2,
+        tensors=27,
+        rank=0,
+        workers=2,
+        seconds={"read": 2.0, "load": 1.0},
+    )
+    errors = summarize(
+        [{"ok": False, "error": "b"}, {"ok": False, "error": "a"}, {"ok": False}, None, {"ok": False, "error": "a"}]
+    )  # sorted, each once; a failure without its reason; garbage quoted
+    assert not errors.ok and errors.error == "a; b; no answer; unexpected answer None" and errors.workers == 5
+    # workers that install different versions: not ok, whatever each said (one is dirty: never serve it)
+    split = summarize([ok[0], {"ok": False, "error": "reload failed", "version": DIRTY}])
+    assert not split.ok and split.error == "workers disagree on the version: [-1, 2]"
+    assert summarize([{"ok": True, "version": 2}, {"ok": True, "version": 3}]).error == (
+        "workers disagree on the version: [2, 3]"
+    )
+    assert summarize([{"ok": True}, {"ok": True}]) == WorkerAnswer(ok=True, workers=2)  # e.g. leaving a group
+    assert summarize([]) == WorkerAnswer(ok=False, error="no worker answered", workers=0)
 
 
 def _asgi_call(middleware, path, headers=()):

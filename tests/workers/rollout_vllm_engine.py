@@ -74,9 +74,11 @@ def main() -> None:
     scenarios.check_groups(engine)
     scenarios.check_behavior_logprobs(engine, model_dir, None)
     assert scenarios.greedy(engine) != fresh["memory"]
-    scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
+    report = scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
+    assert report.transport == "memory" and set(report.detail) == {"load_s"}, report  # the worker's phases
     refreshed = write_version_dir(work / "v2", as_buckets(new["directory"]), 2)[0]
-    scenarios.check_refresh_matches_fresh(engine, refreshed, 2, fresh["directory"])
+    report = scenarios.check_refresh_matches_fresh(engine, refreshed, 2, fresh["directory"])
+    assert report.transport == "disk" and set(report.detail) == {"read_s", "load_s"}, report
     scenarios.check_rejections(engine, work / "bad", perturbed(base, 63), scenarios.greedy(engine))
     scenarios.check_verification(engine, model_dir, perturbed(base, 64), base, make_probe_ids(TINY["vocab_size"], 24))
     engine.close()
