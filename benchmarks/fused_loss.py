@@ -9,6 +9,8 @@ valid, grpo_clip (eps 0.2) + k3 KL (beta 0.04) against reference log-probs, toke
 - liger: ``LigerFusedLinearGRPOLoss`` (liger-kernel, eager; loss_type="bnpo" = token mean, k3 KL) over
   [N / 256, 256] sequences, chunk_size=1 (256 tokens per chunk); its row says so when liger is not installed.
 - ours: ``megatron_offgrpo.kernels.fused_linear_grpo_loss`` (impl="torch", default chunk size).
+- ours_gspo: the same with ``objective="gspo"`` (sequence ratio over [N / 256, 256] sequences, seq-mean-token-mean):
+  its first pass over the log-probs is the price of a sequence-level ratio.
 - floor: the three GEMMs (logits, grad_h, grad_W) with torch.matmul, in blocks of at most 2048 tokens.
 
 Columns: working memory = peak RSS during one forward+backward above the RSS at its start, minus the bytes of the
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 
 VOCAB, HIDDEN, SEQ = 151_936, 896, 256
-METHODS = ("floor", "naive", "liger", "ours")
+METHODS = ("floor", "naive", "liger", "ours", "ours_gspo")
 NAIVE_BYTES_PER_LOGIT = 10.5  # measured 10.3 B per logit at N=2048 (3.2 GB): logits, log-softmax, their grads
 NAIVE_MEMORY_SHARE = 0.75  # run naive only if it needs at most this share of MemAvailable (the machine is shared)
 
@@ -89,6 +91,13 @@ def _step_fn(method: str, n: int):
         loss.backward()
         return h.grad, w.grad
 
+    def ours_gspo():
+        gspo = ObjectiveParams(objective="gspo", aggregation="seq_mean_token_mean", kl_beta=0.04)
+        loss, _ = fused_linear_grpo_loss(h, w, targets, behavior, adv, mask, gspo, ref_logp=ref,
+                                         seq_ids=torch.arange(n) // SEQ, impl="torch")
+        loss.backward()
+        return h.grad, w.grad
+
     def floor():
         block = min(n, 2048)
         grad_h, grad_w = torch.empty_like(h), torch.zeros_like(w)
@@ -99,7 +108,7 @@ def _step_fn(method: str, n: int):
             del logits
         return grad_h, grad_w
 
-    steps = {"naive": naive, "ours": ours, "floor": floor}
+    steps = {"naive": naive, "ours": ours, "ours_gspo": ours_gspo, "floor": floor}
     if method == "liger":
         steps["liger"] = _liger_step(h, w, targets, behavior, adv, ref, n)
     return steps[method], (h, w)

@@ -28,7 +28,7 @@ CHOICES = {
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
             "rollout.bucket_mb", "optim.micro_batch_tokens", "train.steps", "train.max_nonfinite_steps",
-            "train.log_every", "train.eval_prompts", "data.max_prompt_tokens", "data.count"]
+            "train.log_every", "train.eval_prompts", "train.eval_samples", "data.max_prompt_tokens", "data.count"]
 
 
 def _get(config: Any, key: str):

@@ -131,11 +131,16 @@ class AlgoConfig:
     """The objective (see megatron_offgrpo.algo for every formula)."""
 
     objective: str = "grpo_clip"
-    """Registered objective: grpo_clip | gpg | rec | opmd | asymre."""
+    """Registered objective: grpo_clip | gpg | rec | opmd | asymre | cispo | gspo (gspo needs
+    aggregation=seq_mean_token_mean)."""
     eps_low: float = 0.2
-    """Lower clip: rho >= 1 - eps_low."""
+    """Lower clip: rho >= 1 - eps_low (cispo: the weight's floor; 1.0 = none)."""
     eps_high: float = 0.2
-    """Upper clip: rho <= 1 + eps_high."""
+    """Upper clip: rho <= 1 + eps_high (cispo: the weight's cap)."""
+    seq_eps_low: float = 3e-4
+    """gspo: the sequence ratio's floor 1 - seq_eps_low (the GSPO paper's 3e-4)."""
+    seq_eps_high: float = 4e-4
+    """gspo: the sequence ratio's ceiling 1 + seq_eps_high (the GSPO paper's 4e-4)."""
     dual_clip: float | None = None
     """Dual-clip bound c > 1 for negative advantages (grpo_clip only)."""
     rec_weight: str = "none"
@@ -174,7 +179,8 @@ class AlgoConfig:
         from megatron_offgrpo.algo import ObjectiveParams
 
         return ObjectiveParams(
-            objective=self.objective, eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
+            objective=self.objective, eps_low=self.eps_low, eps_high=self.eps_high, seq_eps_low=self.seq_eps_low,
+            seq_eps_high=self.seq_eps_high, dual_clip=self.dual_clip,
             rec_weight=self.rec_weight, rec_clip=self.rec_clip, tau=self.tau, kl_estimator=self.kl_estimator,
             kl_beta=self.kl_beta, tis_cap=self.tis_cap, tis_level=self.tis_level, aggregation=self.aggregation,
             aggregation_constant=aggregation_constant,
@@ -231,6 +237,9 @@ class TrainConfig:
     """Evaluate every N steps (0: never)."""
     eval_prompts: int = 200
     """Prompts per evaluation."""
+    eval_samples: int = 1
+    """Completions per eval prompt sampled at rollout.temperature besides the greedy one: n > 1 also reports
+    eval_pass@k (the unbiased estimator, k = 1, 2, 4, ... and n) and eval_avg@n (mean reward of the n samples)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in out_dir (step 0, saying so, when there is none)."""
     overwrite: bool = False

@@ -21,12 +21,15 @@ from megatron_offgrpo.algo._aggregate import aggregate
 from megatron_offgrpo.algo._kl import LOG_RATIO_CLAMP, kl_penalty
 from megatron_offgrpo.algo._objectives import (
     asymre,
+    cispo,
     gpg,
+    gspo,
     grpo_clip,
     importance_ratio,
     opmd,
     rec,
     rec_keep_mask,
+    sequence_log_ratio,
 )
 from megatron_offgrpo.algo._packing import broadcast_to_tokens, resolve_seq_ids, segment_sum
 from megatron_offgrpo.algo._params import AdvantageParams, ObjectiveParams
@@ -51,10 +54,12 @@ __all__ = [
     "aggregate",
     "asymre",
     "broadcast_to_tokens",
+    "cispo",
     "compute_group_advantages",
     "finalize_metrics",
     "get_objective",
     "gpg",
+    "gspo",
     "grpo_clip",
     "importance_ratio",
     "kl_penalty",
@@ -66,6 +71,7 @@ __all__ = [
     "register_objective",
     "resolve_seq_ids",
     "segment_sum",
+    "sequence_log_ratio",
     "token_loss",
     "truncated_is_weights",
 ]

@@ -14,6 +14,13 @@ behavior policy that generated the sample (the lagged policy in off-policy train
 - ``opmd``: ``rec + tau (logp - logp_b)^2``. Kimi k1.5's OPMD has ``tau/2``; like the REC authors'
   reference implementation (Trinity-RFT ``rec_policy_loss.py``, regularizer "k2") the 1/2 is absorbed into tau.
 - ``asymre``: ``rec - tau logp`` (Arnal et al. 2025, "Asymmetric REINFORCE"): the baseline shifted down by tau.
+- ``cispo``: ``-sg(clip(rho, lo, hi)) A logp`` (MiniMax-M1, 2025): the importance weight is clipped and detached,
+  so no token's gradient is dropped; a ratio outside the trust region only caps its weight.
+- ``gspo``: the ``grpo_clip`` loss on the SEQUENCE ratio ``s = exp(mean_t (logp_t - logp_b,t))`` of the token's
+  response, clipped to ``[1 - seq_eps_low, 1 + seq_eps_high]`` (Zheng et al. 2025, "Group Sequence Policy
+  Optimization"), in its token form: ``token_loss`` passes ``behavior_logp = sg(logp) - log s`` so that each
+  token's ratio has the value ``s`` and the gradient ``s grad logp_t``; with ``seq_mean_token_mean`` aggregation
+  this is exactly the gradient of the sequence-level objective.
 
 The ratio's log is clamped to +-LOG_RATIO_CLAMP before ``exp`` (as verl does) so no valid token overflows.
 
@@ -22,9 +29,12 @@ Shape notation: N = tokens flattened over the packed batch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_offgrpo.algo._kl import LOG_RATIO_CLAMP
+from megatron_offgrpo.algo._packing import resolve_seq_ids, segment_sum
 from megatron_offgrpo.algo._params import ObjectiveParams
 from megatron_offgrpo.algo._registry import ObjectiveTerms, register_objective
 
@@ -36,6 +46,17 @@ def importance_ratio(logp: torch.Tensor, behavior_logp: torch.Tensor) -> torch.T
 
 def _no_flags(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like, dtype=torch.bool)
+
+
+def _clipped_ratio_loss(
+    rho: torch.Tensor, a: torch.Tensor, lo: float, hi: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``-min(rho A, clip(rho, lo, hi) A)`` as a ``where`` (0 gradient on the clipped side), and the low / high
+    clip flags."""
+    clip_high = (a > 0) & (rho > hi)
+    clip_low = (a < 0) & (rho < lo)
+    loss = torch.where(clip_high | clip_low, -rho.detach().clamp(lo, hi) * a, -rho * a)
+    return loss, clip_low, clip_high
 
 
 @register_objective("grpo_clip")
@@ -59,10 +80,7 @@ def grpo_clip(
     """
     a = advantages
     rho = importance_ratio(logp, behavior_logp)
-    lo, hi = 1.0 - params.eps_low, 1.0 + params.eps_high
-    clip_high = (a > 0) & (rho > hi)
-    clip_low = (a < 0) & (rho < lo)
-    loss = torch.where(clip_high | clip_low, -rho.detach().clamp(lo, hi) * a, -rho * a)
+    loss, clip_low, clip_high = _clipped_ratio_loss(rho, a, 1.0 - params.eps_low, 1.0 + params.eps_high)
     dual = _no_flags(a)
     if params.dual_clip is not None:
         c = params.dual_clip
@@ -184,3 +202,72 @@ def asymre(
     """
     terms = rec(logp, behavior_logp, advantages, params)
     return ObjectiveTerms(terms.loss - params.tau * logp, terms.clip_low, terms.clip_high, terms.dual_clip)
+
+
+@register_objective("cispo")
+def cispo(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """CISPO loss ``-sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp``: REINFORCE with a truncated, detached
+    importance weight. Where ``grpo_clip`` drops a clipped token's gradient, CISPO keeps it at the capped weight.
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] behavior-policy log-probs.
+        advantages: [N] per-token advantages.
+        params: uses ``eps_low``, ``eps_high`` (``eps_low = 1``: no lower bound, as MiniMax-M1 ran it).
+
+    Returns:
+        The loss; ``clip_low`` / ``clip_high`` flag tokens whose weight was capped (their gradient is kept).
+    """
+    a = advantages
+    rho = importance_ratio(logp, behavior_logp).detach()
+    lo, hi = 1.0 - params.eps_low, 1.0 + params.eps_high
+    return ObjectiveTerms(loss=-rho.clamp(lo, hi) * a * logp, clip_low=rho < lo, clip_high=rho > hi,
+                          dual_clip=_no_flags(a))
+
+
+@register_objective("gspo")
+def gspo(
+    logp: torch.Tensor, behavior_logp: torch.Tensor, advantages: torch.Tensor, params: ObjectiveParams
+) -> ObjectiveTerms:
+    """GSPO-token loss: ``grpo_clip``'s clipped ratio with the sequence clip range ``seq_eps_low / seq_eps_high``.
+
+    Args:
+        logp: [N] current log-probs (requires grad).
+        behavior_logp: [N] ``sg(logp) - log s``, as ``token_loss`` builds it from ``sequence_log_ratio``: the
+            ratio ``exp(logp - behavior_logp)`` then has the sequence ratio's value and the token's gradient.
+        advantages: [N] per-token advantages (one value per sequence).
+        params: uses ``seq_eps_low``, ``seq_eps_high``.
+
+    Returns:
+        The loss; the clip flags mark every token of a clipped sequence.
+    """
+    rho = importance_ratio(logp, behavior_logp)
+    loss, clip_low, clip_high = _clipped_ratio_loss(rho, advantages, 1.0 - params.seq_eps_low,
+                                                    1.0 + params.seq_eps_high)
+    return ObjectiveTerms(loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=_no_flags(advantages))
+
+
+@torch.no_grad()
+def sequence_log_ratio(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_ids: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``log s`` of each token's sequence, broadcast to its tokens: the mean of ``logp - behavior_logp`` over the
+    sequence's valid tokens (GSPO's length-normalised sequence ratio); 0 on masked tokens. Detached.
+
+    Args:
+        logp: [N] current log-probs. behavior_logp: [N] behavior log-probs. loss_mask: [N] bool, True = valid.
+        seq_ids / cu_seqlens: the packed layout (exactly one, as in ``aggregate``).
+
+    Returns:
+        [N] per-token sequence log-ratio.
+    """
+    ids, num_seqs = resolve_seq_ids(logp.shape[0], seq_ids, cu_seqlens)
+    diff = torch.where(loss_mask, logp - behavior_logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    per_seq = segment_sum(diff, ids, num_seqs) / segment_sum(loss_mask.to(logp.dtype), ids, num_seqs).clamp_min(1)
+    return torch.where(loss_mask, per_seq[ids], torch.zeros((), dtype=logp.dtype, device=logp.device))

@@ -86,11 +86,16 @@ class ObjectiveParams:
     objective: str = "grpo_clip"
     """Registry name: ``grpo_clip`` (PPO-style clipped ratio, on- or off-policy), ``gpg`` (``-A logp``),
     ``rec`` (REC family: ``-w A logp m``), ``opmd`` (REC + ``tau (logp - logp_b)^2``),
-    ``asymre`` (REC + ``-tau logp``)."""
+    ``asymre`` (REC + ``-tau logp``), ``cispo`` (``-sg(clip(rho)) A logp``), ``gspo`` (clipped sequence ratio)."""
     eps_low: float = 0.2
     """Lower trust-region width: ratio floor ``1 - eps_low``; in [0, 1]."""
     eps_high: float = 0.2
     """Upper trust-region width: ratio ceiling ``1 + eps_high``; >= 0."""
+    seq_eps_low: float = 3e-4
+    """``gspo``: floor ``1 - seq_eps_low`` of the sequence ratio; in [0, 1]. The GSPO paper's 3e-4: a
+    length-normalised sequence ratio moves far less than a token's."""
+    seq_eps_high: float = 4e-4
+    """``gspo``: ceiling ``1 + seq_eps_high`` of the sequence ratio; >= 0 (the paper's 4e-4)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 (Ye et al. 2020), ``grpo_clip`` only: for A < 0 the loss is at most ``-c A``."""
     rec_weight: Literal["none", "is"] = "none"
@@ -119,12 +124,26 @@ class ObjectiveParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def sequence_ratio(self) -> bool:
+        """The objective needs each token's ``sequence_log_ratio`` (a reduction over its whole sequence)."""
+        return self.objective == "gspo"
+
     def validate(self) -> None:
         """Checks every field and cross-field rule; raises one ``ValueError`` listing all broken fields."""
         errors: list[str] = []
         _choice(errors, "objective", self.objective, objective_names())
         _require(errors, "eps_low", self.eps_low, "in [0, 1]", _num(self.eps_low) and 0 <= self.eps_low <= 1)
         _require(errors, "eps_high", self.eps_high, ">= 0", _num(self.eps_high) and self.eps_high >= 0)
+        ok = _num(self.seq_eps_low) and 0 <= self.seq_eps_low <= 1
+        _require(errors, "seq_eps_low", self.seq_eps_low, "in [0, 1]", ok)
+        _require(errors, "seq_eps_high", self.seq_eps_high, ">= 0", _num(self.seq_eps_high) and self.seq_eps_high >= 0)
+        if self.sequence_ratio and self.aggregation != "seq_mean_token_mean":
+            errors.append(
+                f"objective={self.objective!r} is a sequence-level objective (the mean over sequences of their "
+                f"clipped ratio terms), but aggregation={self.aggregation!r} weights sequences by length; "
+                "set aggregation='seq_mean_token_mean'"
+            )
         if self.dual_clip is not None:
             ok = _num(self.dual_clip) and self.dual_clip > 1
             _require(errors, "dual_clip", self.dual_clip, "> 1 (or None)", ok)
@@ -135,10 +154,11 @@ class ObjectiveParams:
                 )
         _choice(errors, "rec_weight", self.rec_weight, REC_WEIGHTS)
         _choice(errors, "rec_clip", self.rec_clip, REC_CLIPS)
-        if _num(self.eps_low) and 0 <= self.eps_low <= 1:
+        ring = self.rec_clip == "ring"  # the outer widths mean nothing elsewhere (e.g. cispo with eps_low = 1)
+        if ring and _num(self.eps_low) and 0 <= self.eps_low <= 1:
             ok = _num(self.eps_low_outer) and self.eps_low <= self.eps_low_outer <= 1
             _require(errors, "eps_low_outer", self.eps_low_outer, f"in [eps_low={self.eps_low}, 1]", ok)
-        if _num(self.eps_high) and self.eps_high >= 0:
+        if ring and _num(self.eps_high) and self.eps_high >= 0:
             ok = _num(self.eps_high_outer) and self.eps_high_outer >= self.eps_high
             _require(errors, "eps_high_outer", self.eps_high_outer, f">= eps_high={self.eps_high}", ok)
         _require(errors, "tau", self.tau, ">= 0", _num(self.tau) and self.tau >= 0)

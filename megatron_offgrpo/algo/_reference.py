@@ -15,6 +15,7 @@ import torch
 
 from megatron_offgrpo.algo._aggregate import Count, aggregate
 from megatron_offgrpo.algo._checks import check_1d, check_per_token
+from megatron_offgrpo.algo._objectives import sequence_log_ratio
 from megatron_offgrpo.algo._params import ObjectiveParams
 from megatron_offgrpo.algo._tis import truncated_is_weights
 from megatron_offgrpo.algo._token_loss import finalize_metrics, token_loss
@@ -102,7 +103,7 @@ def reference_loss(
         loss_mask: [N] bool, True = response token of a valid sample (AND it with the broadcast
             ``GroupAdvantages.sample_valid`` so masked groups leave the loss and its normaliser).
         params: objective switches.
-        seq_ids: [N] sequence id per token (needed by ``seq_mean_token_mean`` and sequence-level TIS).
+        seq_ids: [N] sequence id per token (needed by ``seq_mean_token_mean``, sequence-level TIS and gspo).
         cu_seqlens: [S + 1] packed boundaries (alternative to ``seq_ids``).
         ref_logp: [N] reference-policy log-probs (for the KL term / metric).
         fleet_logp: [N] the fleet's log-probs (for truncated IS); required when ``params.tis_cap`` is set.
@@ -119,10 +120,10 @@ def reference_loss(
     """
     logprobs, logp = _target_logprobs(logits, targets, loss_mask, temperature)
     tis_weights, sums = _tis(behavior_logp, fleet_logp, loss_mask, params, seq_ids, cu_seqlens)
-    per_token, token_sums = token_loss(
-        logp, behavior_logp, advantages, loss_mask, params, ref_logp=ref_logp, tis_weights=tis_weights
-    )
     layout = {"seq_ids": seq_ids, "cu_seqlens": cu_seqlens}
+    seq_log_ratio = sequence_log_ratio(logp, behavior_logp, loss_mask, **layout) if params.sequence_ratio else None
+    per_token, token_sums = token_loss(logp, behavior_logp, advantages, loss_mask, params, ref_logp=ref_logp,
+                                       tis_weights=tis_weights, seq_log_ratio=seq_log_ratio)
     counts = {"global_token_count": global_token_count, "global_seq_count": global_seq_count}
     loss = aggregate(per_token, loss_mask, params, **layout, **counts)
     sums.update(token_sums)

@@ -32,6 +32,7 @@ def token_loss(
     params: ObjectiveParams,
     ref_logp: Optional[torch.Tensor] = None,
     tis_weights: Optional[torch.Tensor] = None,
+    seq_log_ratio: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss ``tis * objective(logp) + kl_beta * KL(logp, ref)``, zero where ``loss_mask`` is False.
 
@@ -48,6 +49,9 @@ def token_loss(
         ref_logp: [N] reference-policy log-probs; required when ``params.kl_beta > 0``. When given with
             ``kl_beta == 0`` the KL is still measured (metric only).
         tis_weights: [N] truncated-IS weights from ``truncated_is_weights``, or None.
+        seq_log_ratio: [N] ``sequence_log_ratio`` of each token's sequence; required by a sequence-level objective
+            (``params.sequence_ratio``: gspo), ignored otherwise. Only it makes such an objective elementwise, so the
+            fused kernel computes it in a first pass over the sequences' log-probs.
 
     Returns:
         ``(per_token_loss [N], metric_sums)``. ``metric_sums`` holds detached 0-dim float tensors, summed over
@@ -59,17 +63,22 @@ def token_loss(
             ``ref_logp``.
     """
     inputs = {"logp": logp, "behavior_logp": behavior_logp, "advantages": advantages}
-    check_per_token(loss_mask, **inputs, ref_logp=ref_logp, tis_weights=tis_weights)
+    check_per_token(loss_mask, **inputs, ref_logp=ref_logp, tis_weights=tis_weights, seq_log_ratio=seq_log_ratio)
     if params.kl_beta > 0 and ref_logp is None:
         raise ValueError(
             f"kl_beta={params.kl_beta} needs ref_logp (the reference policy's log-probs); "
             "pass ref_logp or set kl_beta=0.0"
         )
+    if params.sequence_ratio and seq_log_ratio is None:
+        raise ValueError(
+            f"objective={params.objective!r} needs seq_log_ratio (algo.sequence_log_ratio of the whole sequences)"
+        )
     mask = loss_mask
     logp_s = _masked(mask, logp)
-    terms = get_objective(params.objective)(
-        logp_s, _masked(mask, behavior_logp.detach()), _masked(mask, advantages.detach()), params
-    )
+    behavior = _masked(mask, behavior_logp.detach())
+    if params.sequence_ratio:  # GSPO's token form: ratio value s (the sequence's), gradient s * grad logp_t
+        behavior = logp_s.detach() - _masked(mask, seq_log_ratio.detach())
+    terms = get_objective(params.objective)(logp_s, behavior, _masked(mask, advantages.detach()), params)
     loss = terms.loss
     if tis_weights is not None:
         loss = loss * _masked(mask, tis_weights.detach())

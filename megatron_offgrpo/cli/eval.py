@@ -1,6 +1,6 @@
 """``offgrpo eval``: accuracy of a HF model directory on the recipe's eval split, through a local engine or the fleet.
 
-    offgrpo eval --config configs/tiny-cpu.yaml [--model DIR] [--prompts 200] [--engine transformers]
+    offgrpo eval --config configs/tiny-cpu.yaml [--model DIR] [--prompts 200] [--samples 8] [--engine transformers]
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help="HF model directory (default: model.hf_path of the recipe)")
     parser.add_argument("--prompts", type=int, default=None,
                         help="number of eval prompts (default: train.eval_prompts)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="completions per prompt besides the greedy one; > 1 adds pass@k and avg@n "
+                             "(default: train.eval_samples)")
     parser.add_argument("--engine", default=None, help="transformers | vllm | fleet | auto (default: rollout.engine)")
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # the flags are config keys too: validated with the recipe (an unknown engine, --prompts 0: one line, exit 2)
     flags = [f"rollout.engine={args.engine}"] * (args.engine is not None) + [f"train.eval_prompts={args.prompts}"] * (
-        args.prompts is not None)
+        args.prompts is not None) + [f"train.eval_samples={args.samples}"] * (args.samples is not None)
     config = config_or_exit(args.config, [*args.overrides, *flags], args.model)
     model = resolve_model_dir(args.model or config.model.hf_path)
     tokenizer = load_tokenizer(model)
@@ -42,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
     engine = make_rollout_engine(config, Path(model), None, positions)
     try:
-        result = evaluate(engine, prompts, get_reward(config.data.reward), tokenizer, config.rollout.max_new_tokens)
+        result = evaluate(engine, prompts, get_reward(config.data.reward), tokenizer, config.rollout.max_new_tokens,
+                          samples=config.train.eval_samples, temperature=config.rollout.temperature,
+                          seed=config.parallel.seed)
     finally:
         engine.close()
     result.update(model=str(model), split=config.data.eval_split, dataset=config.data.name)

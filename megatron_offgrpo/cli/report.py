@@ -1,6 +1,7 @@
 """``offgrpo report RUN_DIR [RUN_DIR ...]``: PNG plots and a summary of one run, or of several side by side.
 
-Reward and greedy held-out accuracy against the step and against wall-clock (the seed paper's comparison of refresh
+Reward and greedy held-out accuracy (and pass@k when the run sampled its evaluations) against the step and against
+wall-clock (the seed paper's comparison of refresh
 intervals is the second panel with one run per v), and where the time of each step went.
 """
 
@@ -28,6 +29,19 @@ def eval_points(records: list[dict]) -> list[tuple[int, float, float]]:
     points = [(0, 0.0, r["eval_start_accuracy"]) for r in records[:1] if "eval_start_accuracy" in r]
     points += [(r["step"] + 1, r["wall_s"] / 60, r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
     return points
+
+
+def pass_points(records: list[dict]) -> tuple[str, list[tuple[int, float, float]]]:
+    """(the metric, its points) of the largest pass@k the evaluations report (``train.eval_samples`` > 1), as
+    ``eval_points``; ("", []) when none does."""
+    keys = {key.removeprefix("eval_").removeprefix("start_") for r in records for key in r
+            if key.startswith(("eval_pass@", "eval_start_pass@"))}
+    if not keys:
+        return "", []
+    metric = max(keys, key=lambda key: int(key.split("@")[1]))
+    points = [(0, 0.0, r[f"eval_start_{metric}"]) for r in records[:1] if f"eval_start_{metric}" in r]
+    points += [(r["step"] + 1, r["wall_s"] / 60, r[f"eval_{metric}"]) for r in records if f"eval_{metric}" in r]
+    return metric, points
 
 
 def _label(run_dir: Path, records: list[dict]) -> str:
@@ -61,6 +75,11 @@ def make_report(run_dirs: list[str | Path] | str | Path, window: int = 5, out: s
                          label=f"{label}: greedy held-out accuracy")
             axes[1].plot([e[1] for e in evals], [e[2] for e in evals], "o--", color=line.get_color(),
                          label=f"{label}: greedy held-out accuracy")
+        metric, passes = pass_points(records)
+        if passes:
+            for ax, x in ((axes[0], 0), (axes[1], 1)):
+                ax.plot([p[x] for p in passes], [p[2] for p in passes], "s:", color=line.get_color(),
+                        label=f"{label}: held-out {metric}")
     axes[0].set(xlabel="optimizer step", title="reward and accuracy vs step", ylim=(-0.02, 1.02))
     axes[1].set(xlabel="wall-clock (min)", title="reward and accuracy vs wall-clock", ylim=(-0.02, 1.02))
     _time_split(axes[2], runs[0][1])
@@ -100,6 +119,9 @@ def summary(run_dir: str | Path) -> str:
     evals = eval_points(records)
     held_out = (f"; greedy held-out accuracy {evals[0][2]:.3f} (step {evals[0][0]}) -> {evals[-1][2]:.3f} "
                 f"(step {evals[-1][0]})" if len(evals) > 1 else "")
+    metric, passes = pass_points(records)
+    if len(passes) > 1:
+        held_out += f", {metric} {passes[0][2]:.3f} -> {passes[-1][2]:.3f}"
     return (f"{len(records)} steps in {records[-1]['wall_s'] / 60:.1f} min: reward {mean(head, 'reward_mean'):.3f} -> "
             f"{mean(tail, 'reward_mean'):.3f} (first/last fifth), accuracy {mean(head, 'accuracy'):.3f} -> "
             f"{mean(tail, 'accuracy'):.3f}{held_out}; time: "

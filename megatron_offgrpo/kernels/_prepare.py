@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megatron_offgrpo.algo import ObjectiveParams, aggregate, token_loss, truncated_is_weights
+from megatron_offgrpo.algo import ObjectiveParams, aggregate, resolve_seq_ids, token_loss, truncated_is_weights
 from megatron_offgrpo.kernels._driver import TokenBatch
 
 
@@ -89,10 +89,12 @@ def prepare_batch(
     Returns:
         ``(batch, tis statistics)``.
     """
-    with torch.no_grad():  # dry run on the full batch: algo's own checks of shapes, dtypes and switches
-        token_loss(torch.zeros(targets.shape[0], dtype=acc_dtype, device=targets.device), behavior_logp,
-                   advantages, loss_mask, params, ref_logp=optional["ref_logp"], tis_weights=optional["tis_weights"])
     layout = {"seq_ids": normalisers["seq_ids"], "cu_seqlens": normalisers["cu_seqlens"]}
+    zeros = torch.zeros(targets.shape[0], dtype=acc_dtype, device=targets.device)
+    seq_ids = resolve_seq_ids(targets.shape[0], **layout)[0] if params.sequence_ratio else None
+    with torch.no_grad():  # dry run on the full batch: algo's own checks of shapes, dtypes and switches
+        token_loss(zeros, behavior_logp, advantages, loss_mask, params, ref_logp=optional["ref_logp"],
+                   tis_weights=optional["tis_weights"], seq_log_ratio=zeros if params.sequence_ratio else None)
     tis, tis_stats = _is_weights(
         behavior_logp, optional["fleet_logp"], optional["tis_weights"], loss_mask, params, layout
     )
@@ -105,6 +107,6 @@ def prepare_batch(
 
     batch = TokenBatch(
         rows=rows, targets=take(targets), behavior_logp=take(behavior_logp), advantages=take(advantages),
-        weights=take(weights), ref_logp=take(optional["ref_logp"]), tis_weights=take(tis),
+        weights=take(weights), ref_logp=take(optional["ref_logp"]), tis_weights=take(tis), seq_ids=take(seq_ids),
     )
     return batch, tis_stats

@@ -107,11 +107,13 @@ class RolloutSide:
         verify_refresh(self.engine, probe_ids, expected, version, atol)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy of the engine's weights on the eval prompts ({} without ``train.eval_every``)."""
+        """Greedy accuracy of the engine's weights on the eval prompts, and pass@k / avg@n with
+        ``train.eval_samples`` n > 1 ({} without ``train.eval_every``)."""
         if not self.config.train.eval_every:
             return {}
-        return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer,
-                        self.config.rollout.max_new_tokens)
+        cfg = self.config
+        return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer, cfg.rollout.max_new_tokens,
+                        samples=cfg.train.eval_samples, temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this side: where the prompt stream is."""

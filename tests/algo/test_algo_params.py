@@ -24,12 +24,12 @@ def test_defaults_are_valid_and_frozen():
 
 
 def test_registry_names():
-    assert set(objective_names()) == {"grpo_clip", "gpg", "rec", "opmd", "asymre"}
+    assert set(objective_names()) == {"grpo_clip", "gpg", "rec", "opmd", "asymre", "cispo", "gspo"}
     assert set(_AGGREGATORS) == set(AGGREGATIONS)
 
 
 def test_registry_miss_lists_valid_names():
-    with pytest.raises(ValueError, match=r"objective='ppo'.*asymre, gpg, grpo_clip, opmd, rec"):
+    with pytest.raises(ValueError, match=r"objective='ppo'.*asymre, cispo, gpg, grpo_clip, gspo, opmd, rec"):
         get_objective("ppo")
 
 
@@ -81,8 +81,11 @@ def test_objective_params_reports_every_error_together():
         ({"objective": "rec", "tau": 0.1}, "only used by objective in ('opmd', 'asymre')"),
         ({"aggregation": "token_sum_norm"}, "aggregation_constant=None"),
         ({"aggregation_constant": -1.0}, "aggregation_constant=-1.0"),
-        ({"eps_low_outer": 0.1}, "eps_low_outer=0.1"),  # below eps_low = 0.2
-        ({"eps_high_outer": 0.1}, "eps_high_outer=0.1"),  # below eps_high = 0.2
+        ({"rec_clip": "ring", "eps_low_outer": 0.1}, "eps_low_outer=0.1"),  # below eps_low = 0.2
+        ({"rec_clip": "ring", "eps_high_outer": 0.1}, "eps_high_outer=0.1"),  # below eps_high = 0.2
+        ({"objective": "gspo"}, "set aggregation='seq_mean_token_mean'"),
+        ({"objective": "gspo", "aggregation": "seq_mean_token_mean", "seq_eps_low": 1.5}, "seq_eps_low=1.5"),
+        ({"seq_eps_high": -0.1}, "seq_eps_high=-0.1"),
         ({"eps_low": float("nan")}, "eps_low=nan"),
         ({"tis_cap": True}, "tis_cap=True"),
     ],

@@ -107,6 +107,9 @@ TP_CASES = {
         temperature=0.7, entropy=True, chunk_size=16, impl="triton",
     ),
     "all_masked": dict(params=ObjectiveParams(), zero_variance_groups=3, chunk_size=4, impl="torch"),
+    "gspo_torch": dict(params=ObjectiveParams(objective="gspo", seq_eps_low=0.05, seq_eps_high=0.05,
+                                              aggregation="seq_mean_token_mean"), chunk_size=5, impl="torch"),
+    "cispo_torch": dict(params=ObjectiveParams(objective="cispo", eps_high=0.1), chunk_size=5, impl="torch"),
 }
 """Cases run under TP=2 by the worker and at TP=1 by the test: name -> make_case kwargs + chunk_size + impl."""
 

@@ -13,7 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_offgrpo.algo import ObjectiveParams, aggregate, reference_loss, token_loss, truncated_is_weights
+from megatron_offgrpo.algo import (
+    ObjectiveParams,
+    aggregate,
+    reference_loss,
+    sequence_log_ratio,
+    token_loss,
+    truncated_is_weights,
+)
 from megatron_offgrpo.kernels import fused_linear_grpo_loss
 from megatron_offgrpo.kernels._torch_ops import TorchOps
 from tests.kernels._cases import Case, make_case, rel_err
@@ -29,6 +36,10 @@ PARAMS = {
     "opmd_k2": ObjectiveParams(objective="opmd", tau=0.1, kl_estimator="k2", kl_beta=0.02),
     "asymre": ObjectiveParams(objective="asymre", tau=0.05),
     "grpo_tis_seq": ObjectiveParams(tis_cap=1.5, tis_level="sequence", eps_high=0.28),
+    "cispo": ObjectiveParams(objective="cispo", eps_low=1.0, eps_high=0.28),
+    # seq clip range wide enough that both clipped and unclipped sequences occur in the case's random ratios
+    "gspo_k3": ObjectiveParams(objective="gspo", seq_eps_low=0.05, seq_eps_high=0.05, kl_beta=0.05,
+                               aggregation="seq_mean_token_mean"),
 }
 
 
@@ -60,8 +71,10 @@ def loss_scale(case: Case, **extra) -> float:
         if kw.get("fleet_logp") is not None and case.params.tis_cap is not None:
             tis, _ = truncated_is_weights(case.behavior_logp, kw["fleet_logp"], case.loss_mask, case.params.tis_cap,
                                           case.params.tis_level, **layout)
+        seq_lr = (sequence_log_ratio(logp, case.behavior_logp, case.loss_mask, **layout)
+                  if case.params.sequence_ratio else None)
         per_token, _ = token_loss(logp, case.behavior_logp, case.advantages, case.loss_mask, case.params,
-                                  ref_logp=kw.get("ref_logp"), tis_weights=tis)
+                                  ref_logp=kw.get("ref_logp"), tis_weights=tis, seq_log_ratio=seq_lr)
         counts = {k: kw.get(k) for k in ("global_token_count", "global_seq_count")}
         return aggregate(per_token.abs(), case.loss_mask, case.params, **layout, **counts).item()
 

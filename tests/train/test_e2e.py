@@ -93,6 +93,7 @@ def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_
 
     proc = run_torchrun(REPO / "tests" / "workers" / "train_worker.py", 1, [str(tmp_path)])
     assert "IDENTICAL" in proc.stdout and "SKIPPED non-finite step" in proc.stdout
+    assert "IDENTICAL cispo" in proc.stdout and "IDENTICAL gspo" in proc.stdout
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])

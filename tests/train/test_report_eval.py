@@ -71,6 +71,28 @@ def test_eval_cli_scores_a_model(tmp_path):
     assert 1 <= result["eval_response_len"] <= 4
 
 
+def test_eval_cli_samples_give_pass_at_k(tmp_path):
+    from tests.helpers import tiny_hf_config
+
+    cfg = dict(tiny_hf_config("qwen2"), vocab_size=151936, hidden_size=64, num_hidden_layers=1, eos_token_id=151645)
+    model = save_hf_model(cfg, tmp_path / "model")
+    out = tmp_path / "eval.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_offgrpo.cli", "eval", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
+         "--model", str(model), "--prompts", "3", "--samples", "4",
+         "--engine", "transformers", "--out", str(out), "rollout.max_new_tokens=4", "rollout.temperature=1.5"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"eval_accuracy", "eval_pass@1", "eval_pass@2", "eval_pass@4", "eval_avg@4"} <= set(result)
+    assert 0 <= result["eval_pass@1"] <= result["eval_pass@2"] <= result["eval_pass@4"] <= 1
+    bad = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "eval", "--config",
+                          str(REPO / "configs" / "tiny-cpu.yaml"), "--samples", "0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "train.eval_samples" in bad.stderr and bad.stderr.strip().count("\n") <= 1
+
+
 @pytest.mark.slow
 def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_end(tmp_path):
     """train.eval_every: greedy accuracy of version 0 before any update, of the engine's version every N steps, and
@@ -81,7 +103,7 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
          f"model.hf_path={REPO / 'megatron_offgrpo/assets/tiny-qwen2'}", "model.init=random",
          "rollout.engine=transformers", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4",
          "rollout.refresh_every=2", "train.steps=3", "train.eval_every=1", "train.eval_prompts=3",
-         f"train.out_dir={run}"],
+         "train.eval_samples=2", f"train.out_dir={run}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,4 +111,9 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
     assert [r.get("eval_start_version") for r in records] == [0, None, None]
     # after steps 1 and 2 the engine still serves version 0 (v=2 refreshes before step 3); after step 3: version 3
     assert [r["eval_version"] for r in records] == [0, 0, 3] and all(r["eval_prompts"] == 3 for r in records)
+    assert "eval_start_pass@2" in records[0] and all({"eval_pass@1", "eval_pass@2", "eval_avg@2"} <= set(r)
+                                                     for r in records)
+    from megatron_offgrpo.cli.report import summary
+
+    assert "pass@2" in summary(run)
     assert (run / "hf" / "config.json").exists()

@@ -43,6 +43,17 @@ def main() -> None:
         assert torch.equal(clip[name], on_policy[name]), f"{name}: GRPO-clip(v=1, exact) != on-policy GRPO"
     print(f"IDENTICAL {len(clip)} grads ({len(nonzero)} non-zero)")
 
+    # CISPO and GSPO at v=1 with exact behavior log-probs (every ratio, token or sequence, is exactly 1): the
+    # trainer's update through the fused kernel is the on-policy policy gradient under the same aggregation.
+    for objective, aggregation in (("cispo", "token_mean"), ("gspo", "seq_mean_token_mean")):
+        ours = grads(trainer, mbs, dataclasses_replace(config.algo, objective=objective,
+                                                       aggregation=aggregation).objective_params(), tokens, seqs)
+        pg = grads(trainer, mbs, dataclasses_replace(config.algo, objective="gpg",
+                                                     aggregation=aggregation).objective_params(), tokens, seqs)
+        for name in ours:
+            assert torch.equal(ours[name], pg[name]), f"{name}: {objective}(v=1, exact) != on-policy PG"
+        print(f"IDENTICAL {objective}")
+
     # A non-finite loss (here: a NaN behavior log-prob on a valid token) skips the step and leaves the weights.
     before = {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}
     mbs[0].behavior_logp[mbs[0].loss_mask.nonzero()[0].tolist()[0],
