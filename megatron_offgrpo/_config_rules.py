@@ -27,8 +27,9 @@ CHOICES = {
 }
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
-            "rollout.bucket_mb", "optim.micro_batch_tokens", "train.steps", "train.max_nonfinite_steps",
-            "train.log_every", "train.eval_prompts", "train.eval_samples", "data.max_prompt_tokens", "data.count"]
+            "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens", "train.steps",
+            "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
+            "data.max_prompt_tokens", "data.count"]
 
 
 def _get(config: Any, key: str):
@@ -57,6 +58,9 @@ def collect_errors(config: Any) -> list[str]:
         errors.append(f"rollout.top_p={r.top_p} needs the log-probs of the truncated distribution the tokens were "
                       "sampled from, which only vLLM gives (rollout.engine=vllm or fleet, behavior_logprobs=fleet): "
                       "anything else biases the importance ratio; or use top_p=1")
+    if r.oversample < 1:
+        errors.append(f"rollout.oversample={r.oversample}: must be >= 1 (a refill round asks for "
+                      "ceil(missing x oversample) prompts)")
     if r.verify_tolerance is not None and r.verify_tolerance < 0:
         errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0 (or null: the precision's default)")
     errors.extend(_optim_errors(config))

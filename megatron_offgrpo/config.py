@@ -113,6 +113,17 @@ class RolloutConfig:
     (exact)."""
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose G rewards are all equal (no learning signal: algo's zero-variance
+    criterion) is discarded and the step refills from the prompt stream until it holds prompts_per_step groups with
+    reward variance, within max_sampling_rounds generation rounds. Changes the batch, not the objective."""
+    max_sampling_rounds: int = 4
+    """Most generation rounds of one step with dynamic_sampling (>= 1). When they run out the batch is topped up with
+    discarded degenerate groups (masked like any zero-variance group); a step with no group with variance stops the
+    run."""
+    oversample: float = 1.0
+    """With dynamic_sampling, each round asks for ceil(missing x oversample) prompts (>= 1; missing = prompts_per_step
+    minus the groups with variance already kept): 1 / (expected fraction with variance) saves rounds."""
     verify_tolerance: float | None = None
     """Max |fleet - trainer| log-prob on the probe after a refresh. None: the default of the precision the check runs
     at (``rollout.PROBE_ATOL``: 1e-4 with model.precision=fp32, 5e-2 with bf16 or fp8, which serve bf16); a fleet

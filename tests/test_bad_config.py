@@ -20,6 +20,8 @@ CASES = [  # (overrides, what the message must name)
     (["optim.min_lr=0.1"], "optim.min_lr=0.1: must be in [0, optim.lr=0.003]"),
     (["rollout.verify_tolerance=-1"], "rollout.verify_tolerance=-1.0: must be >= 0"),
     (["data.count=0"], "data.count=0: must be >= 1"),
+    (["rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds=0: must be >= 1"),
+    (["rollout.oversample=0.5"], "rollout.oversample=0.5: must be >= 1"),
     (["parallel.tp=0"], "parallel.tp=0: must be >= 1"),
     (["parallel.pp=-1"], "parallel.pp=-1: must be >= 1"),
     (["rollout.top_p=0.9", "rollout.engine=transformers"], "rollout.top_p=0.9 needs the log-probs of the truncated"),

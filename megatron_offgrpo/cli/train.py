@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,10 +24,13 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import use_huge_pages
-    from megatron_offgrpo.train import train
+    from megatron_offgrpo.train import NoLearningSignalError, train
 
     use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
-    run_dir = train(config)
+    try:
+        run_dir = train(config)
+    except NoLearningSignalError as exc:  # the task against the policy, not a fault: one line, no traceback
+        sys.exit(f"error: {exc}")
     print(f"run directory: {run_dir}  (plots: offgrpo report {run_dir})")
 
 

@@ -15,6 +15,7 @@ _EXPORTS = {
     "load_prompts": "megatron_offgrpo.train._prompts",
     "load_tokenizer": "megatron_offgrpo.train._prompts",
     "read_metrics": "megatron_offgrpo.train._metrics",
+    "NoLearningSignalError": "megatron_offgrpo.train._sampling",
 }
 __all__ = sorted(_EXPORTS)
 

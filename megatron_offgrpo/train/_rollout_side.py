@@ -1,5 +1,5 @@
-"""Rank 0's side of the wall: the engine, the prompt stream, the reward. It gives ``list[Sample]`` out and takes
-weight buckets in; it never sees the policy."""
+"""Rank 0's side of the wall: the engine, the prompt stream, the reward. It gives ``RolloutBatch`` (samples and
+how they were sampled) out and takes weight buckets in; it never sees the policy."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshReport, RolloutEngine
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
+from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
 from megatron_offgrpo.train.builders import sampling_params
 from megatron_offgrpo.transports import Buckets
 
@@ -52,11 +53,29 @@ class RolloutSide:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         return side
 
-    def generate(self, step: int) -> list[Sample]:
-        """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step."""
+    def generate(self, step: int) -> RolloutBatch:
+        """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step (per round).
+
+        With ``rollout.dynamic_sampling``, groups whose rewards are all equal are discarded and further rounds refill
+        the batch from the stream (``train._sampling.fill_batch``). The engine is not refreshed during a step, so
+        every round's samples carry the version it reports.
+        """
+        r = self.config.rollout
+        if not r.dynamic_sampling:
+            return RolloutBatch(self._draw(step, 0, r.prompts_per_step))
+        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts), r.prompts_per_step,
+                           r.group_size, r.max_sampling_rounds, r.oversample, self.config.algo.advantage_params(), step)
+        if batch.stats.degenerate_kept:
+            logger.info("step %d: %d of %d groups without reward variance after %d sampling rounds (masked; "
+                        "rollout.max_sampling_rounds)", step, batch.stats.degenerate_kept, r.prompts_per_step,
+                        batch.stats.rounds)
+        return batch
+
+    def _draw(self, step: int, round_: int, count: int) -> list[Sample]:
+        """The next ``count`` prompts of the stream, G scored samples each, group-major."""
         cfg = self.config
-        params = sampling_params(cfg.rollout, seed=cfg.parallel.seed + 100_003 * step)
-        prompts, group_size = self.stream.next_batch(cfg.rollout.prompts_per_step), cfg.rollout.group_size
+        params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_))
+        prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
         samples = self.engine.generate(prompts, group_size, params)
         if len(samples) != len(prompts) * group_size:
             raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
@@ -65,7 +84,7 @@ class RolloutSide:
             sample.reward = float(self.reward_fn(text, prompts[sample.group_id].answer))
         return samples
 
-    def batch(self, step: int) -> list[Sample]:
+    def batch(self, step: int) -> RolloutBatch:
         """Step ``step``'s samples: the batch ``prefetch`` started during the previous step, else generated now."""
         if self._pending is None:
             return self.generate(step)
@@ -116,7 +135,14 @@ class RolloutSide:
                         samples=cfg.train.eval_samples, temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this side: where the prompt stream is."""
+        """What a checkpoint keeps of this side: where the prompt stream is.
+
+        With dynamic sampling a prefetch in flight (``rollout.overlap``) takes refill prompts until its batch is
+        full, so the position is only known once it ends: wait for it. Without, the prefetch takes its B prompts at
+        its first line, long before the checkpoint, and the overlap is kept.
+        """
+        if self._pending is not None and self.config.rollout.dynamic_sampling:
+            concurrent.futures.wait([self._pending[1]])  # its error, if any, is raised by batch()
         return {"stream": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -33,8 +33,8 @@ def train(config: Config) -> Path:
     nonfinite = 0
     for step in range(start, steps):
         times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
-        samples, version = _rollout(trainer, rollout, step, version, times)
-        metrics = sample_metrics(samples, step, _staleness_bound(config))  # raises if the engine served stale weights
+        samples, version, sampling = _rollout(trainer, rollout, step, version, times)
+        metrics = sample_metrics(samples, step, _staleness_bound(config)) | sampling  # raises on stale samples
         learn_start = time.perf_counter()
         metrics |= trainer.learn(samples)
         times["time_train_s"] = time.perf_counter() - learn_start
@@ -90,8 +90,9 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
 
 
 def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, version: int,
-             times: dict[str, float]) -> tuple[list[Sample], int]:
-    """This step's samples on every rank, and the engine's version, refreshed when v steps have passed.
+             times: dict[str, float]) -> tuple[list[Sample], int, dict[str, float]]:
+    """This step's samples on every rank, the engine's version, refreshed when v steps have passed, and rank 0's
+    sampling metrics (``rollout.dynamic_sampling``'s group counts; {} elsewhere).
 
     Without ``rollout.overlap`` the refresh comes first and the batch is generated now. With it, the batch
     generated during the previous step is collected first, then the refresh, then the next batch starts
@@ -101,16 +102,16 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     due = step - version >= trainer.config.rollout.refresh_every
     if due and not overlap:
         times["time_sync_s"], version = refresh(trainer, rollout, step), step
-    samples = None
+    batch = None
     if rollout is not None:
         start = time.perf_counter()
-        samples = rollout.batch(step)  # with overlap: only the wait is on the critical path
+        batch = rollout.batch(step)  # with overlap: only the wait is on the critical path
         times["time_generate_s"] = time.perf_counter() - start
     if due and overlap:
         times["time_sync_s"], version = refresh(trainer, rollout, step), step
     if rollout is not None:
         rollout.prefetch(step + 1)
-    return share_samples(samples), version
+    return share_samples(None if batch is None else batch.samples), version, {} if batch is None else batch.metrics()
 
 
 def _staleness_bound(config: Config) -> int:
