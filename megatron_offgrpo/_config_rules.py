@@ -58,6 +58,11 @@ def collect_errors(config: Any) -> list[str]:
         errors.append(f"rollout.top_p={r.top_p} needs the log-probs of the truncated distribution the tokens were "
                       "sampled from, which only vLLM gives (rollout.engine=vllm or fleet, behavior_logprobs=fleet): "
                       "anything else biases the importance ratio; or use top_p=1")
+    if not 0 <= r.overlong_buffer <= r.max_new_tokens:
+        errors.append(f"rollout.overlong_buffer={r.overlong_buffer}: must be in [0, rollout.max_new_tokens="
+                      f"{r.max_new_tokens}] (the last tokens before the limit where the length penalty grows)")
+    if not r.overlong_penalty >= 0:
+        errors.append(f"rollout.overlong_penalty={r.overlong_penalty}: must be >= 0 (the penalty at the length limit)")
     if r.oversample < 1:
         errors.append(f"rollout.oversample={r.oversample}: must be >= 1 (a refill round asks for "
                       "ceil(missing x oversample) prompts)")

@@ -117,6 +117,14 @@ class RolloutConfig:
     """DAPO's dynamic sampling: a group whose G rewards are all equal (no learning signal: algo's zero-variance
     criterion) is discarded and the step refills from the prompt stream until it holds prompts_per_step groups with
     reward variance, within max_sampling_rounds generation rounds. Changes the batch, not the objective."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: a response longer than max_new_tokens - overlong_buffer tokens gets a reward
+    falling linearly to -overlong_penalty at max_new_tokens (0: off; at most max_new_tokens)."""
+    overlong_penalty: float = 1.0
+    """The overlong punishment at max_new_tokens (>= 0)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses cut at max_new_tokens (finish_reason "length") leave the loss (they stay in
+    their group's advantage baseline)."""
     max_sampling_rounds: int = 4
     """Most generation rounds of one step with dynamic_sampling (>= 1). When they run out the batch is topped up with
     discarded degenerate groups (masked like any zero-variance group); a step with no group with variance stops the

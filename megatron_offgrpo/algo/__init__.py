@@ -34,6 +34,7 @@ from megatron_offgrpo.algo._objectives import (
 from megatron_offgrpo.algo._packing import broadcast_to_tokens, resolve_seq_ids, segment_sum
 from megatron_offgrpo.algo._params import AdvantageParams, ObjectiveParams
 from megatron_offgrpo.algo._reference import reference_loss
+from megatron_offgrpo.algo._shaping import overlong_penalty
 from megatron_offgrpo.algo._registry import (
     ObjectiveFn,
     ObjectiveTerms,
@@ -65,6 +66,7 @@ __all__ = [
     "kl_penalty",
     "objective_names",
     "opmd",
+    "overlong_penalty",
     "rec",
     "rec_keep_mask",
     "reference_loss",

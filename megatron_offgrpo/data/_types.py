@@ -52,7 +52,8 @@ class Sample:
         prompt_id: the prompt's id. group_id: index of the prompt's group in the batch (the G samples of a
             prompt share it). prompt_ids: [T_prompt]. response_ids: [T_resp] sampled tokens.
         behavior_logprobs: [T_resp] the fleet's log-prob of each sampled token (the behavior policy's).
-        reward: set by the scorer (None before scoring).
+        reward: set by the scorer (None before scoring), shaping included.
+        shaping: the part of ``reward`` that is shaping, not the task's score (e.g. the overlong penalty, <= 0).
         policy_version: the trainer step whose weights generated every token of this sample.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
         server: which engine/server produced it (for logs and failover checks).
@@ -67,6 +68,7 @@ class Sample:
     finish_reason: str
     reward: float | None = None
     server: str = ""
+    shaping: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):

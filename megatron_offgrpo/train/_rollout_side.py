@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
+from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshReport, RolloutEngine
@@ -82,6 +83,10 @@ class RolloutSide:
         for sample in samples:
             text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
             sample.reward = float(self.reward_fn(text, prompts[sample.group_id].answer))
+            if cfg.rollout.overlong_buffer:
+                sample.shaping = overlong_penalty(len(sample.response_ids), cfg.rollout.max_new_tokens,
+                                                  cfg.rollout.overlong_buffer, cfg.rollout.overlong_penalty)
+                sample.reward += sample.shaping
         return samples
 
     def batch(self, step: int) -> RolloutBatch:
@@ -199,7 +204,8 @@ def _collective_host(r) -> str | None:
 
 
 def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
-    """Rewards, lengths and staleness (step - policy_version) of a step's samples; raises when a sample is older
+    """Rewards (accuracy: of the task's score, shaping left out), lengths, the fraction cut at the length limit and
+    staleness (step - policy_version) of a step's samples; raises when a sample is older
     than ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
     values = [step - s.policy_version for s in samples]
     if max(values) > staleness_bound or min(values) < 0:
@@ -208,8 +214,10 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             f"(versions {sorted({s.policy_version for s in samples})}): the engine did not serve the expected weights"
         )
     hist = collections.Counter(values)
-    rewards = [s.reward for s in samples]
-    return {"reward_mean": sum(rewards) / len(rewards), "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+    rewards, n = [s.reward for s in samples], len(samples)
+    return {"reward_mean": sum(rewards) / n, "accuracy": sum(s.reward - s.shaping >= 1.0 for s in samples) / n,
+            "response_len": sum(len(s.response_ids) for s in samples) / n,
+            "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
+            "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
             **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)}}

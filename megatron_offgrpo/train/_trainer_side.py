@@ -62,12 +62,14 @@ class TrainerSide:
         cfg, ctx = self.config, self.ctx
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         adv = compute_group_advantages(rewards, cfg.rollout.group_size, self.advantage)
-        microbatches = build_microbatches(samples, adv.advantages, adv.sample_valid, cfg.rollout.group_size,
-                                          ctx.dp_rank, ctx.dp_size, cfg.optim.micro_batch_tokens, device=ctx.device)
+        valid = adv.sample_valid
+        if cfg.rollout.mask_truncated:  # overlong filtering: a cut response leaves the loss, not the baseline
+            valid = valid & torch.tensor([s.finish_reason != "length" for s in samples])
+        microbatches = build_microbatches(samples, adv.advantages, valid, cfg.rollout.group_size, ctx.dp_rank,
+                                          ctx.dp_size, cfg.optim.micro_batch_tokens, device=ctx.device)
         self.fill_logprobs(microbatches)
         result = policy_step(self.policy.ddp, self.policy.optimizer, ctx, microbatches, self.objective,
-                             global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid),
-                             cfg.rollout.temperature)
+                             global_token_count(samples, valid), global_seq_count(valid), cfg.rollout.temperature)
         if not result.skipped:
             self.policy.scheduler.step(increment=1)
         return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,

@@ -1,0 +1,62 @@
+"""DAPO's overlong shaping on the real rollout side (tiny Qwen2, transformers engine, real tokenizer and prompts), and
+overlong filtering (``rollout.mask_truncated``) in a short `offgrpo train` run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_offgrpo.algo import overlong_penalty
+from megatron_offgrpo.config import load_config
+from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
+from tests.helpers import REPO
+from tests.train.conftest import TINY, run_train
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("overlong") / "hf"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def _batch(model_dir, tmp_path, *overrides: str):
+    config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", *overrides])
+    side = RolloutSide.build(config, model_dir, tmp_path, max_positions=512)
+    try:
+        return side.generate(0).samples
+    finally:
+        side.close()
+
+
+def test_overlong_shaping_adds_the_length_penalty_and_accuracy_reads_the_task_score(model_dir, tmp_path):
+    plain = _batch(model_dir, tmp_path / "plain")
+    shaped = _batch(model_dir, tmp_path / "shaped", "rollout.overlong_buffer=4", "rollout.overlong_penalty=0.5")
+    assert [s.response_ids for s in plain] == [s.response_ids for s in shaped]  # same seed: same completions
+    lengths = [len(s.response_ids) for s in shaped]
+    assert max(lengths) > 4, "want completions that reach into the buffer (max_new_tokens=8)"
+    for before, after in zip(plain, shaped):
+        expected = overlong_penalty(len(after.response_ids), 8, 4, 0.5)
+        assert after.shaping == pytest.approx(expected) and after.reward == pytest.approx(before.reward + expected)
+    assert any(s.shaping < 0 for s in shaped)
+    metrics = sample_metrics(shaped, 0, 0)
+    assert metrics["accuracy"] == sample_metrics(plain, 0, 0)["accuracy"]  # the task's score, shaping left out
+    assert metrics["overlong_penalty_mean"] == pytest.approx(sum(s.shaping for s in shaped) / len(shaped))
+    assert metrics["truncated_fraction"] == pytest.approx(sum(s.finish_reason == "length" for s in shaped) / 16)
+
+
+@pytest.mark.slow
+def test_mask_truncated_leaves_cut_responses_out_of_the_loss(tmp_path):
+    # 2-token limit: (nearly) every response of the random tiny model is cut, so (nearly) nothing enters the loss
+    common = ["rollout.max_new_tokens=2", "train.steps=2"]
+    masked = run_train(1, tmp_path / "masked", *common, "rollout.mask_truncated=true")
+    kept = run_train(1, tmp_path / "kept", *common)
+    for m, k in zip(masked, kept):
+        assert m["truncated_fraction"] == k["truncated_fraction"] > 0
+        if m["truncated_fraction"] == 1.0:
+            assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert any(m["loss"] != k["loss"] for m, k in zip(masked, kept))
