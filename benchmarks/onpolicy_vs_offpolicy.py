@@ -7,7 +7,12 @@ smallest), reward over the first and the last fifth of the steps, wall-clock min
 (moving average), generate / sync / train seconds per step, and the median run time against v=1 (run minutes: the
 training loop's wall-clock, engine start-up excluded). Writes a plot.
 
-Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 4] [--seeds 3] [--steps 40] [--target 0.6]
+Variants (``--variants``), each run at every v from the same warm-ups: ``grpo`` (the recipe: GRPO-clip), ``gspo``
+(``algo.objective=gspo``, sequence-mean aggregation, the paper's clip range) and ``dapo`` (DAPO's dynamic sampling
+with refill and its clip-higher ``algo.eps_high=0.28``).
+
+Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 4] [--variants grpo gspo dapo] [--seeds 3] [--steps 40]
+[--target 0.6]
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "grpo": [],
+    "gspo": ["algo.objective=gspo", "algo.aggregation=seq_mean_token_mean"],
+    "dapo": ["rollout.dynamic_sampling=true", "algo.eps_high=0.28"],
+}
+"""Variant -> the overrides of ``configs/tiny-cpu.yaml`` that make it."""
 
 
 def _run(cmd: list[str]) -> None:
@@ -42,6 +53,8 @@ def _time_to_target(records: list[dict], target: float, window: int = 5) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vs", type=int, nargs="+", default=[1, 4], help="refresh intervals v to compare")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="objectives / sampling schemes to compare at every v")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (each its own warm-up) per v")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     parser.add_argument("--target", type=float, default=0.6, help="reward whose first crossing is timed")
@@ -50,23 +63,28 @@ def main() -> None:
                         help="rollout engine of every run (auto: in-process vLLM if installed)")
     args = parser.parse_args()
     offgrpo = [sys.executable, "-m", "megatron_offgrpo.cli"]
-    results: dict[int, list[dict]] = {}
+    results: dict[tuple[str, int], list[dict]] = {}
     for seed in range(args.seeds):
         warmup = args.out / f"sft_seed{seed}"
         if not (warmup / "hf" / "config.json").exists():
             _run(offgrpo + ["sft", "--config", "configs/tiny-cpu-sft.yaml", f"parallel.seed={1234 + seed}",
                             f"train.out_dir={warmup}"])
-        for v in args.vs:
-            run_dir = args.out / f"v{v}_seed{seed}"
-            if not (run_dir / "metrics.jsonl").exists() or len(_records(run_dir)) < args.steps:
-                _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
-                                f"parallel.seed={1234 + seed}", f"train.steps={args.steps}", f"train.out_dir={run_dir}",
-                                f"rollout.engine={args.engine}", "train.save_every=0",
-                                f"model.hf_path={warmup / 'hf'}"])
-            results.setdefault(v, []).append(_summarise(_records(run_dir), args.target))
-            print(f"v={v} seed={seed}: {results[v][-1]}", file=sys.stderr)
+        for variant in args.variants:
+            for v in args.vs:
+                run_dir = _run_dir(args, variant, v, seed)
+                if not (run_dir / "metrics.jsonl").exists() or len(_records(run_dir)) < args.steps:
+                    _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
+                                    f"parallel.seed={1234 + seed}", f"train.steps={args.steps}",
+                                    f"train.out_dir={run_dir}", f"rollout.engine={args.engine}", "train.save_every=0",
+                                    "train.overwrite=true", f"model.hf_path={warmup / 'hf'}", *VARIANTS[variant]])
+                results.setdefault((variant, v), []).append(_summarise(_records(run_dir), args.target))
+                print(f"{variant} v={v} seed={seed}: {results[variant, v][-1]}", file=sys.stderr)
     _print_table(results, args)
     _plot(args, results)
+
+
+def _run_dir(args, variant: str, v: int, seed: int) -> Path:
+    return args.out / f"{variant}_v{v}_seed{seed}"
 
 
 def _summarise(records: list[dict], target: float) -> dict:
@@ -85,7 +103,7 @@ def _summarise(records: list[dict], target: float) -> dict:
             "total_min": records[-1]["wall_s"] / 60}
 
 
-def _print_table(results: dict[int, list[dict]], args) -> None:
+def _print_table(results: dict[tuple[str, int], list[dict]], args) -> None:
     def ms(values):
         values = [x for x in values if x == x]
         if not values:
@@ -93,15 +111,15 @@ def _print_table(results: dict[int, list[dict]], args) -> None:
         return (f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}" if len(values) > 1
                 else f"{values[0]:.3f}")
 
-    print(f"\n{args.seeds} seeds x {args.steps} steps per v; target reward {args.target}\n")
-    print("| v | greedy held-out before | after | gain (smallest) | first-fifth reward | last-fifth reward "
-          "| min to target | generate s/step | sync s/step | train s/step | run minutes | run time vs v=1 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    base = statistics.median(r["total_min"] for r in results[min(results)])
-    for v, rows in results.items():
+    print(f"\n{args.seeds} seeds x {args.steps} steps per variant and v; target reward {args.target}\n")
+    print("| variant | v | greedy held-out before | after | gain (smallest) | first-fifth reward | last-fifth reward "
+          "| min to target | generate s/step | sync s/step | train s/step | run minutes | run time vs first row |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = statistics.median(r["total_min"] for r in next(iter(results.values())))
+    for (variant, v), rows in results.items():
         minutes = statistics.median(r["total_min"] for r in rows)
         gains = [r["eval_after"] - r["eval_before"] for r in rows]
-        print(f"| {v} | {ms([r['eval_before'] for r in rows])} | {ms([r['eval_after'] for r in rows])} | "
+        print(f"| {variant} | {v} | {ms([r['eval_before'] for r in rows])} | {ms([r['eval_after'] for r in rows])} | "
               f"{ms(gains)} ({min(gains):+.2f}) | {ms([r['start_reward'] for r in rows])} | "
               f"{ms([r['final_reward'] for r in rows])} | "
               f"{_reached([r['minutes_to_target'] for r in rows])} | "
@@ -123,16 +141,16 @@ def _plot(args, results) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v in results:
-        curves = [[r["reward_mean"] for r in _records(args.out / f"v{v}_seed{s}")] for s in range(args.seeds)]
+    for variant, v in results:
+        curves = [[r["reward_mean"] for r in _records(_run_dir(args, variant, v, s))] for s in range(args.seeds)]
         length = min(len(c) for c in curves)
         mean = [statistics.mean(c[i] for c in curves) for i in range(length)]
         # every v sees the same prompts at the same step (same seeds), so the per-step curves move together with
         # prompt difficulty; a 5-step moving average shows the trend
         smooth = [statistics.mean(mean[max(0, i - 4): i + 1]) for i in range(length)]
-        ax.plot(range(length), smooth, label=f"v={v}")
+        ax.plot(range(length), smooth, label=f"{variant} v={v}")
     ax.set(xlabel="optimizer step", ylabel=f"reward (mean of {args.seeds} seeds, 5-step average)",
-           title="on- vs off-policy GRPO")
+           title="on- vs off-policy: GRPO, GSPO, DAPO")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
