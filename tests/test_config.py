@@ -79,7 +79,8 @@ ALGO_VARIANTS = [  # one switch off its default at a time (a mapping that drops 
     {"rec_clip": "ring"}, {"objective": "opmd", "tau": 0.5}, {"kl_estimator": "k2"}, {"kl_beta": 0.01},
     {"tis_cap": 2.0}, {"tis_level": "sequence"}, {"aggregation": "token_sum_norm"}, {"advantage_form": "std_eps"},
     {"std_normalize": False}, {"leave_one_out": True}, {"gpg_scale": True}, {"red_drop": True},
-    {"mask_zero_variance": False}, {"eps_low": -1.0}, {"objective": "nope"}, {"advantage_form": "nope"},
+    {"mask_zero_variance": False}, {"seq_eps_low": 0.01}, {"seq_eps_high": 0.02}, {"eps_low": -1.0},
+    {"objective": "nope"}, {"advantage_form": "nope"},
 ]
 
 
