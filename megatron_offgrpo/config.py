@@ -114,24 +114,19 @@ class RolloutConfig:
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: a group whose G rewards are all equal (no learning signal: algo's zero-variance
-    criterion) is discarded and the step refills from the prompt stream until it holds prompts_per_step groups with
-    reward variance, within max_sampling_rounds generation rounds. Changes the batch, not the objective."""
+    """DAPO's dynamic sampling: groups with equal rewards (algo's zero-variance criterion) are discarded and the step
+    refills from the prompt stream up to prompts_per_step groups with variance (changes the batch, not the loss)."""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: a response longer than max_new_tokens - overlong_buffer tokens gets a reward
-    falling linearly to -overlong_penalty at max_new_tokens (0: off; at most max_new_tokens)."""
+    """DAPO's overlong shaping: reward falls linearly to -overlong_penalty over the last N tokens (0: off)."""
     overlong_penalty: float = 1.0
     """The overlong punishment at max_new_tokens (>= 0)."""
     mask_truncated: bool = False
-    """DAPO's overlong filtering: responses cut at max_new_tokens (finish_reason "length") leave the loss (they stay in
-    their group's advantage baseline)."""
+    """DAPO's overlong filtering: responses cut at max_new_tokens leave the loss (not their group's baseline)."""
     max_sampling_rounds: int = 4
-    """Most generation rounds of one step with dynamic_sampling (>= 1). When they run out the batch is topped up with
-    discarded degenerate groups (masked like any zero-variance group); a step with no group with variance stops the
-    run."""
+    """Most generation rounds of a dynamic_sampling step (>= 1); then discarded groups top the batch up (masked), and
+    a step with no group with variance stops the run."""
     oversample: float = 1.0
-    """With dynamic_sampling, each round asks for ceil(missing x oversample) prompts (>= 1; missing = prompts_per_step
-    minus the groups with variance already kept): 1 / (expected fraction with variance) saves rounds."""
+    """Each dynamic_sampling round asks for ceil(missing groups x oversample) prompts (>= 1)."""
     verify_tolerance: float | None = None
     """Max |fleet - trainer| log-prob on the probe after a refresh. None: the default of the precision the check runs
     at (``rollout.PROBE_ATOL``: 1e-4 with model.precision=fp32, 5e-2 with bf16 or fp8, which serve bf16); a fleet
@@ -150,16 +145,15 @@ class AlgoConfig:
     """The objective (see megatron_offgrpo.algo for every formula)."""
 
     objective: str = "grpo_clip"
-    """Registered objective: grpo_clip | gpg | rec | opmd | asymre | cispo | gspo (gspo needs
-    aggregation=seq_mean_token_mean)."""
+    """grpo_clip | gpg | rec | opmd | asymre | cispo | gspo (gspo needs aggregation=seq_mean_token_mean)."""
     eps_low: float = 0.2
     """Lower clip: rho >= 1 - eps_low (cispo: the weight's floor; 1.0 = none)."""
     eps_high: float = 0.2
     """Upper clip: rho <= 1 + eps_high (cispo: the weight's cap)."""
     seq_eps_low: float = 3e-4
-    """gspo: the sequence ratio's floor 1 - seq_eps_low (the GSPO paper's 3e-4)."""
+    """gspo: the sequence ratio's floor 1 - seq_eps_low (the paper's 3e-4; ceiling: seq_eps_high, 4e-4)."""
     seq_eps_high: float = 4e-4
-    """gspo: the sequence ratio's ceiling 1 + seq_eps_high (the GSPO paper's 4e-4)."""
+    """gspo: the sequence ratio's ceiling 1 + seq_eps_high."""
     dual_clip: float | None = None
     """Dual-clip bound c > 1 for negative advantages (grpo_clip only)."""
     rec_weight: str = "none"
@@ -257,8 +251,7 @@ class TrainConfig:
     eval_prompts: int = 200
     """Prompts per evaluation."""
     eval_samples: int = 1
-    """Completions per eval prompt sampled at rollout.temperature besides the greedy one: n > 1 also reports
-    eval_pass@k (the unbiased estimator, k = 1, 2, 4, ... and n) and eval_avg@n (mean reward of the n samples)."""
+    """n > 1: also sample n completions per eval prompt and report eval_pass@k (k = 1, 2, 4, ..., n), eval_avg@n."""
     resume: bool = False
     """Continue from the newest complete checkpoint in out_dir (step 0, saying so, when there is none)."""
     overwrite: bool = False

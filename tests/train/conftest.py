@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, _free_port
 
 TINY = [
@@ -67,3 +69,17 @@ def kill_tree(pid: int) -> None:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2 asset with random weights (seed 0), as the HF directory a run exports as version 0: what an
+    in-process rollout side serves."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny") / "hf"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out

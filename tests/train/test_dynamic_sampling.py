@@ -107,25 +107,13 @@ def test_each_round_has_its_own_reproducible_seed():
 # ---- the real rollout side: tiny Qwen2 (random weights), transformers engine, arithmetic prompts ----------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny Qwen2 asset with random weights, as the HF directory the trainer exports as version 0."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2")
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("dynamic") / "hf"
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
-
-
-def _side(model_dir, tmp_path, *overrides: str) -> RolloutSide:
+def _side(tiny_hf_dir, tmp_path, *overrides: str) -> RolloutSide:
     config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", *DYNAMIC, *overrides])
-    return RolloutSide.build(config, model_dir, tmp_path, max_positions=512)
+    return RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
 
 
-def test_the_rollout_side_refills_to_b_groups_with_variance(model_dir, tmp_path):
-    side = _side(model_dir, tmp_path, ODD_ZERO, "rollout.max_sampling_rounds=8")
+def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_path):
+    side = _side(tiny_hf_dir, tmp_path, ODD_ZERO, "rollout.max_sampling_rounds=8")
     try:
         B, G = 4, 4
         batch = side.generate(0)
@@ -159,9 +147,9 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(model_dir, tmp_path)
         side.close()
 
 
-def test_one_round_keeps_the_shape_and_says_how_many_groups_are_degenerate(model_dir, tmp_path, caplog):
+def test_one_round_keeps_the_shape_and_says_how_many_groups_are_degenerate(tiny_hf_dir, tmp_path, caplog):
     # even_length, one round: the batch is the first round's 4 groups, whatever their variance (no refill)
-    side = _side(model_dir, tmp_path, "rollout.max_sampling_rounds=1")
+    side = _side(tiny_hf_dir, tmp_path, "rollout.max_sampling_rounds=1")
     try:
         with caplog.at_level("INFO", logger="megatron_offgrpo.train._rollout_side"):
             batch = side.generate(0)
@@ -178,8 +166,8 @@ def test_one_round_keeps_the_shape_and_says_how_many_groups_are_degenerate(model
         side.close()
 
 
-def test_the_rollout_side_stops_when_no_group_has_variance(model_dir, tmp_path):
-    side = _side(model_dir, tmp_path, ALWAYS_ZERO, "rollout.max_sampling_rounds=2")
+def test_the_rollout_side_stops_when_no_group_has_variance(tiny_hf_dir, tmp_path):
+    side = _side(tiny_hf_dir, tmp_path, ALWAYS_ZERO, "rollout.max_sampling_rounds=2")
     try:
         with pytest.raises(NoLearningSignalError, match=r"^step 3: .* of 8 groups of G=4, 8 all 0\.0; the task is "
                                                         r"too hard for the policy"):
@@ -188,8 +176,8 @@ def test_the_rollout_side_stops_when_no_group_has_variance(model_dir, tmp_path):
         side.close()
 
 
-def test_without_dynamic_sampling_the_batch_is_one_round_and_has_no_counts(model_dir, tmp_path):
-    side = _side(model_dir, tmp_path, ODD_ZERO, "rollout.dynamic_sampling=false")
+def test_without_dynamic_sampling_the_batch_is_one_round_and_has_no_counts(tiny_hf_dir, tmp_path):
+    side = _side(tiny_hf_dir, tmp_path, ODD_ZERO, "rollout.dynamic_sampling=false")
     try:
         batch = side.generate(0)
         assert batch.stats is None and batch.metrics() == {} and len(batch.samples) == 16

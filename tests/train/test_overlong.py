@@ -4,38 +4,25 @@ overlong filtering (``rollout.mask_truncated``) in a short `offgrpo train` run."
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
-from tests.helpers import REPO
 from tests.train.conftest import TINY, run_train
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2")
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("overlong") / "hf"
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out
-
-
-def _batch(model_dir, tmp_path, *overrides: str):
+def _batch(tiny_hf_dir, tmp_path, *overrides: str):
     config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", *overrides])
-    side = RolloutSide.build(config, model_dir, tmp_path, max_positions=512)
+    side = RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
     try:
         return side.generate(0).samples
     finally:
         side.close()
 
 
-def test_overlong_shaping_adds_the_length_penalty_and_accuracy_reads_the_task_score(model_dir, tmp_path):
-    plain = _batch(model_dir, tmp_path / "plain")
-    shaped = _batch(model_dir, tmp_path / "shaped", "rollout.overlong_buffer=4", "rollout.overlong_penalty=0.5")
+def test_overlong_shaping_adds_the_length_penalty_and_accuracy_reads_the_task_score(tiny_hf_dir, tmp_path):
+    plain = _batch(tiny_hf_dir, tmp_path / "plain")
+    shaped = _batch(tiny_hf_dir, tmp_path / "shaped", "rollout.overlong_buffer=4", "rollout.overlong_penalty=0.5")
     assert [s.response_ids for s in plain] == [s.response_ids for s in shaped]  # same seed: same completions
     lengths = [len(s.response_ids) for s in shaped]
     assert max(lengths) > 4, "want completions that reach into the buffer (max_new_tokens=8)"

@@ -53,11 +53,16 @@ def test_report_without_metrics_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "metrics.jsonl" in proc.stderr
 
 
-def test_eval_cli_scores_a_model(tmp_path):
+def _one_layer_model(out):
+    """A one-layer Qwen2 with the real vocabulary, saved as a HF directory."""
     from tests.helpers import tiny_hf_config
 
     cfg = dict(tiny_hf_config("qwen2"), vocab_size=151936, hidden_size=64, num_hidden_layers=1, eos_token_id=151645)
-    model = save_hf_model(cfg, tmp_path / "model")
+    return save_hf_model(cfg, out)
+
+
+def test_eval_cli_scores_a_model(tmp_path):
+    model = _one_layer_model(tmp_path / "model")
     out = tmp_path / "eval.json"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_offgrpo.cli", "eval", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
@@ -72,10 +77,7 @@ def test_eval_cli_scores_a_model(tmp_path):
 
 
 def test_eval_cli_samples_give_pass_at_k(tmp_path):
-    from tests.helpers import tiny_hf_config
-
-    cfg = dict(tiny_hf_config("qwen2"), vocab_size=151936, hidden_size=64, num_hidden_layers=1, eos_token_id=151645)
-    model = save_hf_model(cfg, tmp_path / "model")
+    model = _one_layer_model(tmp_path / "model")
     out = tmp_path / "eval.json"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_offgrpo.cli", "eval", "--config", str(REPO / "configs" / "tiny-cpu.yaml"),
