@@ -13,11 +13,11 @@ from typing import Callable, Sequence
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
-from megatron_offgrpo.rollout import RefreshReport, RolloutEngine
+from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
 from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
-from megatron_offgrpo.train.builders import sampling_params
+from megatron_offgrpo.train.builders import sampling_params, serving_dtype, verify_tolerance
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,6 @@ class RolloutSide:
         on with the rest (a later refresh brings it back if it recovers); only a refresh that no server installed
         stops the run.
         """
-        from megatron_offgrpo.rollout import RefreshError
-
         try:
             return self.engine.update_weights(buckets, version)
         except RefreshError as exc:
@@ -124,18 +122,15 @@ class RolloutSide:
     def verify(self, probe_ids: list[int], expected: list[float], version: int) -> None:
         """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
         ``expected`` (the trainer's log-probs) within the run's tolerance."""
-        from megatron_offgrpo.rollout import verify_refresh
-        from megatron_offgrpo.train.builders import verify_tolerance
-
         atol = verify_tolerance(self.config.rollout, self.config.model.precision)
         verify_refresh(self.engine, probe_ids, expected, version, atol)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy of the engine's weights on the eval prompts, and pass@k / avg@n with
         ``train.eval_samples`` n > 1 ({} without ``train.eval_every``)."""
-        if not self.config.train.eval_every:
-            return {}
         cfg = self.config
+        if not cfg.train.eval_every:
+            return {}
         return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer, cfg.rollout.max_new_tokens,
                         samples=cfg.train.eval_samples, temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
 
@@ -167,9 +162,6 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         run_dir: the run directory (a disk refresh writes its versions under it; None: an engine never refreshed).
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
     """
-    from megatron_offgrpo.rollout import make_engine
-    from megatron_offgrpo.train.builders import serving_dtype
-
     r = config.rollout
     if r.engine == "fleet":
         return make_engine("fleet", state=r.fleet_state, transport=r.transport,

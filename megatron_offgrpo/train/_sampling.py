@@ -130,10 +130,8 @@ def fill_batch(draw: Callable[[int, int], list[Sample]], batch_groups: int, grou
 
 
 def _split_groups(samples: list[Sample], prompts: int, group_size: int) -> list[list[Sample]]:
-    """``samples`` as ``prompts`` groups of G, checking the engine's group-major order (the renumbering relies
-    on it)."""
-    if len(samples) != prompts * group_size:
-        raise RuntimeError(f"engine returned {len(samples)} samples for {prompts} prompts x G={group_size}")
+    """``samples`` (``prompts`` x G of them: ``RolloutSide._draw`` checks the count) as groups of G, checking the
+    engine's group-major order (the renumbering relies on it)."""
     groups = [samples[b * group_size:(b + 1) * group_size] for b in range(prompts)]
     for b, group in enumerate(groups):
         if any(s.group_id != b for s in group):

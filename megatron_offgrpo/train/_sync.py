@@ -11,6 +11,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from megatron_offgrpo.data import Sample
+from megatron_offgrpo.rollout import make_probe_ids
 from megatron_offgrpo.train._rollout_side import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
@@ -53,8 +54,6 @@ def verify(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> N
     Raises:
         RefreshVerificationError (rank 0) / RuntimeError (other ranks): the engine does not serve these weights.
     """
-    from megatron_offgrpo.rollout import make_probe_ids
-
     probe = make_probe_ids(trainer.arch.vocab_size)
     expected = trainer.probe_logprobs(probe)
     _on_rank0_shared(rollout, lambda: rollout.verify(probe, expected, version),
