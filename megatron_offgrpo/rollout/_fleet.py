@@ -142,16 +142,32 @@ class FleetEngine:
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """Every serving server's version and prompt log-probs of ``token_ids`` ([T-1] each).
 
+        A server that does not answer (e.g. it died between the refresh and the probe) leaves the rotation like a
+        server that failed the refresh: its weights were never checked, so it serves again only after a later
+        refresh (and its probe) succeeds on it. The others are probed and serve on.
+
         Raises:
-            FleetError: a serving server did not answer the probe.
+            FleetError: no serving server answered the probe.
         """
-        out = {}
+        out, failures = {}, {}
         for name in self.pool.serving():
             try:
                 version, values = parse_prompt_logprobs(self.servers[name].probe(token_ids), token_ids, name)
             except Exception as exc:
-                raise FleetError(f"server {name} failed the probe: {exc}") from None
+                failures[name] = f"{type(exc).__name__}: {exc}"
+                continue
             out[name] = ProbeResult(version, values)
+        if failures and not out:
+            raise FleetError(f"no server answered the probe: {failures}")
+        for name, error in failures.items():
+            self.pool.bench(name, f"failed the probe: {error}")
+            logger.warning(
+                "server %s failed the probe (%s): it gets no work until a refresh succeeds on it; training goes on "
+                "with %s",
+                name,
+                error,
+                sorted(out),
+            )
         return out
 
     # ----- refresh ---------------------------------------------------------------------------------------------

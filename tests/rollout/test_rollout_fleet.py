@@ -29,7 +29,7 @@ from megatron_offgrpo.fleet import (  # noqa: E402
     start_fleet,
     stop_fleet,
 )
-from megatron_offgrpo.rollout import FleetEngine, RefreshError, make_probe_ids  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine, FleetError, RefreshError, make_probe_ids  # noqa: E402
 from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,
@@ -199,6 +199,22 @@ def test_partial_refresh_failure_benches_the_server(fleet, tmp_path):
     engine.servers[bad].token = TOKEN
     engine.update_weights(as_buckets(perturbed(base, 52)), version + 1)  # the next refresh repairs it
     assert {s.server for s in engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)} == {bad, good}
+
+
+def test_a_server_lost_before_the_probe_leaves_the_rotation(fleet):
+    """A server that dies between a refresh and its probe (found by a clean-clone CI run of test_fleet_run) is
+    benched, not fatal: the others are probed and serve; with none answering the probe raises."""
+    engine = _engine(fleet, "collective")
+    lost, alive = list(engine.servers)
+    engine.servers[lost].url = "http://127.0.0.1:9"  # nothing listens there: connection refused, like a dead server
+    ids = make_probe_ids(TINY["vocab_size"], 16)
+    results = engine.probe_logprobs(ids)
+    assert list(results) == [alive] and len(results[alive].logprobs) == len(ids) - 1
+    assert lost in engine.pool.benched and engine.pool.serving() == [alive]
+    assert {s.server for s in engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)} == {alive}
+    engine.servers[alive].url = "http://127.0.0.1:9"
+    with pytest.raises(FleetError, match=f"no server answered the probe.*{alive}"):
+        engine.probe_logprobs(ids)
 
 
 def test_kill_one_server_mid_batch(fleet):
