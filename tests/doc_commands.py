@@ -111,6 +111,8 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^offgrpo fleet stop --state-dir runs/fleet$", "run", "the fleet started above", needs=("fleet",),
          ends="fleet"),
     Rule(r"^offgrpo (--version|(\S+ )*--help)$", "run", "prints and exits"),
+    Rule(r"^offgrpo config( --config configs/tiny-cpu\.yaml( [\w.]+=\S+)*| --reference)$", "run",
+         "prints the resolved config or the key reference: seconds"),
     Rule(r"^python3? -m checkpoint_tools\.SUB\b", "help", "the same flags as `offgrpo convert SUB` (docs/cli.md)",
          help_as="offgrpo convert"),
     Rule(rf"^(offgrpo|torchrun|python3? -m [\w.]+|(python3? )?{_SCRIPT})"
@@ -200,7 +202,9 @@ def recipe_commands(root: Path, rel: str) -> list[DocCommand]:
 
 def extract_all(root: Path) -> list[DocCommand]:
     """Every documented command: README.md, docs/*.md, then the configs/*.yaml headers."""
-    docs = ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md"))]
+    # docs/config.md is generated data (every key's default and meaning; tests/test_config_docs.py), not commands
+    docs = ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md")
+                                 if p.name != "config.md")]
     recipes = sorted(str(p.relative_to(root)) for p in (root / "configs").glob("*.yaml"))
     return [c for rel in docs for c in markdown_commands(root, rel)] + [
         c for rel in recipes for c in recipe_commands(root, rel)

@@ -5,6 +5,7 @@
     offgrpo sft     --config RECIPE [key=value ...]                supervised warm-up -> HF directory
     offgrpo eval    --config RECIPE [--model DIR] [--prompts N]    accuracy on the eval split
     offgrpo report  RUN_DIR                                         PNG plots + summary of a run
+    offgrpo config  [--config RECIPE] [key=value ...] | --reference  the resolved config, or every key's docs
     offgrpo fleet   start|stop|status ...                          the vLLM generation fleet
     offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...   (offgrpo convert --help)
     offgrpo --version
@@ -22,6 +23,7 @@ COMMANDS = {
     "eval": "megatron_offgrpo.cli.eval",
     "report": "megatron_offgrpo.cli.report",
     "fleet": "megatron_offgrpo.cli.fleet",
+    "config": "megatron_offgrpo.cli.config",
 }
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
     "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron TP x PP checkpoint"),
