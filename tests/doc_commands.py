@@ -78,7 +78,7 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^(\S+=\S* )*sbatch ", "dry", "no Slurm in CI: the script's DRY_RUN=1 on NODES named after --nodes"),
     Rule(r"^docker build ", "dry", "no Docker in CI: the build context holds the Dockerfile"),
     Rule(r"^docker run ", "dry", "no Docker in CI: the command inside the image is checked statically"),
-    Rule(r"Qwen2\.5-(0\.5B|7B)|configs/qwen2\.5-|\bckpt_tp", "dry", _HUB),
+    Rule(r"Qwen2\.5-(0\.5B|7B)|configs/qwen2\.5-|runs/qwen2\.5-|\bckpt_tp", "dry", _HUB),
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
     Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
     Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),
