@@ -17,7 +17,6 @@ import sys
 
 import yaml
 
-from megatron_offgrpo import config as config_module
 from megatron_offgrpo.config import Config, ConfigError, load_config
 
 
@@ -34,7 +33,7 @@ class KeyDoc:
 def field_docs() -> dict[str, dict[str, str]]:
     """Class name -> field name -> the docstring written under the field (``config.py``'s source, parsed)."""
     docs: dict[str, dict[str, str]] = {}
-    for node in ast.parse(inspect.getsource(config_module)).body:
+    for node in ast.parse(inspect.getsource(inspect.getmodule(Config))).body:
         if not isinstance(node, ast.ClassDef):
             continue
         fields, body = {}, node.body
