@@ -200,11 +200,15 @@ def recipe_commands(root: Path, rel: str) -> list[DocCommand]:
     return out
 
 
+GENERATED_DOCS = ("docs/config.md",)
+"""Generated data, not commands: every key's default and meaning (`offgrpo config --reference`,
+tests/test_config_docs.py); its inline defaults (`hf`, `auto`) would read as commands."""
+
+
 def extract_all(root: Path) -> list[DocCommand]:
     """Every documented command: README.md, docs/*.md, then the configs/*.yaml headers."""
-    # docs/config.md is generated data (every key's default and meaning; tests/test_config_docs.py), not commands
     docs = ["README.md", *sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md")
-                                 if p.name != "config.md")]
+                                 if str(p.relative_to(root)) not in GENERATED_DOCS)]
     recipes = sorted(str(p.relative_to(root)) for p in (root / "configs").glob("*.yaml"))
     return [c for rel in docs for c in markdown_commands(root, rel)] + [
         c for rel in recipes for c in recipe_commands(root, rel)
