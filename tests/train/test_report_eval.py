@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -107,6 +108,7 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
          "rollout.refresh_every=2", "train.steps=3", "train.eval_every=1", "train.eval_prompts=3",
          "train.eval_samples=2", f"train.out_dir={run}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),  # this tree's package, not whichever is installed
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
