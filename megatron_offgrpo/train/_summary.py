@@ -91,7 +91,7 @@ class RunSummary:
             text += "; time: " + ", ".join(f"{part} {100 * share:.0f}%" for part, share in self.time_share.items())
         stale = ("" if self.staleness_mean is None
                  else f"staleness mean {self.staleness_mean:.2f} (max {self.staleness_max}), ")
-        return text + f"; {stale}{self.refreshes} refreshes"
+        return text + f"; {stale}{_refreshes(self.refreshes)}"
 
 
 def run_summary(records: list[dict[str, Any]]) -> RunSummary:
@@ -124,6 +124,10 @@ def _head_tail(head: list[dict], tail: list[dict], key: str) -> tuple[float, flo
     return (sum(first) / len(first), sum(last) / len(last)) if first and last else None
 
 
+def _refreshes(count: int, kind: str = "") -> str:
+    return f"{count} {kind}refresh" + ("" if count == 1 else "es")
+
+
 def _change(pair: tuple[float, float] | None) -> str:
     return "not logged" if pair is None else f"{pair[0]:.3f} -> {pair[1]:.3f}"
 
@@ -154,10 +158,13 @@ def format_summary(summary: RunSummary, where: dict[str, str | None]) -> str:
                      + (f"; {summary.pass_metric} {_change(summary.held_out_pass)}" if summary.held_out_pass else ""))
     if summary.staleness_mean is not None:
         lines.append(f"  staleness {summary.staleness_mean:.2f} steps on average (max {summary.staleness_max}); "
-                     f"{summary.refreshes} weight refreshes"
+                     f"{_refreshes(summary.refreshes, 'weight ')}"
                      + (f" (v={summary.refresh_every})" if summary.refresh_every else ""))
-    lines.append(f"  run directory {where['run_dir']}: policy (HF) {where['hf'] or 'not exported'}, "
-                 f"checkpoint {where['checkpoint'] or 'none'}, summary {Path(where['run_dir']) / SUMMARY_FILE}")
+    run_dir = Path(where["run_dir"])
+    hf, checkpoint = (None if where[key] is None else f"{Path(where[key]).relative_to(run_dir)}/"
+                      for key in ("hf", "checkpoint"))
+    lines.append(f"  in {run_dir}: policy (HF) {hf or 'not exported'}, checkpoint {checkpoint or 'none'}, "
+                 f"{SUMMARY_FILE}, metrics.jsonl")
     lines.append(f"  plots: {where['report']}")
     return "\n".join(lines)
 

@@ -124,7 +124,8 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
     # the end-of-run summary, once, naming the held-out accuracy before and after and where the run is
     assert proc.stdout.count("run summary: 3 steps in") == 1, proc.stdout
     assert "greedy held-out accuracy" in proc.stdout and "; pass@2 " in proc.stdout
-    assert f"policy (HF) {run / 'hf'}" in proc.stdout and f"plots: offgrpo report {run}" in proc.stdout
+    assert f"in {run}: policy (HF) hf/, checkpoint checkpoints/step_00000003/" in proc.stdout
+    assert f"plots: offgrpo report {run}" in proc.stdout
     written = json.loads((run / "summary.json").read_text())
     assert written["steps"] == 3 and written["pass_metric"] == "pass@2"
     assert written["locations"]["hf"] == str(run / "hf")

@@ -65,7 +65,7 @@ def test_the_end_of_run_lines_name_the_numbers_and_where_things_are(tmp_path):
         "  sampled reward 0.050 -> 0.850, accuracy 0.025 -> 0.425 (first -> last fifth of the steps)",
         "  greedy held-out accuracy 0.100 (step 0) -> 0.800 (step 10); pass@2 0.300 -> 0.900",
         "  staleness 0.25 steps on average (max 1); 4 weight refreshes (v=2)",
-        "  run directory runs/x: policy (HF) runs/x/hf, checkpoint none, summary runs/x/summary.json",
+        "  in runs/x: policy (HF) hf/, checkpoint none, summary.json, metrics.jsonl",
         "  plots: offgrpo report runs/x",
     ]
 
