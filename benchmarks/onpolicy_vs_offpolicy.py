@@ -5,7 +5,7 @@ Seed i (``parallel.seed`` = 1234 + i) is the whole demo: its own warm-up (``conf
 greedy held-out accuracy before the first update and of the trained policy, its gain (mean +- std over seeds, and the
 smallest), reward over the first and the last fifth of the steps, wall-clock minutes to first reach the target reward
 (moving average), generate / sync / train seconds per step, and the median run time against v=1 (run minutes: the
-training loop's wall-clock, engine start-up excluded). Writes a plot.
+training loop's wall-clock, engine start-up excluded). Writes ``offgrpo report``'s panels of the seeds' mean curves.
 
 Variants (``--variants``), each run at every v from the same warm-ups: ``grpo`` (the recipe: GRPO-clip), ``gspo``
 (``algo.objective=gspo``, sequence-mean aggregation, the paper's clip range) and ``dapo`` (DAPO's dynamic sampling
@@ -135,27 +135,16 @@ def _reached(minutes: list[float]) -> str:
 
 
 def _plot(args, results) -> None:
-    import matplotlib
+    """``offgrpo report``'s panels with one curve per variant and v: the step-by-step mean of its seeds. Every v sees
+    the same prompts at the same step (same seeds), so the per-step curves move together with prompt difficulty; the
+    5-step moving average shows the trend."""
+    from megatron_offgrpo.cli.report import mean_records, plot_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for variant, v in results:
-        curves = [[r["reward_mean"] for r in _records(_run_dir(args, variant, v, s))] for s in range(args.seeds)]
-        length = min(len(c) for c in curves)
-        mean = [statistics.mean(c[i] for c in curves) for i in range(length)]
-        # every v sees the same prompts at the same step (same seeds), so the per-step curves move together with
-        # prompt difficulty; a 5-step moving average shows the trend
-        smooth = [statistics.mean(mean[max(0, i - 4): i + 1]) for i in range(length)]
-        ax.plot(range(length), smooth, label=f"{variant} v={v}")
-    ax.set(xlabel="optimizer step", ylabel=f"reward (mean of {args.seeds} seeds, 5-step average)",
-           title="on- vs off-policy: GRPO, GSPO, DAPO")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "comparison.png", dpi=100)
-    print(f"plot: {args.out / 'comparison.png'}")
+    runs = {f"{variant} v={v}": mean_records([_records(_run_dir(args, variant, v, s)) for s in range(args.seeds)])
+            for variant, v in results}
+    out = plot_runs(runs, args.out / "comparison.png", window=5,
+                    title=f"on- vs off-policy: {', '.join(args.variants)} (mean of {args.seeds} seeds)")
+    print(f"plot: {out}")
 
 
 if __name__ == "__main__":

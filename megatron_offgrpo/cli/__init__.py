@@ -4,7 +4,7 @@
     offgrpo train   --config RECIPE [--resume] [key=value ...]     (under torchrun for several processes)
     offgrpo sft     --config RECIPE [key=value ...]                supervised warm-up -> HF directory
     offgrpo eval    --config RECIPE [--model DIR] [--prompts N]    accuracy on the eval split
-    offgrpo report  RUN_DIR                                         PNG plots + summary of a run
+    offgrpo report  RUN_DIR [RUN_DIR ...] [--x step|wall]          panels + summary of runs, overlaid
     offgrpo config  [--config RECIPE] [key=value ...] | --reference  the resolved config, or every key's docs
     offgrpo fleet   start|stop|status ...                          the vLLM generation fleet
     offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...   (offgrpo convert --help)

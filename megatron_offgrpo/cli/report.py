@@ -1,8 +1,9 @@
-"""``offgrpo report RUN_DIR [RUN_DIR ...]``: PNG plots and a summary of one run, or of several side by side.
+"""``offgrpo report RUN_DIR [RUN_DIR ...]``: a one-line summary of each run and one PNG of panels, the runs overlaid.
 
-Reward and greedy held-out accuracy (and pass@k when the run sampled its evaluations) against the step and against
-wall-clock (the seed paper's comparison of refresh
-intervals is the second panel with one run per v), and where the time of each step went.
+Panels (3 x 3): reward +- the spread of the step's rewards; accuracy (sampled, greedy held-out, pass@k); reward and
+held-out accuracy against the other x (wall-clock by default: the seed paper's comparison of refresh intervals, one
+run per v); staleness and policy version; clip fractions; entropy; response length and the truncated fraction; the
+trainer / fleet log-prob mismatch; where the time of each step went. A panel whose metrics a run did not log says so.
 """
 
 from __future__ import annotations
@@ -11,37 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_offgrpo.train import read_metrics
+from megatron_offgrpo.cli._panels import PANELS, Panel, mean_records, time_split
+from megatron_offgrpo.train import eval_points, pass_points, read_metrics, run_summary
 
-
-def _smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def eval_points(records: list[dict]) -> list[tuple[int, float, float]]:
-    """(step, wall-clock minutes, greedy accuracy) of every evaluation, the one before the first update included."""
-    points = [(0, 0.0, r["eval_start_accuracy"]) for r in records[:1] if "eval_start_accuracy" in r]
-    points += [(r["step"] + 1, r["wall_s"] / 60, r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
-    return points
-
-
-def pass_points(records: list[dict]) -> tuple[str, list[tuple[int, float, float]]]:
-    """(the metric, its points) of the largest pass@k the evaluations report (``train.eval_samples`` > 1), as
-    ``eval_points``; ("", []) when none does."""
-    keys = {key.removeprefix("eval_").removeprefix("start_") for r in records for key in r
-            if key.startswith(("eval_pass@", "eval_start_pass@"))}
-    if not keys:
-        return "", []
-    metric = max(keys, key=lambda key: int(key.split("@")[1]))
-    points = [(0, 0.0, r[f"eval_start_{metric}"]) for r in records[:1] if f"eval_start_{metric}" in r]
-    points += [(r["step"] + 1, r["wall_s"] / 60, r[f"eval_{metric}"]) for r in records if f"eval_{metric}" in r]
-    return metric, points
+__all__ = ["eval_points", "main", "make_report", "mean_records", "pass_points", "plot_runs", "summary"]
+X_AXES = {"step": "optimizer step", "wall": "wall-clock (min)"}
+_LINESTYLES = ("-", "--", "-.", ":")
 
 
 def _label(run_dir: Path, records: list[dict]) -> str:
@@ -50,96 +26,131 @@ def _label(run_dir: Path, records: list[dict]) -> str:
     return f"{run_dir.name} (v={min(gaps)})" if gaps else run_dir.name
 
 
-def make_report(run_dirs: list[str | Path] | str | Path, window: int = 5, out: str | Path | None = None) -> Path:
-    """Write the plots of one or more runs (default ``RUN/report.png`` of the first); returns the PNG's path."""
+def _records(run_dir: Path) -> list[dict]:
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps yet")
+    return records
+
+
+def make_report(run_dirs: list[str | Path] | str | Path, window: int = 5, out: str | Path | None = None,
+                x: str = "step") -> Path:
+    """Write the panels of one or more runs, overlaid and labelled ``name (v=N)`` (default ``report.png`` in the
+    first run directory); returns the PNG's path. ``x``: "step" or "wall" (wall-clock minutes)."""
+    dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
+    runs = {(_label(d, r) if len(dirs) > 1 else d.name): r for d, r in ((d, _records(d)) for d in dirs)}
+    if len(runs) < len(dirs):  # two directories of the same name and v: tell them apart by their path
+        runs = {str(d): _records(d) for d in dirs}
+    title = ", ".join(f"{label}: {len(records)} steps" for label, records in runs.items())
+    return plot_runs(runs, Path(out) if out is not None else dirs[0] / "report.png", window, x, title)
+
+
+def plot_runs(runs: dict[str, list[dict]], out: str | Path, window: int = 5, x: str = "step",
+              title: str | None = None) -> Path:
+    """Draw the report's panels of ``runs`` (label -> step records; ``mean_records`` makes one of several seeds)
+    into the PNG ``out``; returns its path. One run: a colour per curve; several: a colour per run."""
+    if x not in X_AXES:
+        raise ValueError(f"x={x!r}: pick one of {', '.join(X_AXES)}")
+    if window < 1:
+        raise ValueError(f"window={window}: the moving average needs at least 1 step")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
-    runs = [(d, read_metrics(d)) for d in dirs]
-    for d, records in runs:
-        if not records:
-            raise ValueError(f"{d}/metrics.jsonl has no steps yet")
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for d, records in runs:
-        label = _label(d, records) if len(runs) > 1 else "reward"
-        steps, wall = [r["step"] for r in records], [r["wall_s"] / 60 for r in records]
-        reward = _smooth([r.get("reward_mean", float("nan")) for r in records], window)
-        line = axes[0].plot(steps, reward, label=f"{label}: sampled reward (mean of {window})")[0]
-        axes[1].plot(wall, reward, color=line.get_color(), label=f"{label}: sampled reward")
-        evals = eval_points(records)
-        if evals:
-            axes[0].plot([e[0] for e in evals], [e[2] for e in evals], "o--", color=line.get_color(),
-                         label=f"{label}: greedy held-out accuracy")
-            axes[1].plot([e[1] for e in evals], [e[2] for e in evals], "o--", color=line.get_color(),
-                         label=f"{label}: greedy held-out accuracy")
-        metric, passes = pass_points(records)
-        if passes:
-            for ax, x in ((axes[0], 0), (axes[1], 1)):
-                ax.plot([p[x] for p in passes], [p[2] for p in passes], "s:", color=line.get_color(),
-                        label=f"{label}: held-out {metric}")
-    axes[0].set(xlabel="optimizer step", title="reward and accuracy vs step", ylim=(-0.02, 1.02))
-    axes[1].set(xlabel="wall-clock (min)", title="reward and accuracy vs wall-clock", ylim=(-0.02, 1.02))
-    _time_split(axes[2], runs[0][1])
-    axes[2].set_title(f"time split per step ({runs[0][0].name})")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(", ".join(f"{d.name}: {len(r)} steps" for d, r in runs))
+    fig, axes = plt.subplots(3, 3, figsize=(19, 13.5))
+    other = "wall" if x == "step" else "step"
+    for i, (ax, panel) in enumerate(zip(axes.flat, PANELS)):
+        axis = other if i == 2 else x  # the third panel: reward and held-out accuracy against the other x
+        _draw_panel(ax, panel, runs, window, axis)
+        ax.set_title(panel.title + (f" vs {X_AXES[axis]}" if i == 2 else ""), fontsize=10)
+    _draw_time(axes.flat[-1], runs)
+    fig.suptitle(title or ", ".join(f"{label}: {len(records)} steps" for label, records in runs.items()))
     fig.tight_layout()
-    out = Path(out) if out is not None else dirs[0] / "report.png"
-    fig.savefig(out, dpi=100)
+    out = Path(out)
+    fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
 
 
-def _time_split(ax, records: list[dict]) -> None:
-    steps, bottom = [r["step"] for r in records], [0.0] * len(records)
-    for key, label in (("time_generate_s", "generate"), ("time_sync_s", "weight sync"), ("time_train_s", "train")):
-        values = [r.get(key, 0.0) for r in records]
-        ax.bar(steps, values, bottom=bottom, label=label)
+def _draw_panel(ax, panel: Panel, runs: dict[str, list[dict]], window: int, x: str) -> None:
+    """The curves of every run on ``ax`` (and a twin axis for the right-hand ones); "not logged" where none."""
+    twin, missing, several, names = None, [], len(runs) > 1, {}
+    for r, (label, records) in enumerate(runs.items()):
+        curves = panel.curves(records, window)
+        if not curves:
+            missing.append(label)
+        for curve in curves:
+            j = names.setdefault(curve.name, len(names))  # a metric keeps its line style across runs
+            if curve.right and twin is None:
+                twin = ax.twinx()
+                twin.set_ylabel(panel.right_label)
+            target = twin if curve.right else ax
+            xs = curve.step if x == "step" else curve.wall
+            style = _LINESTYLES[j % len(_LINESTYLES)] if several and curve.style == "-" else curve.style
+            color = f"C{r if several else j}"
+            target.plot(xs, curve.y, style, color=color, markersize=4, label=f"{label}: {curve.name}" if several
+                        else curve.name + (" (right axis)" if curve.right else ""))
+            if curve.band is not None:
+                target.fill_between(xs, *curve.band, color=color, alpha=0.15, linewidth=0)
+    if len(missing) == len(runs):
+        ax.text(0.5, 0.5, f"not logged\n({panel.reads})", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
+    elif missing:
+        ax.text(0.01, 0.01, "not logged by " + ", ".join(missing), transform=ax.transAxes, color="gray", fontsize=8)
+    ax.set(xlabel=X_AXES[x], ylabel=panel.ylabel)
+    if panel.ylim is not None:
+        ax.set_ylim(*panel.ylim)
+    ax.grid(alpha=0.3)
+    handles = [h for a in (ax, twin) if a is not None for h in a.get_legend_handles_labels()[0]]
+    if handles:
+        ax.legend(handles=handles, fontsize=7)
+
+
+def _draw_time(ax, runs: dict[str, list[dict]]) -> None:
+    """One run: generate / weight sync / train seconds stacked per step. Several: one stacked bar per run, its mean
+    seconds per step."""
+    if len(runs) == 1:
+        [records] = runs.values()
+        xs, parts = [r["step"] for r in records], time_split(records)
+        ax.set(xlabel=X_AXES["step"], ylabel="seconds", title="time split per step")
+    else:
+        splits = [time_split(records) for records in runs.values()]
+        xs = list(range(len(runs)))
+        parts = {part: [sum(s[part]) / max(len(s[part]), 1) for s in splits] for part in splits[0]}
+        ax.set_xticks(xs, list(runs), rotation=15, fontsize=8)
+        ax.set(ylabel="seconds per step (mean)", title="time split per step, mean of each run")
+    bottom = [0.0] * len(xs)
+    for part, values in parts.items():
+        ax.bar(xs, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(xlabel="optimizer step", ylabel="seconds")
+    if not any(bottom):
+        ax.text(0.5, 0.5, "not logged\n(time_generate_s, time_sync_s, time_train_s)", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def summary(run_dir: str | Path) -> str:
-    """The end-of-run summary: reward change, greedy held-out accuracy before and after, where the time went."""
-    records = read_metrics(run_dir)
-    if not records:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no steps yet")
-    head, tail = records[: max(1, len(records) // 5)], records[-max(1, len(records) // 5):]
-
-    def mean(rs, key):
-        return sum(r.get(key, 0.0) for r in rs) / len(rs)
-
-    total = {k: sum(r.get(k, 0.0) for r in records) for k in ("time_generate_s", "time_sync_s", "time_train_s")}
-    spent = sum(total.values()) or 1.0
-    evals = eval_points(records)
-    held_out = (f"; greedy held-out accuracy {evals[0][2]:.3f} (step {evals[0][0]}) -> {evals[-1][2]:.3f} "
-                f"(step {evals[-1][0]})" if len(evals) > 1 else "")
-    metric, passes = pass_points(records)
-    if len(passes) > 1:
-        held_out += f", {metric} {passes[0][2]:.3f} -> {passes[-1][2]:.3f}"
-    return (f"{len(records)} steps in {records[-1]['wall_s'] / 60:.1f} min: reward {mean(head, 'reward_mean'):.3f} -> "
-            f"{mean(tail, 'reward_mean'):.3f} (first/last fifth), accuracy {mean(head, 'accuracy'):.3f} -> "
-            f"{mean(tail, 'accuracy'):.3f}{held_out}; time: "
-            + ", ".join(f"{k[5:-2]} {100 * v / spent:.0f}%" for k, v in total.items()))
+    """A run in one line: reward and sampled accuracy change, greedy held-out accuracy before and after (pass@k),
+    where the time went, staleness and refreshes (``megatron_offgrpo.train.RunSummary.line``)."""
+    return run_summary(_records(Path(run_dir))).line()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(prog="offgrpo report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (train.out_dir); several are "
-                        "drawn side by side")
-    parser.add_argument("--window", type=int, default=5, help="moving-average window of the curves")
+                        "overlaid in every panel")
+    parser.add_argument("--window", type=int, default=5, help="moving-average window of the per-step curves")
+    parser.add_argument("--x", choices=list(X_AXES), default="step", help="x axis of the panels: optimizer step or "
+                        "wall-clock minutes (the reward / held-out accuracy panel shows the other one)")
     parser.add_argument("--out", help="the PNG to write (default: report.png in the first run directory)")
     args = parser.parse_args(argv)
     try:
         for run_dir in args.run_dirs:
             print(f"{run_dir}: {summary(run_dir)}")
-        print(f"plot: {make_report(args.run_dirs, args.window, args.out)}")
+        print(f"plot: {make_report(args.run_dirs, args.window, args.out, args.x)}")
     except (ValueError, FileNotFoundError) as exc:  # no run there, or no step yet: one line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

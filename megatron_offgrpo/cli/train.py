@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -31,7 +32,10 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = train(config)
     except NoLearningSignalError as exc:  # the task against the policy, not a fault: one line, no traceback
         sys.exit(f"error: {exc}")
-    print(f"run directory: {run_dir}  (plots: offgrpo report {run_dir})")
+    if int(os.environ.get("RANK", "0") or 0) == 0:  # once per job, not once per torchrun rank
+        from megatron_offgrpo.train import format_summary, locations, read_metrics, run_summary
+
+        print(format_summary(run_summary(read_metrics(run_dir)), locations(run_dir)))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,13 @@ _EXPORTS = {
     "load_tokenizer": "megatron_offgrpo.train._prompts",
     "read_metrics": "megatron_offgrpo.train._metrics",
     "NoLearningSignalError": "megatron_offgrpo.train._sampling",
+    "RunSummary": "megatron_offgrpo.train._summary",
+    "run_summary": "megatron_offgrpo.train._summary",
+    "format_summary": "megatron_offgrpo.train._summary",
+    "locations": "megatron_offgrpo.train._summary",
+    "write_summary": "megatron_offgrpo.train._summary",
+    "eval_points": "megatron_offgrpo.train._summary",
+    "pass_points": "megatron_offgrpo.train._summary",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -196,9 +196,9 @@ def _collective_host(r) -> str | None:
 
 
 def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
-    """Rewards (accuracy: of the task's score, shaping left out), lengths, the fraction cut at the length limit and
-    staleness (step - policy_version) of a step's samples; raises when a sample is older
-    than ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
+    """Rewards (their mean and population std over the batch; accuracy: of the task's score, shaping left out),
+    lengths, the fraction cut at the length limit and staleness (step - policy_version) of a step's samples; raises
+    when a sample is older than ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
     values = [step - s.policy_version for s in samples]
     if max(values) > staleness_bound or min(values) < 0:
         raise RuntimeError(
@@ -207,7 +207,9 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
         )
     hist = collections.Counter(values)
     rewards, n = [s.reward for s in samples], len(samples)
-    return {"reward_mean": sum(rewards) / n, "accuracy": sum(s.reward - s.shaping >= 1.0 for s in samples) / n,
+    mean = sum(rewards) / n
+    return {"reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+            "accuracy": sum(s.reward - s.shaping >= 1.0 for s in samples) / n,
             "response_len": sum(len(s.response_ids) for s in samples) / n,
             "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,

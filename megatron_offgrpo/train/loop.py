@@ -1,7 +1,8 @@
 """The off-policy GRPO driver. The trainer side (every rank) and the rollout side (rank 0) exchange only samples
 and weight buckets: every v steps the engine gets the current weights (verified on a probe), every step it
 generates and scores a batch, the trainer learns from it. At the end the trained policy is written as a HF
-directory (``out_dir/hf``; ``out_dir/exports/step_N`` every ``train.export_every``). No formulas here.
+directory (``out_dir/hf``; ``out_dir/exports/step_N`` every ``train.export_every``) and the run's summary
+(``out_dir/summary.json``). No formulas here.
 
     torchrun --nproc_per_node N -m megatron_offgrpo.train --config configs/tiny-cpu.yaml [key=value ...]
 """
@@ -18,6 +19,7 @@ from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, la
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
+from megatron_offgrpo.train._summary import write_summary
 from megatron_offgrpo.train._sync import refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
@@ -59,6 +61,7 @@ def train(config: Config) -> Path:
     if rollout is not None:
         rollout.close()
         log.close()
+        write_summary(run_dir)  # after the export and the last checkpoint: it names them
     return run_dir
 
 

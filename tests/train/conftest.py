@@ -31,11 +31,17 @@ def train_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
 
 
-def run_train(nproc: int, out_dir: Path, *overrides: str, timeout: float = 600) -> list[dict]:
+def train_proc(nproc: int, out_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A finished training run under torchrun (its output captured); raises with its stderr when it failed."""
     proc = subprocess.run(train_cmd(nproc, out_dir, *overrides), cwd=REPO, env=train_env(), capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_train(nproc: int, out_dir: Path, *overrides: str, timeout: float = 600) -> list[dict]:
+    train_proc(nproc, out_dir, *overrides, timeout=timeout)
     return metrics(out_dir)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from tests.train.conftest import kill_tree, metrics, run_train, train_cmd, train_env
+from tests.train.conftest import kill_tree, metrics, run_train, train_cmd, train_env, train_proc
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -20,8 +21,12 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
                          ids=["tp2-v1", "pp2-v4", "tp1-v2-overlap"])
 def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, v, overlap):
     steps = 5
-    records = run_train(tp * pp, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
-                        f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}")
+    proc = train_proc(tp * pp, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
+                      f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}")
+    records = metrics(tmp_path)
+    # the end-of-run summary: printed once per job (global rank 0), not once per torchrun rank, and written
+    assert proc.stdout.count("run summary:") == 1 and f"{steps} steps in" in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "summary.json").read_text())["refresh_every"] == v
     assert [r["step"] for r in records] == list(range(steps))
     for r in records:
         # the engine is refreshed at every multiple of v; samples carry the version that generated them, and

@@ -47,3 +47,12 @@ def test_mask_truncated_leaves_cut_responses_out_of_the_loss(tmp_path):
         if m["truncated_fraction"] == 1.0:
             assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
     assert any(m["loss"] != k["loss"] for m, k in zip(masked, kept))
+
+
+def test_sample_metrics_give_the_spread_of_the_rewards():
+    from megatron_offgrpo.data import Sample
+
+    samples = [Sample(f"p{i}", 0, [1], [2, 3], [0.0, 0.0], 0, "stop", reward=r) for i, r in enumerate([1.0, 0, 0, 0])]
+    metrics = sample_metrics(samples, 0, 0)
+    # mean 0.25; population std sqrt((0.75^2 + 3 * 0.25^2) / 4) = sqrt(0.1875)
+    assert metrics["reward_mean"] == 0.25 and metrics["reward_std"] == pytest.approx(0.1875 ** 0.5)

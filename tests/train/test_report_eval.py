@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -107,6 +108,7 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
          "rollout.refresh_every=2", "train.steps=3", "train.eval_every=1", "train.eval_prompts=3",
          "train.eval_samples=2", f"train.out_dir={run}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),  # this tree's package, not whichever is installed
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -119,3 +121,11 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
 
     assert "pass@2" in summary(run)
     assert (run / "hf" / "config.json").exists()
+    # the end-of-run summary, once, naming the held-out accuracy before and after and where the run is
+    assert proc.stdout.count("run summary: 3 steps in") == 1, proc.stdout
+    assert "greedy held-out accuracy" in proc.stdout and "; pass@2 " in proc.stdout
+    assert f"in {run}: policy (HF) hf/, checkpoint checkpoints/step_00000003/" in proc.stdout
+    assert f"plots: offgrpo report {run}" in proc.stdout
+    written = json.loads((run / "summary.json").read_text())
+    assert written["steps"] == 3 and written["pass_metric"] == "pass@2"
+    assert written["locations"]["hf"] == str(run / "hf")
