@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_offgrpo.train._metrics import MetricsLog, plain_scalar, read_metrics
+from megatron_offgrpo.train._trackers import TensorBoardTracker
 
 
 def test_plain_scalar_unwraps_tensors_and_numpy_scalars():
@@ -21,7 +22,7 @@ def test_plain_scalar_unwraps_tensors_and_numpy_scalars():
 
 def test_tensor_and_numpy_metrics_reach_jsonl_and_tensorboard(tmp_path, capsys):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    log = MetricsLog(tmp_path, total_steps=2)
+    log = MetricsLog(tmp_path, total_steps=2, trackers=[TensorBoardTracker(tmp_path / "tensorboard")])
     values = {"loss": torch.tensor(0.5), "reward_mean": np.float64(0.75), "tokens": np.int64(96), "plain": 1.0,
               "policy_version": torch.tensor(3)}
     log.log(0, values)
@@ -32,5 +33,5 @@ def test_tensor_and_numpy_metrics_reach_jsonl_and_tensorboard(tmp_path, capsys):
     assert "reward 0.750" in capsys.readouterr().err  # the progress line formats the converted values
     events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert set(events.Tags()["scalars"]) == set(values)  # before: the tensors and np.int64 were dropped
+    assert set(events.Tags()["scalars"]) == set(values) | {"wall_s"}  # before: the tensors and np.int64 were dropped
     assert events.Scalars("loss")[0].value == 0.5 and events.Scalars("tokens")[0].value == 96
