@@ -23,7 +23,14 @@ from megatron_offgrpo.train._metrics import MetricsLog, completion_rows, read_me
 from megatron_offgrpo.train._preflight import tracker_errors
 from megatron_offgrpo.train._trackers import BACKENDS, SAMPLE_COLUMNS, make_trackers
 from tests.helpers import REPO
-from tests.train.trackers import OFFLINE_ENV, mlflow_metrics, mlflow_run, tensorboard_run, wandb_run
+from tests.train.trackers import (
+    OFFLINE_ENV,
+    mlflow_metrics,
+    mlflow_run,
+    tensorboard_run,
+    tensorboard_scalars,
+    wandb_run,
+)
 
 RECORD = {  # what the loop hands MetricsLog: tensors, numpy scalars, ints, bools, floats
     "loss": torch.tensor(0.5), "masked_group_fraction": torch.tensor(0.25, dtype=torch.float64),
@@ -197,7 +204,7 @@ def test_a_real_run_gets_every_metric_config_and_sample_into_every_tracker(tmp_p
     trackers offline: every metrics.jsonl key reaches each of them, the config too, the completion tables of both
     steps land in samples.jsonl and each tracker, and the console stays quiet."""
     from tests.train.conftest import TINY, train_env
-    from tests.train.trackers import offline_env, tensorboard_scalars
+    from tests.train.trackers import offline_env
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_offgrpo.train", *TINY, "rollout.prompts_per_step=3", "rollout.group_size=2",
@@ -233,3 +240,27 @@ def test_a_real_run_gets_every_metric_config_and_sample_into_every_tracker(tmp_p
     events = tensorboard_run(out)
     assert [e.step for e in events.Tensors("samples/text_summary")] == [0, 1]
     assert "config/text_summary" in events.Tags()["tensors"]
+
+
+@_installed("tensorboard")
+@_installed("wandb")
+@_installed("mlflow")
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, offline):
+    """Steps 0-2 logged, then a resume at step 1 logs steps 1-2 again: TensorBoard shows the re-done steps' new values
+    only (purged), mlflow continues the same run (its last value per step is the new one), wandb the same run id."""
+    names = ["tensorboard", "wandb", "mlflow"]
+    log = MetricsLog(tmp_path, 3, make_trackers(names, tmp_path, "p", None, resume=False), hparams={"a": 1})
+    for step in range(3):
+        log.log(step, {"loss": float(step)})
+    log.close()
+    ids = json.loads((tmp_path / "trackers.json").read_text())
+    log = MetricsLog(tmp_path, 3, make_trackers(names, tmp_path, "p", None, resume=True), hparams={"a": 1, "b": 2})
+    log.resume_at(1)
+    for step in (1, 2):
+        log.log(step, {"loss": 10.0 + step})
+    log.close()
+    assert json.loads((tmp_path / "trackers.json").read_text()) == ids
+    assert tensorboard_scalars(tmp_path)["loss"] == {0: 0.0, 1: 11.0, 2: 12.0}
+    assert mlflow_metrics(tmp_path)["loss"] == {0: 0.0, 1: 11.0, 2: 12.0}
+    assert mlflow_run(tmp_path)[1].data.params == {"a": "1", "b": "2"}  # the new key added, the old one kept
+    assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")] == [ids["wandb"]] * 2
