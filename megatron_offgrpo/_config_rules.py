@@ -25,6 +25,7 @@ CHOICES = {
     "algo.rec_weight": ("none", "is"),
     "algo.rec_clip": ("none", "one_side", "two_side", "ring"),
 }
+LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers (metrics.jsonl is always written)
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
             "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens", "train.steps",
@@ -89,11 +90,22 @@ def collect_errors(config: Any) -> list[str]:
         errors.append(f"algo.dual_clip={a.dual_clip}: must be > 1 (or null)")
     if a.tis_cap is not None and a.tis_cap <= 0:
         errors.append(f"algo.tis_cap={a.tis_cap}: must be > 0 (or null)")
-    for key in ("train.save_every", "train.eval_every", "train.export_every"):
+    errors.extend(_logger_errors(config.train.loggers))
+    for key in ("train.save_every", "train.eval_every", "train.export_every", "train.samples_every"):
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
     return errors
+
+
+def _logger_errors(loggers: list[str]) -> list[str]:
+    unknown = [name for name in loggers if name not in LOGGERS]
+    if unknown:
+        return [f"train.loggers={loggers}: unknown {unknown}; valid: {list(LOGGERS)} (metrics.jsonl is always "
+                "written)"]
+    if len(set(loggers)) < len(loggers):
+        return [f"train.loggers={loggers}: each logger once"]
+    return []
 
 
 def _nonfinite_errors(config: Any) -> list[str]:

@@ -10,7 +10,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import yaml
+from megatron_offgrpo._config_load import ConfigError, apply_values, parse_override, read_recipe
+
+# ConfigError and parse_override live with the loader (_config_load) and are part of this module's interface
+__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+           "RolloutConfig", "SftConfig", "TrainConfig", "load_config", "parse_override"]
 
 
 @dataclasses.dataclass
@@ -262,7 +266,17 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     """Stop after this many non-finite losses in a row (each one is skipped and logged)."""
     log_every: int = 1
-    """Console log interval."""
+    """Console progress line every N steps (and the last); metrics.jsonl and the trackers get every step."""
+    loggers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    """Trackers beside RUN/metrics.jsonl (always written), each getting every metric, the config and the samples:
+    tensorboard (RUN/tensorboard), wandb, mlflow (pip install 'megatron-offgrpo[tracking]'); [] for none."""
+    project: str = "megatron-offgrpo"
+    """The wandb project / mlflow experiment of the run."""
+    run_name: str | None = None
+    """The run's name in wandb / mlflow (None: out_dir's last component)."""
+    samples_every: int = 10
+    """At steps 0, N, 2N, ...: the first 2 groups' completions (prompt, response, reward, policy version, finish
+    reason, length) to RUN/samples.jsonl and to each tracker as a table (0: never)."""
 
 
 @dataclasses.dataclass
@@ -301,79 +315,6 @@ class Config:
             raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
 
-class ConfigError(ValueError):
-    """A recipe or override names an unknown key or a value of the wrong type."""
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the field's declared type, naming the key on failure."""
-    text = str(annotation)  # a string: annotations are not evaluated (`from __future__ import annotations`)
-    optional = "None" in text
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
-        if not optional:
-            raise ConfigError(f"{key}: null is not allowed (type {text})")
-        return None
-    base = text.replace("| None", "").replace("None |", "").strip()
-    try:
-        if base == "bool":
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes", "on"):
-                return True
-            if str(value).lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError(value)
-        if base == "int":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(value)
-            return int(value)
-        if base == "float":
-            return float(value)
-        if base == "str":
-            return str(value)
-        if base.startswith("list"):
-            if isinstance(value, str):
-                value = [v for v in value.split(",") if v]
-            return [str(v) for v in value]
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r}: expected {base}") from None
-    return value
-
-
-def _apply(section: Any, values: dict[str, Any], prefix: str) -> None:
-    fields = {f.name: f for f in dataclasses.fields(section)}
-    for name, value in values.items():
-        key = f"{prefix}{name}"
-        if name not in fields:
-            raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(fields)}")
-        current = getattr(section, name)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key} is a section; "
-                                  f"give its keys ({sorted(f.name for f in dataclasses.fields(current))})")
-            _apply(current, value, key + ".")
-        else:
-            setattr(section, name, _coerce(value, fields[name].type, key))
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """``"rollout.group_size=8"`` -> ``{"rollout": {"group_size": "8"}}`` (YAML scalars: 8, true, null, 1e-6)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not key=value (e.g. rollout.refresh_every=4)")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        raise ConfigError(f"override {text!r}: the value is not a YAML scalar or list (quote it)") from None
-    out: dict[str, Any] = {}
-    node = out
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML recipe at ``path``, then ``key=value`` overrides; validated.
 
@@ -382,19 +323,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     """
     config = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config recipe {path} not found")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
-        _apply(config, data, "")
+        apply_values(config, read_recipe(path), "")
     for text in overrides:
-        _apply(config, parse_override(text), "")
+        apply_values(config, parse_override(text), "")
     config.validate()
     return config

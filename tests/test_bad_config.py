@@ -34,6 +34,8 @@ CASES = [  # (overrides, what the message must name)
     (["rollout.group_size=[1,"], "override 'rollout.group_size=[1,': the value is not a YAML scalar"),
     (["optim.lr=fast"], "optim.lr='fast': expected float"),
     (["optim.learning_rate=1"], "unknown config key 'optim.learning_rate'"),
+    (["train.loggers=[tensorbord]"], "train.loggers=['tensorbord']: unknown ['tensorbord']; valid: ['tensorboard', "),
+    (["train.samples_every=-1"], "train.samples_every=-1: must be >= 0"),
 ]
 
 
@@ -114,3 +116,15 @@ def test_eval_names_a_missing_model_flag(capsys):
 def test_eval_flags_are_validated_like_keys(flag, message, capsys):
     code, err = _run(["eval", "--config", TINY, *flag], capsys)
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_named_tracker_that_is_not_installed_is_one_line_naming_the_extra(command, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    out = tmp_path / "run"
+    code, err = _run([command, "--config", TINY, f"train.out_dir={out}", "train.loggers=[tensorboard,wandb]"], capsys)
+    assert code == 2 and "train.loggers: wandb is not installed (pip install 'megatron-offgrpo[tracking]')" in err
+    assert len(err.splitlines()) == 2 and not out.exists()  # "invalid config:" and the one line

@@ -38,6 +38,20 @@ def test_overrides_are_typed():
     assert parse_override("a.b.c=1") == {"a": {"b": {"c": 1}}}
 
 
+@pytest.mark.parametrize("override, loggers", [
+    ("train.loggers=[tensorboard,wandb]", ["tensorboard", "wandb"]),  # a YAML list
+    ("train.loggers=wandb, mlflow", ["wandb", "mlflow"]),  # comma-separated
+    ("train.loggers=[]", []), ("train.loggers=", []),  # metrics.jsonl only
+])
+def test_tracking_keys_are_typed(override, loggers):
+    config = load_config(REPO / "configs" / "tiny-cpu.yaml", [override, "train.run_name=exp-1", "train.samples_every=0",
+                                                               "train.project=p"])
+    assert config.train.loggers == loggers and config.train.run_name == "exp-1" and config.train.samples_every == 0
+    assert config.train.project == "p" and Config().train.loggers == ["tensorboard"] and Config().train.run_name is None
+    with pytest.raises(ConfigError, match="train.loggers=3: expected list"):
+        load_config(None, ["train.loggers=3"])
+
+
 @pytest.mark.parametrize(
     "override,message",
     [

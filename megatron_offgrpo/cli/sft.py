@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from megatron_offgrpo.train import config_or_exit
 
-    config = config_or_exit(args.config, args.overrides)
+    config = config_or_exit(args.config, args.overrides, tracking=True)
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns

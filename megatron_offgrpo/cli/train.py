@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from megatron_offgrpo.train import claim_run_dir, config_or_exit
 
-    config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []))
+    config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []),
+                            tracking=True)
     claim_run_dir(config)
     from megatron_offgrpo.train import setup_logging
 

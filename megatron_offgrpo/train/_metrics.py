@@ -1,4 +1,6 @@
-"""Run metrics: one JSON line per step (always), TensorBoard scalars (when installed), a console progress line."""
+"""Run metrics: one JSON line per step in ``RUN/metrics.jsonl`` (always), sample completions in ``RUN/samples.jsonl``
+every ``train.samples_every`` steps, a console progress line, and the same records fanned out to the trackers of
+``train.loggers`` (``train._trackers``: TensorBoard, wandb, mlflow)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,16 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
+
+from megatron_offgrpo.config import Config, TrainConfig
+from megatron_offgrpo.data import Sample
+from megatron_offgrpo.train._trackers import SAMPLE_COLUMNS, Tracker, make_trackers
 
 logger = logging.getLogger(__name__)
+SAMPLE_GROUPS = 2
+"""Groups of a step whose completions ``train.samples_every`` records (the first ones: all their G samples)."""
+SAMPLES_FILE = "samples.jsonl"
 
 
 def plain_scalar(value: Any) -> Any:
@@ -23,63 +32,143 @@ def plain_scalar(value: Any) -> Any:
     return value
 
 
-class MetricsLog:
-    """Writes ``RUN/metrics.jsonl`` and ``RUN/tensorboard/``; only rank 0 creates one."""
+def tracker_value(value: Any) -> int | float | None:
+    """``value`` (after ``plain_scalar``) as the number a tracker takes: bools as 0/1; None when it is not a number."""
+    if isinstance(value, bool):
+        return int(value)
+    return value if isinstance(value, (int, float)) else None
 
-    def __init__(self, run_dir: Path, total_steps: int) -> None:
-        """Args: run_dir: the run directory. total_steps: for the progress display."""
+
+def completion_rows(samples: Sequence[Sample], tokenizer, step: int, groups: int = SAMPLE_GROUPS) -> list[dict]:
+    """The completions of the first ``groups`` groups as table rows (keys: ``_trackers.SAMPLE_COLUMNS``), decoded."""
+    def text(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    return [dict(zip(SAMPLE_COLUMNS, (step, s.prompt_id, text(s.prompt_ids), text(s.response_ids), float(s.reward),
+                                      s.policy_version, s.finish_reason, len(s.response_ids))))
+            for s in samples if s.group_id < groups]
+
+
+def grpo_progress(values: dict[str, Any]) -> str:
+    """The middle of an RL step's progress line: reward, accuracy, loss, masking, clipping, version, times."""
+    return (f"reward {values.get('reward_mean', float('nan')):.3f} acc {values.get('accuracy', float('nan')):.3f} "
+            f"loss {values.get('loss', float('nan')):+.4f} masked {values.get('masked_group_fraction', 0):.2f} "
+            f"clip {values.get('clip_fraction', 0):.3f} v{values.get('policy_version', 0)} "
+            f"gen {values.get('time_generate_s', 0):.1f}s sync {values.get('time_sync_s', 0):.2f}s "
+            f"train {values.get('time_train_s', 0):.1f}s {values.get('tokens_per_s', 0):.0f} tok/s")
+
+
+def sft_progress(values: dict[str, Any]) -> str:
+    """The middle of a warm-up step's progress line: cross-entropy, learning rate, throughput."""
+    return (f"cross-entropy {values.get('loss', float('nan')):.4f} lr {values.get('lr', 0):.2e} "
+            f"{values.get('tokens_per_s', 0):.0f} tok/s")
+
+
+class MetricsLog:
+    """Writes ``RUN/metrics.jsonl`` and ``RUN/samples.jsonl`` and feeds the trackers; only rank 0 creates one."""
+
+    def __init__(self, run_dir: Path, total_steps: int, trackers: Sequence[Tracker] = (), log_every: int = 1,
+                 samples_every: int = 0, tokenizer=None, progress: Callable[[dict[str, Any]], str] = grpo_progress,
+                 hparams: dict[str, Any] | None = None) -> None:
+        """Args: run_dir: the run directory. total_steps: for the progress display. trackers: where every record
+        also goes. log_every: the console line's interval. samples_every: completion tables every N steps (0: off;
+        needs ``tokenizer`` to decode them). progress: the console line's middle, from a step's values. hparams: the
+        run's config for the trackers, given with the first record (after a ``resume_at``, which may reopen them)."""
         self.path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / SAMPLES_FILE
         self._file = open(self.path, "a", buffering=1)
-        self._total = total_steps
+        self._trackers = list(trackers)
+        self._total, self._log_every, self._progress = total_steps, log_every, progress
+        self._samples_every, self._tokenizer = samples_every if tokenizer is not None else 0, tokenizer
         self._start = time.time()
         self._first, self._resumed_wall = 0, 0.0  # a resumed run: its first step, the wall-clock it had reached
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:  # tensorboard is optional: JSONL holds everything
-            self._tb = None
-            logger.info("tensorboard not installed: metrics go to %s only", self.path)
+        self._not_numbers: set[str] = set()  # metrics the trackers cannot take (warned once each)
+        self._hparams = hparams
 
     def resume_at(self, step: int) -> None:
         """Continue a resumed run at ``step``: the records of later steps (logged after the checkpoint the run resumes
         from, before it stopped) are dropped, since the run logs them again, and wall-clock continues from the last
-        record kept."""
+        record kept. ``step`` 0: a new run over an earlier one's records (a warm-up run again)."""
         self._file.close()
-        kept = [r for r in read_metrics(self.path.parent) if r["step"] < step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
-        tmp.replace(self.path)
+        kept = [r for r in read_metrics(self.path.parent) if r["step"] < step] if self.path.exists() else []
+        _rewrite(self.path, kept)
+        if self.samples_path.exists():
+            rows = [json.loads(x) for x in self.samples_path.read_text().splitlines() if x.strip()]
+            _rewrite(self.samples_path, [r for r in rows if r["step"] < step])
         self._file = open(self.path, "a", buffering=1)
         self._resumed_wall = kept[-1]["wall_s"] if kept else 0.0
         self._start = time.time() - self._resumed_wall
         self._first = step
+        self._fan_out("resume_at", step)
 
-    def log(self, step: int, values: dict[str, Any]) -> None:
-        """Record one step and print its progress line."""
+    def log(self, step: int, values: dict[str, Any], samples: Sequence[Sample] = ()) -> None:
+        """Record one step (with its ``samples``: their length histogram, and every ``samples_every`` steps a table
+        of completions) and print its progress line every ``log_every`` steps."""
+        if self._hparams is not None:
+            self._fan_out("log_hparams", self._hparams)
+            self._hparams = None
         values = {key: plain_scalar(value) for key, value in values.items()}
         record = {"step": step, "wall_s": round(time.time() - self._start, 3), **values}
         self._file.write(json.dumps(record, default=float) + "\n")
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+        self._fan_out("log_metrics", step, self._scalars(record),
+                      {"response_len_hist": [len(s.response_ids) for s in samples]} if samples else {})
+        if samples and self._samples_every and step % self._samples_every == 0:
+            rows = completion_rows(samples, self._tokenizer, step)
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            self._fan_out("log_samples", step, rows)
         done = step + 1
+        if done % self._log_every and done != self._total and step != self._first:
+            return
         elapsed = time.time() - self._start - self._resumed_wall  # this process's time: the ETA's rate
         eta = elapsed / max(done - self._first, 1) * (self._total - done)
-        line = (f"[{done:>5}/{self._total}] reward {values.get('reward_mean', float('nan')):.3f} "
-                f"acc {values.get('accuracy', float('nan')):.3f} loss {values.get('loss', float('nan')):+.4f} "
-                f"masked {values.get('masked_group_fraction', 0):.2f} clip {values.get('clip_fraction', 0):.3f} "
-                f"v{values.get('policy_version', 0)} gen {values.get('time_generate_s', 0):.1f}s "
-                f"sync {values.get('time_sync_s', 0):.2f}s train {values.get('time_train_s', 0):.1f}s "
-                f"{values.get('tokens_per_s', 0):.0f} tok/s eta {eta / 60:.1f} min")
-        print(line, file=sys.stderr, flush=True)
+        print(f"[{done:>5}/{self._total}] {self._progress(values)} eta {eta / 60:.1f} min", file=sys.stderr,
+              flush=True)
 
     def close(self) -> None:
-        """Flush and close."""
+        """Flush and close, the trackers too."""
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._fan_out("close")
+        self._trackers = []
+
+    def _scalars(self, record: dict[str, Any]) -> dict[str, int | float]:
+        """The record's numbers for the trackers (``step`` is their x-axis); the first time a metric is not a number
+        it is named in a warning (metrics.jsonl keeps it)."""
+        out = {}
+        for key, value in record.items():
+            number = tracker_value(value)
+            if number is not None:
+                out[key] = number
+            elif key not in self._not_numbers:
+                self._not_numbers.add(key)
+                logger.warning("metric %s=%r is not a number: it is in metrics.jsonl only, not in the trackers",
+                               key, value)
+        out.pop("step")
+        return out
+
+    def _fan_out(self, method: str, *args: Any) -> None:
+        """``tracker.method(*args)`` for each tracker. A tracker that fails (a server gone) is named in a warning and
+        gets nothing more: the run and metrics.jsonl go on."""
+        for tracker in list(self._trackers):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as exc:  # any backend's error: the run must not die of its tracker
+                logger.warning("%s failed (%s: %s): it gets nothing more; metrics.jsonl has every step",
+                               type(tracker).__name__, type(exc).__name__, exc)
+                self._trackers.remove(tracker)
+
+
+def open_metrics_log(config: Config, tokenizer, progress: Callable[[dict[str, Any]], str] = grpo_progress,
+                     resume: bool | None = None) -> MetricsLog:
+    """The metrics log of a run of ``config`` (``train.out_dir``, ``train.loggers``, ...), its config given to the
+    trackers; ``tokenizer`` decodes the completion tables. ``resume``: continue the trackers' runs (default
+    ``train.resume``)."""
+    t: TrainConfig = config.train
+    run_dir = Path(t.out_dir)
+    optional = ("tensorboard",) if t.loggers == TrainConfig().loggers else ()  # the default's: skipped when missing
+    trackers = make_trackers(t.loggers, run_dir, t.project, t.run_name, t.resume if resume is None else resume,
+                             optional)
+    return MetricsLog(run_dir, t.steps, trackers, t.log_every, t.samples_every, tokenizer, progress, config.to_dict())
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -93,3 +182,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             record = json.loads(line)
             by_step[record["step"]] = record
     return [by_step[k] for k in sorted(by_step)]
+
+
+def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace ``path`` by ``records``, one JSON line each (atomic)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
+    tmp.replace(path)

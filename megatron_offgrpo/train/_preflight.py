@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_offgrpo.config import Config, ConfigError, load_config
+from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
 from megatron_offgrpo.model import load_arch
+from megatron_offgrpo.train._trackers import missing_trackers
 
 
 def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
@@ -29,11 +30,21 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     return []
 
 
-def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None) -> Config:
-    """The validated config of a command line, or (bad recipe, key, value or model) its errors on stderr and exit 2."""
+def tracker_errors(config: Config) -> list[str]:
+    """The trackers of ``train.loggers`` that are not installed, except the default list's tensorboard (skipped with
+    an INFO line at start): a tracker the user named is never skipped silently."""
+    if config.train.loggers == TrainConfig().loggers:
+        return []
+    return missing_trackers(config.train.loggers)
+
+
+def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None,
+                   tracking: bool = False) -> Config:
+    """The validated config of a command line, or (bad recipe, key, value or model; with ``tracking``, a tracker of
+    ``train.loggers`` that is not installed) its errors on stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
-        errors = model_errors(config, model_dir)
+        errors = model_errors(config, model_dir) + (tracker_errors(config) if tracking else [])
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     except (ConfigError, ValueError, FileNotFoundError) as exc:

@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -195,10 +196,23 @@ def _collective_host(r) -> str | None:
     return None if all(is_loopback(host) for host in hosts) else socket.getfqdn()
 
 
+def length_metrics(lengths: Sequence[int]) -> dict[str, float]:
+    """Response lengths (tokens): ``response_len`` (the mean), ``_min``, ``_p50``, ``_p90``, ``_max``; a percentile is
+    the nearest rank, a length some response has (p90 of 1..10 is 9)."""
+    ordered, n = sorted(lengths), len(lengths)
+
+    def rank(q: int) -> int:
+        return ordered[max(math.ceil(q * n / 100), 1) - 1]
+
+    return {"response_len": sum(ordered) / n, "response_len_min": ordered[0], "response_len_p50": rank(50),
+            "response_len_p90": rank(90), "response_len_max": ordered[-1]}
+
+
 def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
     """Rewards (their mean and population std over the batch; accuracy: of the task's score, shaping left out),
-    lengths, the fraction cut at the length limit and staleness (step - policy_version) of a step's samples; raises
-    when a sample is older than ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
+    lengths (``length_metrics``), the fraction cut at the length limit (``truncated_fraction``: finish reason
+    "length") and staleness (step - policy_version) of a step's samples; raises when a sample is older than
+    ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
     values = [step - s.policy_version for s in samples]
     if max(values) > staleness_bound or min(values) < 0:
         raise RuntimeError(
@@ -210,7 +224,7 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
     mean = sum(rewards) / n
     return {"reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
             "accuracy": sum(s.reward - s.shaping >= 1.0 for s in samples) / n,
-            "response_len": sum(len(s.response_ids) for s in samples) / n,
+            **length_metrics([len(s.response_ids) for s in samples]),
             "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),

@@ -14,7 +14,7 @@ import torch
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.model import resolve_model_dir
 from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints
-from megatron_offgrpo.train._metrics import MetricsLog
+from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log
 from megatron_offgrpo.train._rollout_side import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
@@ -39,7 +39,7 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
     logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, trainer.arch.model_type, ctx.tp_size,
                 ctx.pp_size, ctx.dp_size, type(rollout.engine).__name__, config.rollout.refresh_every,
                 config.algo.objective)
-    return trainer, rollout, MetricsLog(run_dir, config.train.steps)
+    return trainer, rollout, open_metrics_log(config, rollout.tokenizer)
 
 
 def _write_run_info(run_dir: Path, trainer: TrainerSide) -> None:

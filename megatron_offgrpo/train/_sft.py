@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -22,8 +23,10 @@ from megatron_offgrpo.data import Prompt, PromptStream, Sample, extract_answer
 from megatron_offgrpo.model import load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
+from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log, sft_progress
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
+from megatron_offgrpo.train._setup import _write_run_info as write_run_info
 from megatron_offgrpo.train._step import policy_step
 from megatron_offgrpo.train._weights import export_hf_dir
 
@@ -62,20 +65,37 @@ def sft(config: Config) -> Path:
     stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
     batch = config.rollout.prompts_per_step * config.rollout.group_size
     teacher = random.Random(config.parallel.seed + 1)
-    start = time.time()
+    log = _open_log(config, ctx, arch, tokenizer) if ctx.rank == 0 else None
     for step in range(config.train.steps):
+        start = time.perf_counter()
         samples = teacher_batch(stream.next_batch(batch), tokenizer, teacher, config.sft.off_by_one_fraction)
         ones = torch.ones(len(samples), dtype=torch.float64)
         mbs = build_microbatches(samples, ones, torch.ones(len(samples), dtype=torch.bool), 1, ctx.dp_rank,
                                  ctx.dp_size, config.optim.micro_batch_tokens, device=ctx.device)
         tokens = sum(len(s.response_ids) for s in samples)
+        lr = policy.optimizer.param_groups[0]["lr"]  # this step's
         result = policy_step(policy.ddp, policy.optimizer, ctx, mbs, SFT_OBJECTIVE, tokens, len(samples))
         policy.scheduler.step(increment=1)
-        if ctx.rank == 0 and (step % config.train.log_every == 0 or step == config.train.steps - 1):
-            logger.info("sft step %d/%d: cross-entropy %.4f, %.0f s", step + 1, config.train.steps, result.loss,
-                        time.time() - start)
+        if log is not None:
+            seconds = time.perf_counter() - start
+            log.log(step, {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, "lr": lr,
+                           "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "time_step_s": seconds},
+                    samples)
     out = Path(config.train.out_dir) / "hf"
     export_hf_dir(policy.model, arch, ctx, out, Path(config.model.hf_path))
-    if ctx.rank == 0:
+    if log is not None:
+        log.close()
         logger.info("warm-up model written to %s", out)
     return out
+
+
+def _open_log(config: Config, ctx, arch, tokenizer) -> MetricsLog:
+    """Rank 0's metrics log of the warm-up, and its ``run_info.json``. A warm-up has no resume: run again into the
+    same ``train.out_dir`` it replaces the earlier one's records (as it replaces ``hf/``), and starts new tracker
+    runs."""
+    run_dir = Path(config.train.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_info(run_dir, types.SimpleNamespace(config=config, ctx=ctx, arch=arch))  # what it reads of a trainer
+    log = open_metrics_log(config, tokenizer, sft_progress, resume=False)
+    log.resume_at(0)
+    return log

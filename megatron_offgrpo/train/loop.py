@@ -51,7 +51,7 @@ def train(config: Config) -> Path:
             metrics |= _evaluate(rollout, version)
         nonfinite = nonfinite + 1 if metrics["skipped"] else 0
         if log is not None:
-            log.log(step, metrics)
+            log.log(step, metrics, samples)
         if nonfinite >= config.train.max_nonfinite_steps:
             raise RuntimeError(f"{nonfinite} non-finite losses in a row (step {step}): stopping; lower optim.lr "
                                f"or check the data, then resume from {latest_checkpoint(run_dir)}")

@@ -3,6 +3,7 @@ vLLM's chatter goes to RUN/train.log, and --verbose brings it back to the consol
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -14,7 +15,9 @@ import pytest
 
 from megatron_offgrpo.train._logs import LOG_FILE, ConsoleFilter, vllm_logging_config
 from tests.helpers import REPO
+from megatron_offgrpo.train import read_metrics
 from tests.train.conftest import TINY
+from tests.train.trackers import tensorboard_scalars
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
 
@@ -97,11 +100,21 @@ def test_train_console_is_quiet_and_the_log_file_has_everything(tmp_path):
 
 @pytest.mark.slow
 def test_sft_verbose_brings_the_chatter_back(tmp_path):
+    """(The same run checks that the warm-up logs like a training run: metrics.jsonl, samples.jsonl, TensorBoard with
+    every metric, run_info.json.)"""
     out = tmp_path / "sft"
     cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "sft", "--verbose",
            "--config", str(REPO / "configs/tiny-cpu-sft.yaml"), "train.steps=1", "data.count=20",
-           f"train.out_dir={out}"]
+           f"train.out_dir={out}", "train.samples_every=1"]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "megatron.core" in proc.stderr and "parallel layout" in proc.stderr and "warm-up model:" in proc.stdout
     assert "megatron.core" in (out / LOG_FILE).read_text()
+    assert "[    1/1] cross-entropy " in proc.stderr
+    (record,) = read_metrics(out)
+    assert {"loss", "grad_norm", "lr", "tokens", "tokens_per_s", "time_step_s", "wall_s"} <= set(record)
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["response"].startswith("#### ") and "What is" in rows[0]["prompt"]
+    assert json.loads((out / "run_info.json").read_text())["config"]["train"]["out_dir"] == str(out)
+    if importlib.util.find_spec("tensorboard"):
+        assert set(record) - {"step"} == set(tensorboard_scalars(out))
