@@ -135,10 +135,9 @@ def _reached(minutes: list[float]) -> str:
 
 
 def _plot(args, results) -> None:
-    import matplotlib
+    from megatron_offgrpo import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # the plot extra
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for variant, v in results:

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_offgrpo import pyplot
 from megatron_offgrpo.train import read_metrics
 
 
@@ -52,10 +53,7 @@ def _label(run_dir: Path, records: list[dict]) -> str:
 
 def make_report(run_dirs: list[str | Path] | str | Path, window: int = 5, out: str | Path | None = None) -> Path:
     """Write the plots of one or more runs (default ``RUN/report.png`` of the first); returns the PNG's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # the plot extra; without it, one line naming the extra
 
     dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
     runs = [(d, read_metrics(d)) for d in dirs]
