@@ -51,13 +51,13 @@ RUN python -m venv /opt/vllm \
  && env -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null /opt/vllm/bin/python -m pip install "vllm==${VLLM_VERSION}"
 
 WORKDIR /workspace/megatron-offgrpo
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY megatron_offgrpo ./megatron_offgrpo
 COPY checkpoint_tools ./checkpoint_tools
 
 # The trainer environment: the project (editable, so a mounted checkout at this path is what runs) on the
-# container's torch, which the constraints keep.
-RUN python -m pip install --constraint /opt/offgrpo/keep.txt -e .
+# container's torch, which the constraints keep, with tensorboard, the trackers (wandb, mlflow) and the report's plots.
+RUN python -m pip install --constraint /opt/offgrpo/keep.txt -e ".[plot,tensorboard,tracking]"
 # The fleet environment: the project with its vllm extra (already satisfied by the wheel above).
 RUN env -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null /opt/vllm/bin/python -m pip install -e ".[vllm]" \
  && /opt/vllm/bin/python -c "import vllm, megatron_offgrpo.fleet; print('fleet env: vllm', vllm.__version__)"

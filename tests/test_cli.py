@@ -10,9 +10,11 @@ from megatron_offgrpo.cli import CONVERT, main
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
-def test_version_prints_the_installed_version(flag, capsys):
+def test_version_prints_the_installed_version_and_commit(flag, capsys):
     main([flag])  # returns: exit status 0
-    assert capsys.readouterr().out.strip() == f"offgrpo {importlib.metadata.version('megatron-offgrpo')}"
+    first, recipes = capsys.readouterr().out.strip().splitlines()
+    assert first.startswith(f"offgrpo {importlib.metadata.version('megatron-offgrpo')}, commit "), first
+    assert recipes.startswith("recipes: ") and recipes.endswith("(offgrpo recipes DIR copies them)"), recipes
 
 
 def test_convert_help_lists_each_sub_command_with_its_description(capsys):

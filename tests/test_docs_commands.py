@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.doc_commands import (GENERATED_DOCS, OVERRIDE, RULES, DocCommand, Rule, docker_inner, extract_all,
-                                flag_problems, flag_value, help_calls, match_rule, peel_env, synopsis_variants)
+                                extras_problems, flag_problems, flag_value, help_calls, match_rule, peel_env, synopsis_variants)
 from tests.helpers import REPO, _free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -164,6 +164,11 @@ class DocsWorkspace:
             return [] if (self.root / dockerfile).is_file() else [f"{dockerfile}: no such file in the build context"]
         if argv[:2] == ["docker", "run"]:
             argv = docker_inner(argv)
+        if argv[0] == "pip":
+            import tomllib  # Python >= 3.11, as CI
+
+            extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+            return self.static(argv) + extras_problems(argv, extras)
         return self.static(argv)
 
     def static(self, argv: list[str]) -> list[str]:
@@ -282,6 +287,8 @@ def test_rule_table_is_closed() -> None:
     ("... rollout.no_such_key=1", "configs/tiny-cpu.yaml", "unknown config key 'rollout.no_such_key'"),
     ("offgrpo eval --config configs/tiny-cpu.yaml --engine vllm optim.no_such_key=1", "README.md", "optim.no_such_key"),
     ("offgrpo fleet start --model m --cpu-bind everywhere", "README.md", "--cpu-bind everywhere: not one of"),
+    ('pip install --constraint c.txt -e ".[plot,no-such-extra]"', "README.md", "extra 'no-such-extra' is not one of"),
+    ("pip install --no-such-flag torch", "README.md", "--no-such-flag: not a flag of `pip install`"),
 ])
 def test_dry_checks_catch_drift(text: str, path: str, expected: str, docs_cwd: DocsWorkspace) -> None:
     """The dry checks themselves: a made-up flag, recipe key or choice is reported (no command is run)."""

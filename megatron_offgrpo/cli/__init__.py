@@ -8,14 +8,16 @@
     offgrpo config  [--config RECIPE] [key=value ...] | --reference  the resolved config, or every key's docs
     offgrpo fleet   start|stop|status ...                          the vLLM generation fleet
     offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...   (offgrpo convert --help)
-    offgrpo --version
+    offgrpo recipes DIR                                             copy configs/ and launch/ into DIR
+    offgrpo --version                                               version, git commit, where the recipes are
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import sys
+
+from megatron_offgrpo import MissingExtra, describe
 
 COMMANDS = {
     "train": "megatron_offgrpo.cli.train",
@@ -24,6 +26,7 @@ COMMANDS = {
     "report": "megatron_offgrpo.cli.report",
     "fleet": "megatron_offgrpo.cli.fleet",
     "config": "megatron_offgrpo.cli.config",
+    "recipes": "megatron_offgrpo.cli.recipes",
 }
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
     "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron TP x PP checkpoint"),
@@ -31,15 +34,15 @@ CONVERT = {  # sub-command: (module, what it does); the descriptions print witho
     "reshard": ("checkpoint_tools.reshard", "megatron checkpoint -> another TP x PP layout (bit-exact)"),
     "roundtrip": ("checkpoint_tools.roundtrip", "HF -> megatron -> reshard -> HF on the embedded default, verified"),
 }
-DISTRIBUTION = "megatron-offgrpo"
 
 
-def version() -> str:
-    """The installed package's version (pyproject.toml's, as pip recorded it)."""
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never pip-installed
-        return "unknown (not installed: pip install -e .)"
+def version_text() -> str:
+    """``offgrpo --version``: the version and git commit, then where the recipes are."""
+    from megatron_offgrpo.cli.recipes import recipes_root
+
+    root = recipes_root()
+    where = f"{root}/{{configs,launch}} (offgrpo recipes DIR copies them)" if root else "not installed"
+    return f"offgrpo {describe()}\nrecipes: {where}"
 
 
 def convert_help() -> str:
@@ -75,15 +78,19 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     if argv[0] in ("-V", "--version"):
-        print(f"offgrpo {version()}")
+        print(version_text())
         return
     command, rest = argv[0], argv[1:]
-    if command == "convert":
-        _convert(rest)
-    elif command in COMMANDS:
-        sys.exit(importlib.import_module(COMMANDS[command]).main(rest) or 0)  # fleet status: 1 = unhealthy
-    else:
-        _usage(f"unknown command {command!r}; valid: {', '.join([*COMMANDS, 'convert'])}")
+    try:
+        if command == "convert":
+            _convert(rest)
+        elif command in COMMANDS:
+            sys.exit(importlib.import_module(COMMANDS[command]).main(rest) or 0)  # fleet status: 1 = unhealthy
+        else:
+            _usage(f"unknown command {command!r}; valid: {', '.join([*COMMANDS, 'convert'])}")
+    except MissingExtra as exc:  # an optional dependency (plot, tensorboard, wandb, ...): one line names its extra
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_offgrpo import pyplot
 from megatron_offgrpo.cli._panels import PANELS, Panel, mean_records, time_split
 from megatron_offgrpo.train import eval_points, pass_points, read_metrics, run_summary
 
@@ -53,10 +54,7 @@ def plot_runs(runs: dict[str, list[dict]], out: str | Path, window: int = 5, x: 
         raise ValueError(f"x={x!r}: pick one of {', '.join(X_AXES)}")
     if window < 1:
         raise ValueError(f"window={window}: the moving average needs at least 1 step")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()  # the plot extra; without it, one line naming the extra
 
     fig, axes = plt.subplots(3, 3, figsize=(19, 13.5))
     other = "wall" if x == "step" else "step"

@@ -244,7 +244,8 @@ def test_copy_sources_exist_and_reach_the_build():
     before = [w for i, (kw, args) in enumerate(INSTRUCTIONS) if kw == "COPY" and i < first_install
               for w in shlex.split(args)[:-1]]
     packages = [p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]]
-    for needed in ["pyproject.toml", PYPROJECT["project"]["readme"], *packages]:
+    build = ["pyproject.toml", "setup.py", PYPROJECT["project"]["readme"], *PYPROJECT["project"]["license-files"]]
+    for needed in [*build, *packages]:
         assert needed in before, f"{needed} must be copied before the project is installed"
     for used in ("configs", "launch", "benchmarks"):  # the documented commands read these
         assert used in copied
