@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.doc_commands import (GENERATED_DOCS, OVERRIDE, RULES, DocCommand, Rule, docker_inner, extract_all,
-                                extras_problems, flag_problems, flag_value, help_calls, match_rule, peel_env, synopsis_variants)
+                                extras_problems, flag_problems, flag_value, help_calls, match_rule, peel_env,
+                                synopsis_variants)
 from tests.helpers import REPO, _free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
