@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 import logging
 import math
 import re
@@ -254,6 +255,9 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, offline):
         log.log(step, {"loss": float(step)})
     log.close()
     ids = json.loads((tmp_path / "trackers.json").read_text())
+    # TensorBoard reads event files in name order: creation second, then a per-process writer counter compared as
+    # text ("10" < "9" once other tests made writers). A real resume is another process, seconds later.
+    time.sleep(1.1)
     log = MetricsLog(tmp_path, 3, make_trackers(names, tmp_path, "p", None, resume=True), hparams={"a": 1, "b": 2})
     log.resume_at(1)
     for step in (1, 2):
