@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 import logging
 import math
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
