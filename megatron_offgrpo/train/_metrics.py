@@ -4,6 +4,7 @@ every ``train.samples_every`` steps, a console progress line, and the same recor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -13,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._trackers import SAMPLE_COLUMNS, Tracker, make_trackers
+from megatron_offgrpo.train._trackers import SampleRow, Tracker, make_trackers
 
 logger = logging.getLogger(__name__)
 SAMPLE_GROUPS = 2
@@ -39,14 +40,13 @@ def tracker_value(value: Any) -> int | float | None:
     return value if isinstance(value, (int, float)) else None
 
 
-def completion_rows(samples: Sequence[Sample], tokenizer, step: int, groups: int = SAMPLE_GROUPS) -> list[dict]:
-    """The completions of the first ``groups`` groups as table rows (keys: ``_trackers.SAMPLE_COLUMNS``), decoded."""
+def completion_rows(samples: Sequence[Sample], tokenizer, step: int, groups: int = SAMPLE_GROUPS) -> list[SampleRow]:
+    """The completions of the first ``groups`` groups as table rows, decoded."""
     def text(ids: Sequence[int]) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    return [dict(zip(SAMPLE_COLUMNS, (step, s.prompt_id, text(s.prompt_ids), text(s.response_ids), float(s.reward),
-                                      s.policy_version, s.finish_reason, len(s.response_ids))))
-            for s in samples if s.group_id < groups]
+    return [SampleRow(step, s.prompt_id, text(s.prompt_ids), text(s.response_ids), float(s.reward), s.policy_version,
+                      s.finish_reason, len(s.response_ids)) for s in samples if s.group_id < groups]
 
 
 def grpo_progress(values: dict[str, Any]) -> str:
@@ -115,7 +115,7 @@ class MetricsLog:
         if samples and self._samples_every and step % self._samples_every == 0:
             rows = completion_rows(samples, self._tokenizer, step)
             with open(self.samples_path, "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+                f.writelines(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows)
             self._fan_out("log_samples", step, rows)
         done = step + 1
         if done % self._log_every and done != self._total and step != self._first:

@@ -2,7 +2,7 @@
 
 One class per backend behind the ``Tracker`` protocol; ``MetricsLog`` (``train._metrics``) writes the JSONL and fans
 every record out to them. They take plain numbers (``MetricsLog`` converts tensors and bools), the config as a nested
-dict, and sample rows with the keys of ``SAMPLE_COLUMNS``. A backend's package is imported only when its tracker is
+dict, and ``SampleRow``s. A backend's package is imported only when its tracker is
 built; ``missing_trackers`` tells the preflight which named ones cannot be.
 
 Offline use: ``WANDB_MODE=offline`` keeps wandb's run under ``RUN/wandb/`` (``wandb sync`` uploads it later); mlflow
@@ -13,6 +13,7 @@ RUN/mlruns``). A resumed run (``train.resume``) continues the wandb and mlflow r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -31,7 +32,23 @@ TRACKING_EXTRA = "pip install 'megatron-offgrpo[tracking]'"
 BACKENDS = {"tensorboard": ("tensorboard", "pip install tensorboard"), "wandb": ("wandb", TRACKING_EXTRA),
             "mlflow": ("mlflow", TRACKING_EXTRA)}
 """``train.loggers`` name -> (the package it needs, how to install it)."""
-SAMPLE_COLUMNS = ("step", "prompt_id", "prompt", "response", "reward", "policy_version", "finish_reason", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRow:
+    """One sampled completion as the trackers' tables show it (``train.samples_every``), decoded."""
+
+    step: int
+    prompt_id: str
+    prompt: str
+    response: str
+    reward: float
+    policy_version: int
+    finish_reason: str | None
+    length: int  # response tokens
+
+
+SAMPLE_COLUMNS = tuple(field.name for field in dataclasses.fields(SampleRow))
 IDS_FILE = "trackers.json"
 """``RUN/trackers.json``: the wandb and mlflow run ids, so that a resumed run continues them."""
 
@@ -45,8 +62,8 @@ class Tracker(Protocol):
     def log_metrics(self, step: int, scalars: dict[str, float], histograms: dict[str, list[float]]) -> None:
         """One step's metrics (Python numbers), and value distributions (e.g. response lengths)."""
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """A table of sample completions (keys: ``SAMPLE_COLUMNS``)."""
+    def log_samples(self, step: int, rows: list[SampleRow]) -> None:
+        """A table of sample completions."""
 
     def resume_at(self, step: int) -> None:
         """The run continues at ``step``: what an earlier process logged at ``step`` and after is done again."""
@@ -108,13 +125,14 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
+def markdown_table(rows: list[SampleRow]) -> str:
     """``rows`` as a markdown table (TensorBoard's text plugin renders it); newlines and pipes escaped."""
     def cell(value: Any) -> str:
         return str(value).replace("|", "\\|").replace("\n", "\\n")
 
     lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
-    return "\n".join(lines + ["| " + " | ".join(cell(row[c]) for c in SAMPLE_COLUMNS) + " |" for row in rows])
+    lines += ["| " + " | ".join(cell(value) for value in dataclasses.astuple(row)) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class TensorBoardTracker:
@@ -142,7 +160,7 @@ class TensorBoardTracker:
             if values:
                 self._writer.add_histogram(key, np.asarray(values, dtype=float), step)
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+    def log_samples(self, step: int, rows: list[SampleRow]) -> None:
         self._writer.add_text("samples", markdown_table(rows), step)
 
     def resume_at(self, step: int) -> None:
@@ -177,8 +195,8 @@ class WandbTracker:
         hists = {k: self._wandb.Histogram(v) for k, v in histograms.items() if v}
         self.run.log({**scalars, **hists, "step": step})
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self._wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[r[c] for c in SAMPLE_COLUMNS] for r in rows])
+    def log_samples(self, step: int, rows: list[SampleRow]) -> None:
+        table = self._wandb.Table(columns=list(SAMPLE_COLUMNS), data=[list(dataclasses.astuple(r)) for r in rows])
         self.run.log({"samples": table, "step": step})
 
     def resume_at(self, step: int) -> None:
@@ -236,8 +254,8 @@ class MlflowTracker:
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
-    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        data = {c: [r[c] for r in rows] for c in SAMPLE_COLUMNS}
+    def log_samples(self, step: int, rows: list[SampleRow]) -> None:
+        data = {c: [getattr(r, c) for r in rows] for c in SAMPLE_COLUMNS}
         self.client.log_table(self.run_id, data, f"samples/step_{step:08d}.json")
 
     def resume_at(self, step: int) -> None:

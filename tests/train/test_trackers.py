@@ -145,7 +145,7 @@ def test_samples_jsonl_rows_and_resume_drops_the_redone_steps(tmp_path):
 
 def test_completion_rows_are_the_first_two_groups():
     rows = completion_rows(samples(groups=3, group_size=3), Tokenizer(), step=5)
-    assert [(r["prompt_id"], r["length"]) for r in rows] == [("p0", 1), ("p0", 2), ("p0", 3), ("p1", 1), ("p1", 2),
+    assert [(r.prompt_id, r.length) for r in rows] == [("p0", 1), ("p0", 2), ("p0", 3), ("p1", 1), ("p1", 2),
                                                              ("p1", 3)]
 
 
