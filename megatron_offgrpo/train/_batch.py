@@ -30,6 +30,8 @@ class MicroBatch:
         fleet_logp: [b, s] the engine's log-prob (equals behavior_logp unless behavior is recomputed).
         seq_ids: [b, s] row of the position (a sequence id local to the micro-batch, for per-sequence means).
         ref_logp: [b, s] reference-policy log-probs (set by the trainer when the KL term is on).
+        attention_mask: [b, 1, s, s] bool, True = masked (megatron's convention), for packed rows
+            (``_packing.block_causal_mask``); None = plain causal attention over each row.
     """
 
     tokens: torch.Tensor
@@ -41,6 +43,7 @@ class MicroBatch:
     fleet_logp: torch.Tensor
     seq_ids: torch.Tensor
     ref_logp: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
 
     def flat(self, name: str) -> torch.Tensor:
         """A field as ``[b * s]`` in the order of ``hidden.reshape(-1, H)`` of a ``[b, s, H]`` output."""

@@ -80,7 +80,7 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
 
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
-        out = stage(mb.tokens, mb.positions, None)
+        out = stage(mb.tokens, mb.positions, mb.attention_mask)
         return out, lambda hidden: loss_closure(mb, hidden)
 
     first = microbatches[0]

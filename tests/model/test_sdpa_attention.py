@@ -56,7 +56,7 @@ def test_sdpa_matches_dot_product_attention(parallel, dtype, tol):
             assert rel <= tol, f"{name} ({dtype}, seed {seed}): relative difference {rel:.2e} > {tol:g}"
 
 
-def test_explicit_mask_goes_to_megatron(parallel):
+def test_an_explicit_boolean_mask_is_the_whole_mask(parallel):
     from megatron_offgrpo.model._sdpa import SdpaAttention
 
     attention = _attention(SdpaAttention, torch.float32)
@@ -69,3 +69,25 @@ def test_explicit_mask_goes_to_megatron(parallel):
     first_key_only = v[:1].repeat_interleave(HEADS // GROUPS, dim=2).expand(SEQ, -1, -1, -1).reshape(SEQ, BATCH, -1)
     torch.testing.assert_close(masked, first_key_only)
     assert not torch.allclose(masked, full)
+
+
+def test_a_block_causal_mask_matches_megatron_and_separate_sequences(parallel):
+    """Packed rows (train._packing): SDPA under the block-diagonal causal mask equals megatron's unfused attention
+    under it, and each sequence's outputs equal those of the sequence alone."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_offgrpo.model._sdpa import SdpaAttention
+    from megatron_offgrpo.train._packing import block_causal_mask
+
+    lengths = [10, 9]  # + 5 pad positions
+    mask = block_causal_mask(lengths, SEQ).expand(BATCH, 1, SEQ, SEQ)
+    q, k, v = _qkv(torch.float32, 1)
+    ours = _attention(SdpaAttention, torch.float32)(q, k, v, attention_mask=mask)
+    theirs = _attention(DotProductAttention, torch.float32)(q, k, v, attention_mask=mask)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    start = 0
+    for n in lengths:
+        span = slice(start, start + n)
+        alone = _attention(SdpaAttention, torch.float32)(q[span], k[span], v[span], attention_mask=None)
+        torch.testing.assert_close(ours[span], alone, rtol=1e-5, atol=1e-6)
+        start += n

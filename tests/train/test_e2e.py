@@ -101,12 +101,13 @@ def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_
     assert "IDENTICAL cispo" in proc.stdout and "IDENTICAL gspo" in proc.stdout
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path, aggregation):
+def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path, aggregation, layout):
     from tests.helpers import run_torchrun
 
-    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2, [str(tmp_path), aggregation])
-    assert "MATCH dp=2" in proc.stdout
+    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2, [str(tmp_path), aggregation, layout])
+    assert "MATCH dp=2" in proc.stdout and f"packed={layout == 'packed'}" in proc.stdout
 
 
 def _train(out, *overrides: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,6 @@
 """torchrun worker: the trainer's gradient (micro-batches x DP ranks, fused kernel, megatron DDP) equals the
-gradient of ``algo.reference_loss`` over the whole step on materialised logits (one process, plain autograd)."""
+gradient of ``algo.reference_loss`` over the whole step on materialised logits (one process, plain autograd), with
+padded micro-batches or packed ones (argv[3] = "packed": several sequences per row, block-diagonal causal mask)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from megatron_offgrpo.algo import compute_group_advantages, reference_loss
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.model import output_weight
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._sync import share_samples
 from megatron_offgrpo.train._step import backward_pass
@@ -33,6 +35,7 @@ def reference_grads(trainer, samples, adv, params) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out_dir, aggregation = sys.argv[1], sys.argv[2]
+    packed = sys.argv[3:] == ["packed"]
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregation}"])
     trainer, rollout, log = setup(config)
     samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
@@ -43,8 +46,12 @@ def main() -> None:
         s.behavior_logprobs = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.behavior_logprobs)]
     expected = reference_grads(trainer, samples, adv, trainer.objective)
     ctx = trainer.ctx
-    mbs = build_microbatches(samples, adv.advantages, adv.sample_valid, G, ctx.dp_rank, ctx.dp_size, token_budget=120)
+    build = build_packed_microbatches if packed else build_microbatches
+    mbs = build(samples, adv.advantages, adv.sample_valid, G, ctx.dp_rank, ctx.dp_size, token_budget=120)
     assert len(mbs) >= 2, f"want several micro-batches per rank, got {len(mbs)}"
+    if packed:
+        rows = [int(mb.seq_ids.max()) for mb in mbs]  # sequences per pack (+ the pad tail's id)
+        assert max(rows) >= 2, f"want packs of several sequences, got {rows}"
     backward_pass(trainer.policy.ddp, ctx, mbs, trainer.objective, global_token_count(samples, adv.sample_valid),
                   global_seq_count(adv.sample_valid))
     worst = 0.0
@@ -53,7 +60,7 @@ def main() -> None:
         err = (param.main_grad - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
         worst = max(worst, err)
         assert err < 1e-5, f"{name}: relative grad error {err:.3g}"
-    print(f"MATCH dp={ctx.dp_size} micro-batches={len(mbs)} worst relative error {worst:.2e}")
+    print(f"MATCH dp={ctx.dp_size} micro-batches={len(mbs)} packed={packed} worst relative error {worst:.2e}")
     if rollout is not None:
         rollout.close()
         log.close()
