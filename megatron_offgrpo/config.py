@@ -234,7 +234,10 @@ class OptimConfig:
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
     micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (samples are packed up to it)."""
+    """Token budget of one micro-batch: positions per row times rows (padded), or positions of a pack (packing)."""
+    packing: bool = False
+    """Pack several sequences into each micro-batch row (no padding inside a pack; a block-diagonal causal mask keeps
+    each to itself; DP ranks balanced by tokens) instead of padding every row to the step's longest sequence."""
 
 
 @dataclasses.dataclass

@@ -1,9 +1,10 @@
 """Samples -> packed micro-batches: several sequences per row, no padding inside a pack (issue 19, item 1).
 
 A padded micro-batch (``_batch.build_microbatches``) pads every row to the step's longest sequence; with a long tail
-of response lengths most of its positions are padding. Here each micro-batch is ONE row of ``s`` positions holding
-whole sequences back to back (first-fit decreasing into bins of ``token_budget`` positions), padded only at its end,
-and a block-diagonal causal mask keeps every sequence to itself.
+of response lengths most of its positions are padding. Here a row of the same length holds whole sequences back to
+back (first-fit decreasing), padded only at its end, and a block-diagonal causal mask keeps every sequence to
+itself. The mask is dense ([b, 1, s, s]), so attention per position costs what a padded row's does; only the number
+of positions shrinks.
 
 Exactness on the local spec: megatron-core computes RoPE from the row length (``position_ids`` feed only learned
 absolute embeddings), so the sequences after the first of a pack see rotary angles shifted by their offset. A
@@ -11,8 +12,8 @@ rotary score depends only on the query-key offset, and the mask lets a token see
 attention equals the unpacked one up to rounding; the positions given to the stage restart at 0 per sequence for
 any embedding that does read them. (TE's THD path with ``cu_seqlens`` restarts RoPE itself: the GPU half.)
 
-Shape notation: s positions of a pack (the same for every micro-batch of a rank, for the pipeline's fixed-shape
-p2p: the budget, or the longest sequence when it exceeds the budget).
+Shape notation: s positions of a row, the step's longest sequence (as in the padded layout), the same for every
+micro-batch, for the pipeline's fixed-shape p2p.
 """
 
 from __future__ import annotations
@@ -80,37 +81,47 @@ def build_packed_microbatches(
     token_budget: int = 4096,
     device: torch.device | str = "cpu",
 ) -> list[MicroBatch]:
-    """This rank's packed micro-batches of one step (arguments as ``build_microbatches``; ``token_budget``: the
-    positions of a pack). Groups go to DP ranks balanced by tokens, so ranks may get different numbers of packs;
-    the loss normalisers stay the step's global counts, so the gradient is unchanged."""
+    """This rank's packed micro-batches of one step (arguments as ``build_microbatches``).
+
+    Rows have the padded layout's length, the step's longest sequence ``s``, and ``token_budget // s`` rows make a
+    micro-batch, as there; but each row holds as many whole sequences as fit (first-fit decreasing). Attention then
+    costs what the padded layout's does per position (a row of ``s``), and there are fewer positions. Groups go to DP
+    ranks balanced by tokens, so ranks may get different numbers of micro-batches; the loss normalisers stay the
+    step's global counts, so the gradient is the padded layout's.
+    """
     if len(samples) % group_size or len(samples) != advantages.numel():
         raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
     length = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]  # positions: the last token predicts
+    s = max(length)
     group_tokens = [sum(length[g * group_size:(g + 1) * group_size]) for g in range(len(samples) // group_size)]
     mine = [g * group_size + j for g in balance_groups(group_tokens, dp_size)[dp_rank] for j in range(group_size)]
-    packs = [[mine[i] for i in pack] for pack in pack_lengths([length[i] for i in mine], token_budget)]
-    s = max([token_budget] * bool(packs) + [length[i] for i in mine])
-    out = []
-    for pack in packs:
-        tokens, targets = torch.zeros(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long)
-        positions, seq_ids = torch.zeros(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long)
-        loss_mask = torch.zeros(1, s, dtype=torch.bool)
-        behavior, adv = torch.zeros(1, s), torch.zeros(1, s)
+    packs = [[mine[i] for i in pack] for pack in pack_lengths([length[i] for i in mine], s)]
+    per_micro = max(1, min(len(packs), token_budget // s))
+    packs += [[]] * (-len(packs) % per_micro)  # empty rows: every micro-batch has the same shape (pipeline p2p)
+    shape = (len(packs), s)
+    tokens, targets = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    positions, seq_ids = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.bool)
+    behavior, adv = torch.zeros(shape), torch.zeros(shape)
+    for row, pack in enumerate(packs):
         start = 0
         for k, index in enumerate(pack):
             sample = samples[index]
             full = list(sample.prompt_ids) + list(sample.response_ids)
             n, p = length[index], len(sample.prompt_ids)
             span = slice(start, start + n)
-            tokens[0, span], targets[0, span] = torch.tensor(full[:-1]), torch.tensor(full[1:])
-            positions[0, span], seq_ids[0, span] = torch.arange(n), k
+            tokens[row, span], targets[row, span] = torch.tensor(full[:-1]), torch.tensor(full[1:])
+            positions[row, span], seq_ids[row, span] = torch.arange(n), row * s + k  # unique in the micro-batch
             resp = slice(start + p - 1, start + p - 1 + len(sample.response_ids))
-            loss_mask[0, resp] = bool(sample_valid[index])
-            behavior[0, resp] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
-            adv[0, span] = float(advantages[index])
+            loss_mask[row, resp] = bool(sample_valid[index])
+            behavior[row, resp] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
+            adv[row, span] = float(advantages[index])
             start += n
-        seq_ids[0, start:] = len(pack)  # the pad tail: a sequence of its own, never in the loss
-        mask = block_causal_mask([length[i] for i in pack], s)
-        out.append(MicroBatch(tokens, positions, targets, loss_mask, behavior, adv, behavior.clone(), seq_ids,
-                              attention_mask=mask).to(device))
+        seq_ids[row, start:] = row * s + len(pack)  # the pad tail: a sequence of its own, never in the loss
+    masks = torch.cat([block_causal_mask([length[i] for i in pack], s) for pack in packs])
+    out = []
+    for k in range(0, len(packs), per_micro):
+        rows = slice(k, k + per_micro)
+        out.append(MicroBatch(tokens[rows], positions[rows], targets[rows], loss_mask[rows], behavior[rows], adv[rows],
+                              behavior[rows].clone(), seq_ids[rows], attention_mask=masks[rows]).to(device))
     return out

@@ -45,16 +45,18 @@ def _samples(lengths: list[tuple[int, int]]) -> list[Sample]:
 
 
 def test_packed_microbatches_hold_the_padded_tokens_without_padding_inside():
-    samples = _samples([(3, 2), (3, 7), (5, 1), (5, 4), (2, 9), (2, 3)])  # 3 groups of G = 2
+    # 3 groups of G = 2; 4, 5, 5, 8, 10, 4 positions
+    samples = _samples([(3, 2), (3, 3), (5, 1), (5, 4), (2, 9), (2, 3)])
     adv = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.25, -0.25])
     valid = torch.tensor([True, True, True, True, False, False])
-    packed = build_packed_microbatches(samples, adv, valid, 2, token_budget=12)
+    packed = build_packed_microbatches(samples, adv, valid, 2, token_budget=20)
     (padded,) = build_microbatches(samples, adv, valid, 2, token_budget=10**6)
-    assert {mb.tokens.shape for mb in packed} == {(1, 12)} and all(mb.attention_mask.shape == (1, 1, 12, 12)
-                                                                  for mb in packed)
+    # rows of the longest sequence (2 + 9 - 1 = 10 positions), 20 // 10 = 2 rows per micro-batch
+    assert {mb.tokens.shape for mb in packed} == {(2, 10)}
+    assert all(mb.attention_mask.shape == (2, 1, 10, 10) for mb in packed)
     used = sum(int((mb.tokens != 0).sum()) for mb in packed)  # token ids here are never 0, the pad id
     assert used == sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)  # every position, once
-    assert len(packed) * 12 < padded.tokens.numel()  # fewer positions than padding every row to the longest
+    assert sum(mb.tokens.numel() for mb in packed) == 40 < padded.tokens.numel() == 60  # rows 10 | 8 | 5+5 | 4+4
     # the loss sees the same (target, advantage, behavior) tokens, in another order
     def loss_tokens(mbs):
         return sorted((int(t), float(a), float(b)) for mb in mbs for t, a, b, m in
