@@ -234,10 +234,11 @@ class OptimConfig:
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
     micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch: positions per row times rows (padded), or positions of a pack (packing)."""
+    """Token budget of one micro-batch: rows as long as the step's longest sequence, as many as fit."""
     packing: bool = False
-    """Pack several sequences into each micro-batch row (no padding inside a pack; a block-diagonal causal mask keeps
-    each to itself; DP ranks balanced by tokens) instead of padding every row to the step's longest sequence."""
+    """Pack whole sequences into each micro-batch row (padding only at a row's end; a block-diagonal causal mask keeps
+    each to itself; groups dealt to DP ranks by tokens) instead of one sequence per row padded to the longest: fewer
+    positions, the same gradient (benchmarks/packing.py)."""
 
 
 @dataclasses.dataclass
