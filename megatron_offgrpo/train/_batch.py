@@ -60,6 +60,45 @@ class MicroBatch:
         return dataclasses.replace(self, **moved)
 
 
+@dataclasses.dataclass
+class StepRows:
+    """The per-position tensors of a step's rows (``[rows, s]`` each), filled on the CPU one sample at a time by
+    both layouts (padded here, packed in ``_packing``); each micro-batch is a slice of rows, moved once."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    loss_mask: torch.Tensor
+    behavior: torch.Tensor
+    advantages: torch.Tensor
+
+    @classmethod
+    def zeros(cls, rows: int, s: int) -> "StepRows":
+        long, shape = torch.long, (rows, s)
+        return cls(torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long),
+                   torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape))
+
+    def put(self, row: int, start: int, sample: Sample, valid: bool, advantage: float) -> int:
+        """Write ``sample`` into ``row`` from position ``start`` (its positions restart at 0); returns the number of
+        positions it takes (its tokens less one: the last token predicts nothing)."""
+        full = list(sample.prompt_ids) + list(sample.response_ids)
+        n, p = len(full) - 1, len(sample.prompt_ids)
+        span = slice(start, start + n)
+        self.tokens[row, span], self.targets[row, span] = torch.tensor(full[:-1]), torch.tensor(full[1:])
+        self.positions[row, span] = torch.arange(n)
+        response = slice(start + p - 1, start + p - 1 + len(sample.response_ids))
+        self.loss_mask[row, response] = valid
+        self.behavior[row, response] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
+        self.advantages[row, span] = advantage
+        return n
+
+    def microbatch(self, rows: slice, seq_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MicroBatch:
+        """The micro-batch of ``rows`` (on the CPU)."""
+        behavior = self.behavior[rows]
+        return MicroBatch(self.tokens[rows], self.positions[rows], self.targets[rows], self.loss_mask[rows], behavior,
+                          self.advantages[rows], behavior.clone(), seq_ids, attention_mask=attention_mask)
+
+
 def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int) -> tuple[int, int, int]:
     """(positions s, samples per micro-batch b, micro-batches per rank), identical on every rank."""
     seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
@@ -96,31 +135,12 @@ def build_microbatches(
     if len(samples) % group_size or len(samples) != advantages.numel():
         raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
     seq_len, per_micro, count = _layout(samples, dp_size, token_budget)
-    mine = deal_groups(samples, group_size, dp_rank, dp_size)
-    shape = (count * per_micro, seq_len)
-    tokens = torch.zeros(shape, dtype=torch.long)
-    targets = torch.zeros(shape, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.bool)
-    behavior = torch.zeros(shape, dtype=torch.float32)
-    adv = torch.zeros(shape, dtype=torch.float32)
-    for row, index in enumerate(mine):
-        s = samples[index]
-        full = list(s.prompt_ids) + list(s.response_ids)
-        n, p = len(full) - 1, len(s.prompt_ids)
-        tokens[row, :n] = torch.tensor(full[:-1])
-        targets[row, :n] = torch.tensor(full[1:])
-        resp = slice(p - 1, p - 1 + len(s.response_ids))
-        loss_mask[row, resp] = bool(sample_valid[index])
-        behavior[row, resp] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
-        adv[row, :n] = float(advantages[index])
-    positions = torch.arange(seq_len).expand(shape).contiguous()
+    rows = StepRows.zeros(count * per_micro, seq_len)
+    for row, index in enumerate(deal_groups(samples, group_size, dp_rank, dp_size)):
+        rows.put(row, 0, samples[index], bool(sample_valid[index]), float(advantages[index]))
+    rows.positions[:] = torch.arange(seq_len)  # the pad tail too: one position row for every row
     seq_ids = torch.arange(per_micro).unsqueeze(1).expand(per_micro, seq_len).contiguous()
-    out = []
-    for k in range(count):
-        rows = slice(k * per_micro, (k + 1) * per_micro)
-        out.append(MicroBatch(tokens[rows], positions[rows], targets[rows], loss_mask[rows], behavior[rows], adv[rows],
-                              behavior[rows].clone(), seq_ids).to(device))
-    return out
+    return [rows.microbatch(slice(k * per_micro, (k + 1) * per_micro), seq_ids).to(device) for k in range(count)]
 
 
 def global_token_count(samples: Sequence[Sample], sample_valid: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._batch import MicroBatch
+from megatron_offgrpo.train._batch import MicroBatch, StepRows
 
 
 def balance_groups(group_tokens: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -98,30 +98,15 @@ def build_packed_microbatches(
     packs = [[mine[i] for i in pack] for pack in pack_lengths([length[i] for i in mine], s)]
     per_micro = max(1, min(len(packs), token_budget // s))
     packs += [[]] * (-len(packs) % per_micro)  # empty rows: every micro-batch has the same shape (pipeline p2p)
-    shape = (len(packs), s)
-    tokens, targets = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
-    positions, seq_ids = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.bool)
-    behavior, adv = torch.zeros(shape), torch.zeros(shape)
+    rows = StepRows.zeros(len(packs), s)
+    seq_ids = torch.zeros(len(packs), s, dtype=torch.long)
     for row, pack in enumerate(packs):
         start = 0
         for k, index in enumerate(pack):
-            sample = samples[index]
-            full = list(sample.prompt_ids) + list(sample.response_ids)
-            n, p = length[index], len(sample.prompt_ids)
-            span = slice(start, start + n)
-            tokens[row, span], targets[row, span] = torch.tensor(full[:-1]), torch.tensor(full[1:])
-            positions[row, span], seq_ids[row, span] = torch.arange(n), row * s + k  # unique in the micro-batch
-            resp = slice(start + p - 1, start + p - 1 + len(sample.response_ids))
-            loss_mask[row, resp] = bool(sample_valid[index])
-            behavior[row, resp] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
-            adv[row, span] = float(advantages[index])
+            n = rows.put(row, start, samples[index], bool(sample_valid[index]), float(advantages[index]))
+            seq_ids[row, start:start + n] = row * s + k  # unique in the micro-batch
             start += n
         seq_ids[row, start:] = row * s + len(pack)  # the pad tail: a sequence of its own, never in the loss
     masks = torch.cat([block_causal_mask([length[i] for i in pack], s) for pack in packs])
-    out = []
-    for k in range(0, len(packs), per_micro):
-        rows = slice(k, k + per_micro)
-        out.append(MicroBatch(tokens[rows], positions[rows], targets[rows], loss_mask[rows], behavior[rows], adv[rows],
-                              behavior[rows].clone(), seq_ids[rows], attention_mask=masks[rows]).to(device))
-    return out
+    return [rows.microbatch(slice(k, k + per_micro), seq_ids[k:k + per_micro], masks[k:k + per_micro]).to(device)
+            for k in range(0, len(packs), per_micro)]
