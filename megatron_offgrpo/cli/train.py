@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -30,13 +29,11 @@ def main(argv: list[str] | None = None) -> None:
 
     use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
     try:
-        run_dir = train(config)
+        result = train(config)
     except NoLearningSignalError as exc:  # the task against the policy, not a fault: one line, no traceback
         sys.exit(f"error: {exc}")
-    if int(os.environ.get("RANK", "0") or 0) == 0:  # once per job, not once per torchrun rank
-        from megatron_offgrpo.train import format_summary, locations, read_metrics, run_summary
-
-        print(format_summary(run_summary(read_metrics(run_dir)), locations(run_dir)))
+    if result.summary is not None:  # the logging rank's: once per job, not once per torchrun rank
+        print(result.summary)
 
 
 if __name__ == "__main__":

@@ -93,8 +93,7 @@ class MetricsLog:
         kept = [r for r in read_metrics(self.path.parent) if r["step"] < step] if self.path.exists() else []
         _rewrite(self.path, kept)
         if self.samples_path.exists():
-            rows = [json.loads(x) for x in self.samples_path.read_text().splitlines() if x.strip()]
-            _rewrite(self.samples_path, [r for r in rows if r["step"] < step])
+            _rewrite(self.samples_path, [r for r in read_jsonl(self.samples_path) if r["step"] < step])
         self._file = open(self.path, "a", buffering=1)
         self._resumed_wall = kept[-1]["wall_s"] if kept else 0.0
         self._start = time.time() - self._resumed_wall
@@ -173,15 +172,16 @@ def open_metrics_log(config: Config, tokenizer, progress: Callable[[dict[str, An
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All step records of a run (the last record wins for a step logged twice, e.g. around a resume)."""
-    by_step: dict[int, dict[str, Any]] = {}
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record
+    by_step = {record["step"]: record for record in read_jsonl(path)}
     return [by_step[k] for k in sorted(by_step)]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, in order (blank lines skipped)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:

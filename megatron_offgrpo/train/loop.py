@@ -9,6 +9,7 @@ directory (``out_dir/hf``; ``out_dir/exports/step_N`` every ``train.export_every
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -19,15 +20,29 @@ from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, la
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
-from megatron_offgrpo.train._summary import write_summary
+from megatron_offgrpo.train._summary import format_summary, write_summary
 from megatron_offgrpo.train._sync import refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
 
 
-def train(config: Config) -> Path:
-    """Run (or resume) a training job; returns the run directory. Collective over all torchrun ranks."""
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a finished ``train`` hands back.
+
+    Attributes:
+        run_dir: the run directory (``train.out_dir``).
+        summary: the end-of-run summary, as ``offgrpo train`` prints it, on the rank that logs (the rollout side);
+            None on the others, so a job prints it once.
+    """
+
+    run_dir: Path
+    summary: str | None
+
+
+def train(config: Config) -> TrainResult:
+    """Run (or resume) a training job. Collective over all torchrun ranks."""
     trainer, rollout, log = setup(config)
     steps, run_dir = config.train.steps, Path(config.train.out_dir)
     start, version = _start(trainer, rollout, log)  # the engine serves `version`, verified
@@ -58,11 +73,12 @@ def train(config: Config) -> Path:
         _persist(trainer, rollout, step + 1, version)
     if trainer.export_hf(run_dir / "hf") is not None:  # the trained policy, loadable by transformers
         logger.info("policy exported to %s", run_dir / "hf")
+    summary = None
     if rollout is not None:
         rollout.close()
         log.close()
-        write_summary(run_dir)  # after the export and the last checkpoint: it names them
-    return run_dir
+        summary = format_summary(*write_summary(run_dir))  # after the export and the last checkpoint: it names them
+    return TrainResult(run_dir, summary)
 
 
 def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None) -> tuple[int, int]:
