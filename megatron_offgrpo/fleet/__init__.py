@@ -9,6 +9,7 @@ Nothing here imports megatron; the weight wire format comes from ``transports``.
 """
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV, ControlTokenMiddleware
+from megatron_offgrpo.fleet._cpu_sampler import install as install_cpu_sampler
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 from megatron_offgrpo.fleet._launcher import (
@@ -37,6 +38,7 @@ __all__ = [
     "ControlTokenMiddleware",
     "FleetSpec",
     "gpu_count",
+    "install_cpu_sampler",
     "FleetState",
     "OffgrpoWorkerExtension",
     "RequestRejected",

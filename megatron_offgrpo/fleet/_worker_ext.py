@@ -17,13 +17,18 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 from typing import Any, Callable
 
 import torch
 
 from checkpoint_tools import expected_hf_shapes
+from megatron_offgrpo.fleet import _cpu_sampler
 from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, check_complete
+
+if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
+    _cpu_sampler.install()  # import of this room, which must not pull vLLM in)
 
 
 def _on_the_wire(method: Callable[..., WorkerAnswer]) -> Callable[..., dict[str, Any]]:
@@ -78,7 +83,7 @@ class OffgrpoWorkerExtension:
     # ----- RPC methods -----------------------------------------------------------------------------------------
     @_on_the_wire
     def offgrpo_info(self, payload: str = "{}") -> WorkerAnswer:
-        """The version, rank, pid, dtype and tensor count of this worker."""
+        """The version, rank, pid, dtype, tensor count and token sampler of this worker."""
         return WorkerAnswer(
             ok=True,
             version=self._offgrpo_version(),
@@ -86,6 +91,7 @@ class OffgrpoWorkerExtension:
             pid=os.getpid(),
             dtype=str(self.model_runner.model_config.dtype).removeprefix("torch."),
             tensors=len(self._offgrpo_expected()),
+            sampler=_cpu_sampler.sampler_name(self.model_runner),
         )
 
     @_on_the_wire

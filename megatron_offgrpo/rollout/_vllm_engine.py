@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import TOKENIZER_FILES, kv_cache_bytes
+from megatron_offgrpo.fleet import TOKENIZER_FILES, install_cpu_sampler, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
@@ -71,6 +71,7 @@ class VLLMEngine:
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         from vllm import LLM
 
+        install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards

@@ -20,6 +20,7 @@ _FIELD_TYPES: dict[str, type] = {
     "dtype": str,
     "staged": int,
     "tied_head_refreshed": bool,
+    "sampler": str,
 }
 
 
@@ -49,6 +50,8 @@ class WorkerAnswer:
         pid, dtype: the worker's process and the dtype it serves (``offgrpo_info``).
         staged: tensors a receive without commit holds for the version so far.
         tied_head_refreshed: a load re-derived the output layer tied to the embedding.
+        sampler: the worker's token sampler (``offgrpo_info``): "offgrpo-inverse-cdf" (``fleet._cpu_sampler``) or
+            "vllm".
     """
 
     ok: bool
@@ -62,6 +65,7 @@ class WorkerAnswer:
     dtype: str | None = None
     staged: int | None = None
     tied_head_refreshed: bool | None = None
+    sampler: str | None = None
 
     @classmethod
     def failed(cls, error: str, version: int | None = None) -> WorkerAnswer:

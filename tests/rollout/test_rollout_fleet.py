@@ -29,7 +29,7 @@ from megatron_offgrpo.fleet import (  # noqa: E402
     start_fleet,
     stop_fleet,
 )
-from megatron_offgrpo.rollout import FleetEngine, FleetError, RefreshError, make_probe_ids  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine, FleetError, RefreshError, make_probe_ids, servers_of  # noqa: E402
 from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,
@@ -102,6 +102,8 @@ def _engine(fleet, transport, tmp_path=None, **kwargs):
 
 def test_status_and_labels(fleet):
     engine = _engine(fleet, "collective")
+    for server in servers_of(load_state(fleet)):  # every server's worker draws with fleet._cpu_sampler
+        assert [a["sampler"] for a in server.rpc("offgrpo_info", {}, 30.0)] == ["offgrpo-inverse-cdf"]
     rows = fleet_status(fleet)
     assert len(rows) == 2 and all(r["running"] and r["healthy"] for r in rows)
     assert {r["version"] for r in rows} == {

@@ -71,6 +71,7 @@ def main() -> None:
     start = time.perf_counter()
     engine = make_engine("auto", model_dir, dtype="float32", max_model_len=512)
     assert isinstance(engine, VLLMEngine) and isinstance(engine, RolloutEngine) and engine.version() == 0
+    assert engine._rpc("offgrpo_info", {}).sampler == "offgrpo-inverse-cdf"  # fleet._cpu_sampler is in place
     scenarios.check_groups(engine)
     scenarios.check_behavior_logprobs(engine, model_dir, None)
     assert scenarios.greedy(engine) != fresh["memory"]
