@@ -43,8 +43,8 @@ class Segment:
 
     Attributes:
         pieces: ``(sample index, first, last)`` per piece in row order: positions ``first..last-1`` of that sample
-            (``last`` None: to its end), as ``StepRows.put`` writes them. in_loss: per piece, whether its targets
-            may enter the loss (False for the shared prefix).
+            (``last`` None: to its end), as ``StepRows.put`` writes them.
+        in_loss: per piece, whether its targets may enter the loss (False for the shared prefix).
         tree: ``(prefix positions, branch positions...)`` for ``tree_mask``.
     """
 
