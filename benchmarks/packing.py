@@ -1,15 +1,18 @@
-"""Benchmark: trainer throughput with padded vs packed micro-batches on a long-tailed length distribution.
+"""Benchmark: trainer throughput of padded, packed and shared-prompt micro-batches on long-tailed lengths.
 
 One process, the trainer's own step (``train._policy.build_policy``, ``train._step.policy_step``: megatron's schedule,
 the fused loss, the optimizer) on a random-init Qwen2 with the real 151,936-token vocabulary, fed the same samples
-twice: padded (``train._batch.build_microbatches``: every row as long as the step's longest sequence) and packed
+three times: padded (``train._batch.build_microbatches``: every row as long as the step's longest sequence), packed
 (``train._packing.build_packed_microbatches``, ``optim.packing=true``: whole sequences back to back in rows of that
-length). Lengths are GSM8K-like with a long tail: prompts ~ N(100, 25) tokens in [40, 200], responses log-normal
-with median ``--median`` tokens in [8, ``--max-response``]. Packing saves the layers' work on padding, not the output
-layer's (the loss only computes response tokens in both layouts), so the gain depends on the layers' share of a
-step: the defaults keep Qwen2.5-0.5B's ratio of layer FLOPs to output-layer FLOPs per token (about 3) at a width a
-CPU trains in seconds. Reports positions per step, median step seconds and real
-tokens (prompt + response) per second of each, and their ratio, measured in one run (alternating rounds).
+length) and shared (``train._shared_prompt.build_shared_prompt_microbatches``, ``optim.shared_prompt=true``: each
+group's prompt once, its samples' responses as branches under a tree mask). Lengths are GSM8K-like with a long tail:
+one prompt per group ~ N(100, 25) tokens in [40, 200] (a group's G samples share it, as a rollout's do), responses
+log-normal with median ``--median`` tokens in [8, ``--max-response``]. Packing saves the layers' work on padding and
+sharing the work on G - 1 copies of each prompt, not the output layer's (the loss only computes response tokens in
+every layout), so the gain depends on the layers' share of a step: the defaults keep Qwen2.5-0.5B's ratio of layer
+FLOPs to output-layer FLOPs per token (about 3) at a width a CPU trains in seconds. Reports positions per step,
+median step seconds and real tokens (prompt + response, as the padded layout counts them) per second of each, and
+their ratios, measured in one run (alternating rounds).
 
 Usage: python benchmarks/packing.py [--hidden 256] [--layers 8] [--vocab 8192] [--samples 64] [--median 150]
 [--repeats 3]
@@ -31,19 +34,21 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def lengths(args) -> list[tuple[int, int]]:
-    """(prompt, response) token counts of ``args.samples`` samples, seeded."""
+    """(prompt, response) token counts of ``args.samples`` samples, seeded; one prompt length per group."""
     import random
 
     rng = random.Random(args.seed)
     out = []
-    for _ in range(args.samples):
-        prompt = min(200, max(40, round(rng.gauss(100, 25))))
+    for i in range(args.samples):
+        if i % args.group_size == 0:
+            prompt = min(200, max(40, round(rng.gauss(100, 25))))
         response = min(args.max_response, max(8, round(math.exp(rng.gauss(math.log(args.median), args.sigma)))))
         out.append((prompt, response))
     return out
 
 
 def samples_of(shape: list[tuple[int, int]], vocab: int, group_size: int, seed: int) -> list:
+    """Samples of those lengths with random tokens; the G samples of a group share their prompt's tokens."""
     import torch
 
     from megatron_offgrpo.data import Sample
@@ -51,9 +56,11 @@ def samples_of(shape: list[tuple[int, int]], vocab: int, group_size: int, seed: 
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i, (prompt, response) in enumerate(shape):
-        ids = torch.randint(1, vocab, (prompt + response,), generator=gen).tolist()
-        out.append(Sample(prompt_id=f"p{i // group_size}", group_id=i // group_size, prompt_ids=ids[:prompt],
-                          response_ids=ids[prompt:], behavior_logprobs=[-math.log(vocab)] * response,
+        if i % group_size == 0:
+            prompt_ids = torch.randint(1, vocab, (prompt,), generator=gen).tolist()
+        ids = torch.randint(1, vocab, (response,), generator=gen).tolist()
+        out.append(Sample(prompt_id=f"p{i // group_size}", group_id=i // group_size, prompt_ids=prompt_ids,
+                          response_ids=ids, behavior_logprobs=[-math.log(vocab)] * response,
                           policy_version=0, finish_reason="stop", reward=float(i % 2)))
     return out
 
@@ -85,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
     from megatron_offgrpo.train._packing import build_packed_microbatches
     from megatron_offgrpo.train._policy import build_policy
+    from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
     from megatron_offgrpo.train._step import policy_step
 
     config = json.loads((REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2" / "config.json").read_text())
@@ -105,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             adv = compute_group_advantages(rewards, args.group_size, AdvantageParams())
             tokens, seqs = global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid)
             layouts = {name: build(samples, adv.advantages, adv.sample_valid, args.group_size, 0, 1, args.budget)
-                       for name, build in (("padded", build_microbatches), ("packed", build_packed_microbatches))}
+                       for name, build in (("padded", build_microbatches), ("packed", build_packed_microbatches),
+                                           ("shared", build_shared_prompt_microbatches))}
             times: dict[str, list[float]] = {name: [] for name in layouts}
             for round_ in range(args.repeats + 1):  # round 0 warms up; then the layouts alternate
                 for name, mbs in layouts.items():
@@ -125,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"layout": name, "micro-batches": len(mbs), "rows x positions": f"{mbs[0].tokens.shape[0]} x "
                      f"{mbs[0].tokens.shape[1]}", "positions": sum(mb.tokens.numel() for mb in mbs),
                      "step s (median)": round(seconds, 3), "real tokens/s": round(real / seconds, 1)})
-    ratio = rows[0]["step s (median)"] / rows[1]["step s (median)"]
+    seconds = {row["layout"]: row["step s (median)"] for row in rows}
+    positions = {row["layout"]: row["positions"] for row in rows}
+    pairs = (("packed", "padded"), ("shared", "padded"), ("shared", "packed"))
+    ratios = {f"{a} vs {b}": {"tokens/s": round(seconds[b] / seconds[a], 3),
+                              "positions": round(positions[a] / positions[b], 3)} for a, b in pairs}
     print(f"model: Qwen2 random, hidden {args.hidden}, {args.layers} layers, vocab {config['vocab_size']}; "
           f"{args.samples} samples ({len(samples) // args.group_size} prompts x {args.group_size}), {real} real "
           f"tokens; response tokens median {responses[len(responses) // 2]}, max {responses[-1]}; "
@@ -134,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in columns) + " |")
-    print(f"packed vs padded: {ratio:.2f}x the tokens/s, {rows[1]['positions'] / rows[0]['positions']:.2f}x the "
-          "positions")
+    for pair, ratio in ratios.items():
+        print(f"{pair}: {ratio['tokens/s']:.2f}x the tokens/s, {ratio['positions']:.2f}x the positions")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "packing.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                       "rows": rows, "ratio": ratio}, indent=1))
+                                                       "rows": rows, "ratios": ratios}, indent=1))
     return 0
 
 

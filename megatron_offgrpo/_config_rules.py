@@ -133,6 +133,9 @@ def _optim_errors(config: Any) -> list[str]:
     for key in ("weight_decay", "clip_grad"):
         if getattr(o, key) < 0:
             errors.append(f"optim.{key}={getattr(o, key)}: must be >= 0 (0: off)")
+    if o.shared_prompt and not o.packing:
+        errors.append("optim.shared_prompt=true needs optim.packing=true (a group's prompt and its branches share a "
+                      "packed row): set optim.packing=true or optim.shared_prompt=false")
     return errors
 
 

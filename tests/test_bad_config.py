@@ -36,6 +36,7 @@ CASES = [  # (overrides, what the message must name)
     (["optim.learning_rate=1"], "unknown config key 'optim.learning_rate'"),
     (["train.loggers=[tensorbord]"], "train.loggers=['tensorbord']: unknown ['tensorbord']; valid: ['tensorboard', "),
     (["train.samples_every=-1"], "train.samples_every=-1: must be >= 0"),
+    (["optim.shared_prompt=true"], "optim.shared_prompt=true needs optim.packing=true"),
 ]
 
 
@@ -128,3 +129,14 @@ def test_a_named_tracker_that_is_not_installed_is_one_line_naming_the_extra(comm
     code, err = _run([command, "--config", TINY, f"train.out_dir={out}", "train.loggers=[tensorboard,wandb]"], capsys)
     assert code == 2 and "train.loggers: wandb is not installed (pip install 'megatron-offgrpo[tracking]')" in err
     assert len(err.splitlines()) == 2 and not out.exists()  # "invalid config:" and the one line
+
+
+def test_a_shared_prompt_with_transformer_engine_is_one_line(tmp_path, capsys, monkeypatch):
+    import megatron_offgrpo.runtime
+
+    monkeypatch.setattr(megatron_offgrpo.runtime, "have_te", lambda: True)  # as on a GPU node with TE
+    out = tmp_path / "run"
+    code, err = _run(["train", "--config", TINY, f"train.out_dir={out}", "optim.packing=true",
+                      "optim.shared_prompt=true"], capsys)
+    assert code == 2 and "optim.shared_prompt=true needs the local layer spec" in err, err
+    assert len(err.splitlines()) == 2 and not out.exists()

@@ -8,6 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_offgrpo.model._arch import QwenArch
+from megatron_offgrpo.model._rope import use_position_ids
 from megatron_offgrpo.model._spec import qwen_layer_spec
 
 
@@ -88,6 +89,8 @@ def build_gpt_stage(
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
         rotary_percent=1.0,
     )
+    # packed and shared-prompt rows: rotary angles from each token's position id, not its place in the row (_rope.py)
+    use_position_ids(model)
     # Megatron's parallel linears allocate on the current GPU themselves, but the local spec's norms (torch
     # fallbacks without apex) are built on the host: move the whole stage, as megatron's own get_model does.
     on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization

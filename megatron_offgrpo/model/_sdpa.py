@@ -38,7 +38,7 @@ class SdpaAttention(DotProductAttention):
         # [s, b, n, d] -> [b, n, s, d]; grouped-query heads are matched by SDPA itself (no repeated K/V copies)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         # a given mask is the whole mask, causal part included (as megatron's unfused softmax takes it): packed rows'
-        # block-diagonal causal mask; SDPA's boolean mask says the opposite (True = attend)
+        # block-diagonal causal mask, shared-prompt rows' tree mask; SDPA's boolean mask says the opposite
         mask = None if attention_mask is None else ~attention_mask
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))

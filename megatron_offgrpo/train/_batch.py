@@ -63,7 +63,8 @@ class MicroBatch:
 @dataclasses.dataclass
 class StepRows:
     """The per-position tensors of a step's rows (``[rows, s]`` each), filled on the CPU one sample at a time by
-    both layouts (padded here, packed in ``_packing``); each micro-batch is a slice of rows, moved once."""
+    every layout (padded here, packed in ``_packing``, shared-prompt in ``_shared_prompt``); each micro-batch is a
+    slice of rows, moved once."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -78,18 +79,27 @@ class StepRows:
         return cls(torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long),
                    torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape))
 
-    def put(self, row: int, start: int, sample: Sample, valid: bool, advantage: float) -> int:
-        """Write ``sample`` into ``row`` from position ``start`` (its positions restart at 0); returns the number of
-        positions it takes (its tokens less one: the last token predicts nothing)."""
+    def put(self, row: int, start: int, sample: Sample, valid: bool, advantage: float, first: int = 0,
+            last: int | None = None) -> int:
+        """Write positions ``first..last-1`` of ``sample`` (default all: its tokens less one, the last token predicts
+        nothing) into ``row`` from ``start``, with their own positions (a whole sequence's restart at 0); returns the
+        number written. The shared-prompt layout writes a prompt once (``last = P - 1``) and each sample's branch
+        (``first = P - 1``) after it."""
         full = list(sample.prompt_ids) + list(sample.response_ids)
-        n, p = len(full) - 1, len(sample.prompt_ids)
+        p, end = len(sample.prompt_ids), len(full) - 1
+        last = end if last is None else last
+        n = last - first
         span = slice(start, start + n)
-        self.tokens[row, span], self.targets[row, span] = torch.tensor(full[:-1]), torch.tensor(full[1:])
-        self.positions[row, span] = torch.arange(n)
-        response = slice(start + p - 1, start + p - 1 + len(sample.response_ids))
-        self.loss_mask[row, response] = valid
-        self.behavior[row, response] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
+        self.tokens[row, span] = torch.tensor(full[first:last])
+        self.targets[row, span] = torch.tensor(full[first + 1:last + 1])
+        self.positions[row, span] = torch.arange(first, last)
         self.advantages[row, span] = advantage
+        lo, hi = max(p - 1, first), last  # the response's targets: positions p-1 .. end-1
+        if hi > lo:
+            response = slice(start + lo - first, start + hi - first)
+            self.loss_mask[row, response] = valid
+            self.behavior[row, response] = torch.tensor(sample.behavior_logprobs[lo - p + 1:hi - p + 1],
+                                                        dtype=torch.float32)
         return n
 
     def microbatch(self, rows: slice, seq_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MicroBatch:

@@ -6,11 +6,10 @@ back (first-fit decreasing), padded only at its end, and a block-diagonal causal
 itself. The mask is dense ([b, 1, s, s]), so attention per position costs what a padded row's does; only the number
 of positions shrinks.
 
-Exactness on the local spec: megatron-core computes RoPE from the row length (``position_ids`` feed only learned
-absolute embeddings), so the sequences after the first of a pack see rotary angles shifted by their offset. A
-rotary score depends only on the query-key offset, and the mask lets a token see its own sequence only, so the
-attention equals the unpacked one up to rounding; the positions given to the stage restart at 0 per sequence for
-any embedding that does read them. (TE's THD path with ``cu_seqlens`` restarts RoPE itself: the GPU half.)
+Exactness on the local spec: the stage takes its rotary angles from the positions given to it, which restart at 0
+per sequence (``model._rope``; megatron alone would use a token's place in the row), and the mask lets a token see
+its own sequence only, so the attention equals the unpacked one up to rounding. (TE's THD path with ``cu_seqlens``
+restarts RoPE itself: the GPU half, not done.)
 
 Shape notation: s positions of a row, the step's longest sequence (as in the padded layout), the same for every
 micro-batch, for the pipeline's fixed-shape p2p.
@@ -57,18 +56,32 @@ def pack_lengths(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return packs
 
 
-def block_causal_mask(lengths: Sequence[int], s: int) -> torch.Tensor:
-    """[1, 1, s, s] bool, True = masked (megatron's convention): position i sees j <= i of its own sequence; the
-    pad positions after the last sequence see only themselves (their outputs never enter a loss)."""
-    seq = torch.full((s,), -1, dtype=torch.long)
+def tree_mask(segments: Sequence[tuple[int, Sequence[int]]], s: int) -> torch.Tensor:
+    """[1, 1, s, s] bool, True = masked (megatron's convention), for segments ``(prefix, branches)`` laid back to back
+    (each a prefix of ``prefix`` positions, then branches of the given lengths): a prefix position sees the earlier
+    positions of its prefix; a branch position sees its whole prefix and the earlier positions of its own branch.
+    A whole sequence is ``(length, ())``. The pad positions after the last segment see only themselves (their outputs
+    never enter a loss)."""
+    block = torch.empty(s, dtype=torch.long)
+    branch = torch.full((s,), -1, dtype=torch.long)  # -1: a prefix position (or pad)
     start = 0
-    for k, n in enumerate(lengths):
-        seq[start:start + n] = k
-        start += n
-    seq[start:] = torch.arange(len(lengths), len(lengths) + s - start)  # each pad position alone
-    same = seq.unsqueeze(0) == seq.unsqueeze(1)
+    for k, (prefix, branches) in enumerate(segments):
+        block[start:start + prefix] = k
+        start += prefix
+        for b, n in enumerate(branches):
+            block[start:start + n], branch[start:start + n] = k, b
+            start += n
+    block[start:] = torch.arange(len(segments), len(segments) + s - start)  # each pad position alone
+    same = block.unsqueeze(1) == block.unsqueeze(0)  # [query, key]
+    visible = (branch.unsqueeze(0) == -1) | (branch.unsqueeze(0) == branch.unsqueeze(1))
     causal = torch.ones(s, s, dtype=torch.bool).tril()
-    return ~(same & causal).view(1, 1, s, s)
+    return ~(same & visible & causal).view(1, 1, s, s)
+
+
+def block_causal_mask(lengths: Sequence[int], s: int) -> torch.Tensor:
+    """[1, 1, s, s] bool, True = masked: position i sees j <= i of its own sequence (``tree_mask`` of whole
+    sequences); the pad positions after the last sequence see only themselves."""
+    return tree_mask([(n, ()) for n in lengths], s)
 
 
 def build_packed_microbatches(

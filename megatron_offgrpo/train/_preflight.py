@@ -30,6 +30,19 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     return []
 
 
+def layout_errors(config: Config) -> list[str]:
+    """What the attention path cannot do: TE's attention takes a dense mask only as ``arbitrary`` (its unfused path)
+    and its THD path only block-diagonal ``cu_seqlens``, neither a shared prompt's tree mask (train._shared_prompt)."""
+    if not config.optim.shared_prompt:
+        return []
+    from megatron_offgrpo.runtime import have_te  # imports torch (about 1 s): only when it can matter
+
+    if have_te():
+        return ["optim.shared_prompt=true needs the local layer spec, but Transformer Engine is in use (its attention "
+                "cannot take the shared prompt's tree mask): set optim.shared_prompt=false"]
+    return []
+
+
 def tracker_errors(config: Config) -> list[str]:
     """The trackers of ``train.loggers`` that are not installed, except the default list's tensorboard (skipped with
     an INFO line at start): a tracker the user named is never skipped silently."""
@@ -44,7 +57,7 @@ def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | No
     ``train.loggers`` that is not installed) its errors on stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
-        errors = model_errors(config, model_dir) + (tracker_errors(config) if tracking else [])
+        errors = model_errors(config, model_dir) + layout_errors(config) + (tracker_errors(config) if tracking else [])
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     except (ConfigError, ValueError, FileNotFoundError) as exc:

@@ -18,6 +18,7 @@ from megatron_offgrpo.model import QwenArch, load_arch
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
 from megatron_offgrpo.train._batch import MicroBatch, build_microbatches, global_seq_count, global_token_count
 from megatron_offgrpo.train._packing import build_packed_microbatches
+from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule, save_checkpoint
 from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
 from megatron_offgrpo.train._step import policy_step, token_logprobs
@@ -66,7 +67,8 @@ class TrainerSide:
         valid = adv.sample_valid
         if cfg.rollout.mask_truncated:  # overlong filtering: a cut response leaves the loss, not the baseline
             valid = valid & torch.tensor([s.finish_reason != "length" for s in samples])
-        build = build_packed_microbatches if cfg.optim.packing else build_microbatches
+        build = (build_shared_prompt_microbatches if cfg.optim.shared_prompt else
+                 build_packed_microbatches if cfg.optim.packing else build_microbatches)
         microbatches = build(samples, adv.advantages, valid, cfg.rollout.group_size, ctx.dp_rank, ctx.dp_size,
                              cfg.optim.micro_batch_tokens, device=ctx.device)
         self.fill_logprobs(microbatches)

@@ -113,10 +113,11 @@ def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path,
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], [], ["algo.aggregation=seq_mean_token_mean"]],
                          ids=["tp2", "pp2", "dp2", "dp2-seq-mean"])
 def test_packed_gradient_equals_padded(tmp_path, layout):
+    """Packed and shared-prompt micro-batches give the padded layout's gradient (tests/workers/train_pack_worker.py)."""
     from tests.helpers import run_torchrun
 
     proc = run_torchrun(REPO / "tests" / "workers" / "train_pack_worker.py", 2, [str(tmp_path), *layout])
-    assert "MATCH" in proc.stdout, proc.stdout[-2000:]
+    assert "MATCH" in proc.stdout and "shared=" in proc.stdout, proc.stdout[-2000:]  # packed and shared-prompt
 
 
 def _train(out, *overrides: str) -> subprocess.CompletedProcess:
