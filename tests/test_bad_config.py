@@ -131,12 +131,13 @@ def test_a_named_tracker_that_is_not_installed_is_one_line_naming_the_extra(comm
     assert len(err.splitlines()) == 2 and not out.exists()  # "invalid config:" and the one line
 
 
-def test_a_shared_prompt_with_transformer_engine_is_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("layout", [["optim.packing=true"], ["optim.packing=true", "optim.shared_prompt=true"]],
+                         ids=["packing", "shared-prompt"])
+def test_packed_rows_with_transformer_engine_are_one_line(tmp_path, capsys, monkeypatch, layout):
     import megatron_offgrpo.runtime
 
     monkeypatch.setattr(megatron_offgrpo.runtime, "have_te", lambda: True)  # as on a GPU node with TE
     out = tmp_path / "run"
-    code, err = _run(["train", "--config", TINY, f"train.out_dir={out}", "optim.packing=true",
-                      "optim.shared_prompt=true"], capsys)
-    assert code == 2 and "optim.shared_prompt=true needs the local layer spec" in err, err
+    code, err = _run(["train", "--config", TINY, f"train.out_dir={out}", *layout], capsys)
+    assert code == 2 and f"{' and '.join(layout)} need the local layer spec" in err, err
     assert len(err.splitlines()) == 2 and not out.exists()

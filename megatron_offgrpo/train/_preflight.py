@@ -31,15 +31,19 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
 
 
 def layout_errors(config: Config) -> list[str]:
-    """What the attention path cannot do: TE's attention takes a dense mask only as ``arbitrary`` (its unfused path)
-    and its THD path only block-diagonal ``cu_seqlens``, neither a shared prompt's tree mask (train._shared_prompt)."""
-    if not config.optim.shared_prompt:
+    """What the attention path cannot do. Megatron's TE spec builds its attention with the causal mask type, for which
+    TE ignores a given attention mask: packed rows would attend across their sequences, silently. TE takes a dense
+    mask only as ``arbitrary`` (its unfused path) and its THD path only block-diagonal ``cu_seqlens`` (packing's GPU
+    half, not built), never a shared prompt's tree mask (train._shared_prompt)."""
+    o = config.optim
+    if not (o.packing or o.shared_prompt):
         return []
     from megatron_offgrpo.runtime import have_te  # imports torch (about 1 s): only when it can matter
 
     if have_te():
-        return ["optim.shared_prompt=true needs the local layer spec, but Transformer Engine is in use (its attention "
-                "cannot take the shared prompt's tree mask): set optim.shared_prompt=false"]
+        keys = "optim.packing=true" + (" and optim.shared_prompt=true" if o.shared_prompt else "")
+        return [f"{keys} need the local layer spec, but Transformer Engine is in use (its causal attention ignores "
+                "the packed rows' mask): set optim.packing=false"]
     return []
 
 
