@@ -64,22 +64,30 @@ class TorchOps:
             z.mul_(post_scale)
         row_max, argmax = z.max(dim=1)
         target_logit = torch.where(in_shard, z.gather(1, target.unsqueeze(1)).squeeze(1), 0)
-        torch.ops.aten._softmax.out(z, 1, False, out=z)  # in place: z -> p_r
+        p_dot_shifted = self._softmax_keeping_dot(z, row_max) if entropy else None
+        if p_dot_shifted is None:
+            torch.ops.aten._softmax.out(z, 1, False, out=z)  # in place: z -> p_r
         lse_r = row_max - torch.log(z.gather(1, argmax.unsqueeze(1)).squeeze(1))
         self._probs = z
-        return lse_r, target_logit, (self._entropy(z) if entropy else None)
+        # H_r = -sum p log p = lse_r - sum p z, since log p = z - lse_r: no logarithm per vocabulary entry (profiled:
+        # torch.special.entr cost as much as the chunk's three GEMMs on CPU). Shifted by the row max, the products
+        # stay small where p is large: the sum's rounding is below entr's (tests/kernels/test_kernels_api.py).
+        return lse_r, target_logit, (lse_r - row_max - p_dot_shifted if entropy else None)
 
-    def _entropy(self, probs: torch.Tensor) -> torch.Tensor:
-        """[c] entropy ``-sum p log p`` of each row of ``probs`` [c, V/tp], in row blocks through one scratch."""
+    def _softmax_keeping_dot(self, z: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+        """Softmax of ``z`` [c, V/tp] in place, row block by row block through one scratch that keeps the block's
+        logits less their row max; returns [c] ``sum_v p_v (z_v - max)``."""
         if self._scratch is None:
-            rows = max(1, _ENTROPY_BLOCK_BYTES // (probs.shape[1] * probs.element_size()))
-            self._scratch = torch.empty(min(rows, self._acc.shape[0]), probs.shape[1], dtype=probs.dtype,
-                                        device=probs.device)
-        out = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
+            rows = max(1, _ENTROPY_BLOCK_BYTES // (z.shape[1] * z.element_size()))
+            self._scratch = torch.empty(min(rows, self._acc.shape[0]), z.shape[1], dtype=z.dtype, device=z.device)
+        out = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
         step = self._scratch.shape[0]
-        for i in range(0, probs.shape[0], step):
-            block = torch.special.entr(probs[i : i + step], out=self._scratch[: probs[i : i + step].shape[0]])
-            torch.sum(block, dim=1, out=out[i : i + step])
+        for i in range(0, z.shape[0], step):
+            block = z[i : i + step]
+            shifted = self._scratch[: block.shape[0]]
+            torch.sub(block, row_max[i : i + step].unsqueeze(1), out=shifted)
+            torch.ops.aten._softmax.out(block, 1, False, out=block)
+            torch.sum(shifted.mul_(block), dim=1, out=out[i : i + step])
         return out
 
     def grads(

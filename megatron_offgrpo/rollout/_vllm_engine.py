@@ -9,6 +9,7 @@ they go through a temporary version directory.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -95,6 +96,8 @@ class VLLMEngine:
         if not info.ok or info.version is None:
             raise RuntimeError(f"offgrpo_info failed ({info.error}): is vLLM running the worker extension?")
         self._version = info.version
+        logging.getLogger(__name__).info("in-process vLLM engine: version %d, token sampler %s", info.version,
+                                         info.sampler)
         self.llm.llm_engine.set_weight_version(str(self._version))
         self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
 
