@@ -87,16 +87,20 @@ def token_loss(
         kl = kl_penalty(logp_s, _masked(mask, ref_logp.detach()), params.kl_estimator)
         if params.kl_beta > 0:
             loss = loss + params.kl_beta * kl
-    return _masked(mask, loss), _metric_sums(terms, kl, mask, logp.dtype)
+    log_ratio = logp_s.detach() - _masked(mask, behavior_logp.detach())
+    return _masked(mask, loss), _metric_sums(terms, kl, log_ratio, mask, logp.dtype)
 
 
 @torch.no_grad()
 def _metric_sums(
-    terms: ObjectiveTerms, kl: Optional[torch.Tensor], mask: torch.Tensor, dtype: torch.dtype
+    terms: ObjectiveTerms, kl: Optional[torch.Tensor], log_ratio: torch.Tensor, mask: torch.Tensor,
+    dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Detached sums over valid tokens (``mask`` True), in at least float32."""
+    """Detached sums over valid tokens (``mask`` True), in at least float32. ``log_ratio_abs_sum``: |trainer -
+    behavior log-prob|; on-policy (staleness 0, before the step's update) that is the trainer / engine mismatch."""
     dtype = torch.promote_types(dtype, torch.float32)
     return {
+        "log_ratio_abs_sum": _masked(mask, log_ratio.abs()).sum().to(dtype),
         "token_count": mask.sum().to(dtype),
         "clip_low_count": (terms.clip_low & mask).sum().to(dtype),
         "clip_high_count": (terms.clip_high & mask).sum().to(dtype),
@@ -118,8 +122,9 @@ def finalize_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     Returns:
         Detached 0-dim tensors: ``clip_low_fraction``, ``clip_high_fraction``, ``clip_fraction``,
-        ``dual_clip_fraction``, ``kl_mean``, ``entropy_mean``, ``tis_raw_mean``, ``tis_raw_max``,
-        ``tis_raw_min``, ``tis_truncated_fraction``, ``tis_weight_mean`` (each only when its inputs are present).
+        ``dual_clip_fraction``, ``kl_mean``, ``entropy_mean``, ``log_ratio_abs_mean``, ``tis_raw_mean``,
+        ``tis_raw_max``, ``tis_raw_min``, ``tis_truncated_fraction``, ``tis_weight_mean`` (each only when its
+        inputs are present).
     """
     out: dict[str, torch.Tensor] = {}
     if "token_count" in sums:
@@ -129,7 +134,7 @@ def finalize_metrics(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[f"{name}_fraction"] = sums[f"{name}_count"] / n
         if "clip_low_count" in sums and "clip_high_count" in sums:
             out["clip_fraction"] = (sums["clip_low_count"] + sums["clip_high_count"]) / n
-        for name in ("kl", "entropy"):
+        for name in ("kl", "entropy", "log_ratio_abs"):
             if f"{name}_sum" in sums:
                 out[f"{name}_mean"] = sums[f"{name}_sum"] / n
     if "tis_unit_count" in sums:

@@ -29,7 +29,7 @@ from megatron_offgrpo.runtime import ParallelContext
 from megatron_offgrpo.train._batch import MicroBatch
 
 SUMMED_METRICS = ("token_count", "clip_low_count", "clip_high_count", "dual_clip_count", "kl_sum", "entropy_sum",
-                  "tis_unit_count", "tis_raw_sum", "tis_truncated_count", "tis_weight_sum")
+                  "log_ratio_abs_sum", "tis_unit_count", "tis_raw_sum", "tis_truncated_count", "tis_weight_sum")
 
 
 @dataclasses.dataclass
