@@ -117,6 +117,12 @@ def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int) -> tuple
     return seq_len, per_micro, math.ceil(per_rank / per_micro)
 
 
+def check_step(samples: Sequence[Sample], advantages: torch.Tensor, group_size: int) -> None:
+    """Every layout's input check: whole groups, one advantage per sample."""
+    if len(samples) % group_size or len(samples) != advantages.numel():
+        raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
+
+
 def deal_groups(samples: Sequence[Sample], group_size: int, dp_rank: int, dp_size: int) -> list[int]:
     """Indices (into ``samples``) of the samples of this DP rank: whole groups, dealt round-robin."""
     groups = len(samples) // group_size
@@ -142,8 +148,7 @@ def build_microbatches(
         device: where the step runs (``ParallelContext.device``). The rows are filled on the CPU (one small write
             per sample) and each micro-batch is moved once, which is cheaper than many tiny device writes.
     """
-    if len(samples) % group_size or len(samples) != advantages.numel():
-        raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
+    check_step(samples, advantages, group_size)
     seq_len, per_micro, count = _layout(samples, dp_size, token_budget)
     rows = StepRows.zeros(count * per_micro, seq_len)
     for row, index in enumerate(deal_groups(samples, group_size, dp_rank, dp_size)):

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._batch import MicroBatch, StepRows
+from megatron_offgrpo.train._batch import MicroBatch, StepRows, check_step
 
 
 def balance_groups(group_tokens: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -102,8 +102,7 @@ def build_packed_microbatches(
     ranks balanced by tokens, so ranks may get different numbers of micro-batches; the loss normalisers stay the
     step's global counts, so the gradient is the padded layout's.
     """
-    if len(samples) % group_size or len(samples) != advantages.numel():
-        raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
+    check_step(samples, advantages, group_size)
     length = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]  # positions: the last token predicts
     s = max(length)
     group_tokens = [sum(length[g * group_size:(g + 1) * group_size]) for g in range(len(samples) // group_size)]

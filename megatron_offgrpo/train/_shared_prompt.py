@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._batch import MicroBatch, StepRows
+from megatron_offgrpo.train._batch import MicroBatch, StepRows, check_step
 from megatron_offgrpo.train._packing import balance_groups, pack_lengths, tree_mask
 
 
@@ -88,8 +88,7 @@ def build_shared_prompt_microbatches(
     DP ranks balanced by positions; the loss normalisers stay the step's global counts, so the gradient is the padded
     layout's.
     """
-    if len(samples) % group_size or len(samples) != advantages.numel():
-        raise ValueError(f"{len(samples)} samples, {advantages.numel()} advantages, group_size={group_size}: mismatch")
+    check_step(samples, advantages, group_size)
     groups = [group_segments(samples[g:g + group_size], g) for g in range(0, len(samples), group_size)]
     longest = max(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
     s = max([longest] + [seg.length for group in groups for seg in group])
