@@ -53,8 +53,9 @@ def sample_from_logprobs(logprobs: torch.Tensor, generators: dict[int, torch.Gen
     inside = index < vocab
     weights = probs.gather(1, index.clamp(max=vocab - 1)) * inside  # the tail block's missing entries weigh 0
     cumulative = weights.cumsum(-1)
-    # float rounding may put the target at or past this block's own total: keep it inside, on a token of weight > 0
-    within = torch.minimum(within, cumulative[:, -1:] * (1 - 2**-20))
+    # float rounding may put the target just outside this block's [0, total): keep it inside, so that right=True
+    # lands on a token of weight > 0 (never on a leading or trailing excluded one)
+    within = torch.minimum(within.clamp_(min=0.0), cumulative[:, -1:] * (1 - 2**-20))
     offset = torch.searchsorted(cumulative, within, right=True).clamp_(max=BLOCK - 1)
     return (block * BLOCK + offset).view(-1)
 

@@ -4,6 +4,8 @@ engine tests ask the workers' ``offgrpo_info``.)"""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -45,6 +47,19 @@ def test_excluded_tokens_are_never_drawn_and_a_single_allowed_token_always_is():
     only = torch.full((8, vocab), float("-inf"))
     only[torch.arange(8), torch.tensor([0, BLOCK - 1, BLOCK, vocab - 1, 7, 2 * BLOCK, 2 * BLOCK + 4, 5])] = 0.0
     assert sample_from_logprobs(only, {}).tolist() == [0, BLOCK - 1, BLOCK, vocab - 1, 7, 2 * BLOCK, 2 * BLOCK + 4, 5]
+
+
+def test_a_block_whose_first_tokens_are_excluded_never_yields_them_even_at_the_edges(monkeypatch):
+    # the uniform at 0 and just below 1: the targets sit on the edges of the blocks of weight, after blocks and
+    # before tokens of weight 0 (a left-closed search would pick an excluded block or token there)
+    vocab = 3 * BLOCK
+    logprobs = torch.full((2, vocab), float("-inf"))
+    logprobs[:, BLOCK + 10:BLOCK + 20] = -math.log(20)
+    logprobs[:, 2 * BLOCK + 5:2 * BLOCK + 15] = -math.log(20)
+    for value in (0.0, 1.0 - 2**-24):
+        monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, v=value: torch.full(shape, v))
+        picks = sample_from_logprobs(logprobs, {})
+        assert torch.isfinite(logprobs[0, picks]).all(), (value, picks)
 
 
 def test_a_row_with_its_own_generator_is_reproducible_whatever_the_global_rng():
