@@ -119,7 +119,9 @@ def run_ours(args, model_dir: Path, work: Path, env: dict[str, str], name: str =
            "rollout.temperature=1.0", f"optim.lr={args.lr}", f"train.steps={args.steps}", f"train.out_dir={out}",
            "train.save_every=0", "train.eval_every=0", "train.loggers=[]", *args.ours]
     wall, peak = run_measured(cmd, env, work / f"{name}.log")
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from megatron_offgrpo.train import read_metrics
+
+    records = read_metrics(out)
     walls = [r["wall_s"] for r in records]
     steps = [{"step_s": b - a, "generate_s": r["time_generate_s"], "sync_s": r["time_sync_s"],
               "completion_tokens": r["response_len"] * args.prompts * args.group}

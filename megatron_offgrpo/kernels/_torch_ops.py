@@ -64,8 +64,9 @@ class TorchOps:
             z.mul_(post_scale)
         row_max, argmax = z.max(dim=1)
         target_logit = torch.where(in_shard, z.gather(1, target.unsqueeze(1)).squeeze(1), 0)
-        p_dot_shifted = self._softmax_keeping_dot(z, row_max) if entropy else None
-        if p_dot_shifted is None:
+        if entropy:
+            p_dot_shifted = self._softmax_keeping_dot(z, row_max)
+        else:
             torch.ops.aten._softmax.out(z, 1, False, out=z)  # in place: z -> p_r
         lse_r = row_max - torch.log(z.gather(1, argmax.unsqueeze(1)).squeeze(1))
         self._probs = z
