@@ -53,7 +53,7 @@ def make_model_dir(name: str, out: Path) -> Path:
     """A random-weight HF directory of the model (version 0 in its manifest)."""
     import torch
 
-    from checkpoint_tools._mapping import hf_shapes
+    from checkpoint_tools import hf_shapes
     from megatron_offgrpo.model import arch_from_hf_config, hf_config_dict
     from megatron_offgrpo.transports import write_version_dir
 

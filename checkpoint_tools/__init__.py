@@ -28,7 +28,8 @@ from checkpoint_tools._io import (
     write_manifest,
 )
 from checkpoint_tools._live import Named, load_hf_into_stage, rebucket, stream_hf_buckets
-from checkpoint_tools._mapping import UnknownTensorError, expected_hf_shapes, hf_names, hf_shapes
+from checkpoint_tools._mapping import UnknownTensorError, hf_names
+from checkpoint_tools._shapes import expected_hf_shapes, hf_shapes
 from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES, StreamingSafetensorsWriter
 
 __all__ = [

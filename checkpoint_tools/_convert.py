@@ -1,8 +1,11 @@
 """Offline conversions between HF directories and megatron TP x PP checkpoint directories.
 
 A megatron checkpoint directory written here:
-    megatron_meta.json                  {"tp", "pp", "hf_config", "spec"}
-    mp_rank_{tp:02d}_{pp:03d}/model.safetensors   one file per (TP rank, PP stage), megatron local-spec names
+    megatron_meta.json                  {"tp", "pp", "ep", "hf_config", "spec"}
+    mp_rank_{tp:02d}_{pp:03d}[_{ep:03d}]/model.safetensors   one file per (TP rank, PP stage[, EP rank when ep > 1]),
+                                        megatron local-spec names; a MoE layer's experts as its EP rank's stack
+                                        (``decoder.layers.{i}.mlp.experts.linear_fc1.weight`` [E/ep, 2I/tp, H]), the
+                                        other tensors in every EP rank's file
     hf_extra/                           generation config and tokenizer files carried to the HF export
     offgrpo_manifest.json               written last: every tensor's shape, dtype and CRC-32
 Each conversion holds at most one pipeline stage's tensors in memory (HF -> megatron, reshard) or one HF shard
@@ -33,15 +36,16 @@ from checkpoint_tools._io import (
     write_sharded,
 )
 from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
+from checkpoint_tools._shapes import hf_shapes, megatron_shard_shape
 from megatron_offgrpo.model import QwenArch, arch_from_hf_config, hf_config_dict
 
 logger = logging.getLogger(__name__)
 META = "megatron_meta.json"
 
 
-def rank_dir(tp_rank: int, pp_rank: int) -> str:
-    """Sub-directory of one (TP rank, PP stage), Megatron-LM's ``mp_rank_TT_PPP`` naming."""
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """Sub-directory of one (TP rank, PP stage[, EP rank]), Megatron-LM's ``mp_rank_TT_PPP[_EEE]`` naming."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + ("" if ep_rank is None else f"_{ep_rank:03d}")
 
 
 def _read_hf_config(hf_dir: Path) -> dict:
@@ -66,12 +70,12 @@ class MegatronCheckpoint:
         try:
             meta = json.loads(meta_path.read_text())
             self.hf_config: dict = meta["hf_config"]
-            self.tp, self.pp = int(meta["tp"]), int(meta["pp"])
+            self.tp, self.pp, self.ep = int(meta["tp"]), int(meta["pp"]), int(meta.get("ep", 1))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{meta_path}: corrupt ({type(exc).__name__}: {exc})") from None
         self.arch: QwenArch = arch_from_hf_config(self.hf_config)
         try:  # a layout no writer could produce (tp=-2 from an older, unchecked hf_to_megatron) is a corrupt file
-            check_layout(self.arch, self.tp, self.pp)
+            check_layout(self.arch, self.tp, self.pp, self.ep)
         except ValueError as exc:
             raise CheckpointError(f"{meta_path}: {exc}") from None
         manifest = read_manifest(self.directory)
@@ -81,13 +85,13 @@ class MegatronCheckpoint:
         self._shards = {}
         for t in range(self.tp):
             for p in range(self.pp):
-                sub = self.directory / rank_dir(t, p)
-                prefix = rank_dir(t, p) + "/"
-                sub_records = {k[len(prefix):]: v for k, v in records.items() if k.startswith(prefix)}
-                files = {name: sub / rec["file"] for name, rec in sub_records.items()}
-                if not (sub / "model.safetensors").is_file():
-                    raise CheckpointError(f"{sub / 'model.safetensors'}: shard file is missing")
-                self._shards[(t, p)] = SafetensorsFiles(files, sub_records)
+                for e in range(self.ep):
+                    name = rank_dir(t, p, e if self.ep > 1 else None)
+                    sub_records = {k[len(name) + 1:]: v for k, v in records.items() if k.startswith(name + "/")}
+                    files = {key: self.directory / name / rec["file"] for key, rec in sub_records.items()}
+                    if not (self.directory / name / "model.safetensors").is_file():
+                        raise CheckpointError(f"{self.directory / name / 'model.safetensors'}: shard file is missing")
+                    self._shards[(t, p, e)] = SafetensorsFiles(files, sub_records)
 
     def global_names(self) -> list[str]:
         """Megatron names with global layer indices, in model order."""
@@ -109,24 +113,26 @@ class MegatronCheckpoint:
     def dtype(self, global_name: str) -> torch.dtype:
         """Stored dtype of a global megatron name (from the header, no data read)."""
         _, stage, local = self._locate(global_name)
-        return self._shards[(0, stage)].dtype(local)
+        return self._shards[(0, stage, 0)].dtype(local)
 
     def full(self, global_name: str) -> torch.Tensor:
-        """The TP-merged tensor of a global megatron name."""
+        """The TP-merged (and for experts EP-merged) tensor of a global megatron name."""
         rule, stage, local = self._locate(global_name)
-        return M.merge_tp([self._shards[(t, stage)][local] for t in range(self.tp)], rule.split)
+        ep_ranks = range(self.ep) if M.is_expert_kind(rule.split) else range(1)
+        return torch.cat([M.merge_tp([self._shards[(t, stage, e)][local] for t in range(self.tp)], rule.split)
+                          for e in ep_ranks])
 
 
-def check_layout(arch: QwenArch, tp: int, pp: int) -> None:
-    """Refuse a TP x PP layout before anything is read or written: sizes >= 1 that divide the model.
+def check_layout(arch: QwenArch, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse a TP x PP (x EP) layout before anything is read or written: sizes >= 1 that divide the model.
 
     Raises:
-        ValueError: one naming the size (``tp``/``pp`` and the value) or the config field it does not divide.
+        ValueError: one naming the size (``tp``/``pp``/``ep`` and the value) or the config field it does not divide.
     """
-    for flag, size, what in (("tp", tp, "tensor"), ("pp", pp, "pipeline")):
+    for flag, size, what in (("tp", tp, "tensor"), ("pp", pp, "pipeline"), ("ep", ep, "expert")):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{flag}={size!r}: the {what}-parallel size must be an integer >= 1")
-    arch.check_layout(tp, pp)  # after: a size of 0 would divide by zero there
+    arch.check_layout(tp, pp, ep)  # after: a size of 0 would divide by zero there
 
 
 def write_megatron(
@@ -138,52 +144,58 @@ def write_megatron(
     full_fn: Callable[[str], torch.Tensor],
     dtype_fn: Callable[[str], torch.dtype],
     extra_src: Path | None,
+    ep: int = 1,
 ) -> None:
-    """Write a megatron TP x PP checkpoint whose full tensors come from ``full_fn(global_name)`` (atomic).
+    """Write a megatron TP x PP (x EP) checkpoint whose full tensors come from ``full_fn(global_name)`` (atomic).
 
-    Each rank file is streamed: one full tensor (and its TP shards) is in memory at a time.
+    Each rank file is streamed: one full tensor (and its shards) is in memory at a time.
     """
-    check_layout(arch, tp, pp)
+    check_layout(arch, tp, pp, ep)
     with atomic_output_dir(out) as tmp:
         records = {}
         for p in range(pp):
             offset = M.layers_of_stage(arch, pp, p).start
             names = M.full_megatron_names(arch, pp, p)
-            specs = [(n, dtype_fn(M.to_global_layer(n, offset)), M.megatron_shard_shape(n, arch, tp)) for n in names]
-            writers = []
+            specs = [(n, dtype_fn(M.to_global_layer(n, offset)), megatron_shard_shape(n, arch, tp, ep))
+                     for n in names]
+            writers = {}
             for t in range(tp):
-                (tmp / rank_dir(t, p)).mkdir()
-                writers.append(StreamingSafetensorsWriter(tmp / rank_dir(t, p) / "model.safetensors", specs))
+                for e in range(ep):
+                    sub = rank_dir(t, p, e if ep > 1 else None)
+                    (tmp / sub).mkdir()
+                    writers[(t, e)] = (sub, StreamingSafetensorsWriter(tmp / sub / "model.safetensors", specs))
             for local in names:
                 full = full_fn(M.to_global_layer(local, offset))
                 kind = M.split_kind(local)
-                for t, writer in enumerate(writers):
-                    shard = M.shard_for_tp(full, kind, tp, t)
+                for (t, e), (sub, writer) in writers.items():
+                    part = full.chunk(ep)[e] if M.is_expert_kind(kind) else full
+                    shard = M.shard_for_tp(part, kind, tp, t)
                     writer.write(local, shard)
-                    records[f"{rank_dir(t, p)}/{local}"] = tensor_record(shard, "model.safetensors")
-            for writer in writers:
+                    records[f"{sub}/{local}"] = tensor_record(shard, "model.safetensors")
+            for _, writer in writers.values():
                 writer.close()
             logger.info("wrote pipeline stage %d/%d", p + 1, pp)
         if extra_src is not None and extra_src.is_dir():
             (tmp / "hf_extra").mkdir()
             copy_extra_files(extra_src, tmp / "hf_extra")
-        (tmp / META).write_text(json.dumps({"tp": tp, "pp": pp, "hf_config": hf_config, "spec": "local"}, indent=1))
-        write_manifest(tmp, "megatron", records, {"tp": tp, "pp": pp})
+        meta = {"tp": tp, "pp": pp, "ep": ep, "hf_config": hf_config, "spec": "local"}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        write_manifest(tmp, "megatron", records, {"tp": tp, "pp": pp, "ep": ep})
 
 
-def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1) -> Path:
-    """Convert a HF Qwen directory into a megatron TP x PP checkpoint at ``out``."""
+def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
+    """Convert a HF Qwen directory into a megatron TP x PP (x EP) checkpoint at ``out``."""
     hf_dir, out = Path(hf_dir), Path(out)
     hf_config = _read_hf_config(hf_dir)
     arch = arch_from_hf_config(hf_config)
-    check_layout(arch, tp, pp)
+    check_layout(arch, tp, pp, ep)
     check_output(out, hf_dir, overwrite=False, has_overwrite_flag=False)
     tensors = open_safetensors_dir(hf_dir)
     M.check_hf_names(tensors.names(), arch)
     start = time.perf_counter()
     write_megatron(out, arch, hf_config, tp, pp, lambda g: M.hf_to_megatron(g, arch, tensors),
-                   lambda g: tensors.dtype(M.hf_sources(g, arch)[1][0]), hf_dir)
-    logger.info("HF -> megatron tp=%d pp=%d in %.2f s: %s", tp, pp, time.perf_counter() - start, out)
+                   lambda g: tensors.dtype(M.hf_sources(g, arch)[1][0]), hf_dir, ep)
+    logger.info("HF -> megatron tp=%d pp=%d ep=%d in %.2f s: %s", tp, pp, ep, time.perf_counter() - start, out)
     return out
 
 
@@ -220,7 +232,7 @@ def write_hf(
         extra_src: directories the generation config and tokenizer files are copied from, in order (later files
             win), inside the atomic write.
     """
-    specs = [(name, dtype_fn(name), shape) for name, shape in M.hf_shapes(arch).items()]
+    specs = [(name, dtype_fn(name), shape) for name, shape in hf_shapes(arch).items()]
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         records = write_sharded(tmp, specs, tensors, max_shard_bytes)
         config = hf_config_dict(arch, hf_config)
@@ -245,15 +257,16 @@ def megatron_to_hf_dir(
     write_hf(Path(out), src.arch, src.hf_config, iter_hf_tensors(src.arch, src.full),
              lambda n: src.dtype(M.megatron_global_name_for_hf(n)), src.directory / "hf_extra", max_shard_bytes,
              overwrite)
-    logger.info("megatron tp=%d pp=%d -> HF in %.2f s: %s", src.tp, src.pp, time.perf_counter() - start, out)
+    logger.info("megatron tp=%d pp=%d ep=%d -> HF in %.2f s: %s", src.tp, src.pp, src.ep, time.perf_counter() - start,
+                out)
     return Path(out)
 
 
-def reshard_dir(ckpt: str | Path, out: str | Path, tp: int, pp: int) -> Path:
-    """Rewrite a megatron checkpoint in another TP x PP layout (bit-exact)."""
+def reshard_dir(ckpt: str | Path, out: str | Path, tp: int, pp: int, ep: int = 1) -> Path:
+    """Rewrite a megatron checkpoint in another TP x PP (x EP) layout (bit-exact)."""
     src = MegatronCheckpoint(ckpt)
     out = Path(out)
-    check_layout(src.arch, tp, pp)
+    check_layout(src.arch, tp, pp, ep)
     check_output(out, src.directory, overwrite=False, has_overwrite_flag=False)
-    write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.dtype, src.directory / "hf_extra")
+    write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.dtype, src.directory / "hf_extra", ep)
     return out

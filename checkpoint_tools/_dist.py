@@ -48,7 +48,7 @@ class DistModelCard:
     Attributes:
         hf_config: the HF ``config.json`` of the architecture (with the source model's token ids).
         params_dtype: dtype name of the saved parameters ("float32", "bfloat16"), and of the HF export.
-        layout: {"tp", "pp", "dp"} of the run that saved it (informational: loading reshards).
+        layout: {"tp", "pp", "dp", "ep"} of the run that saved it (informational: loading reshards).
     """
 
     hf_config: dict
@@ -136,7 +136,7 @@ def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Modu
 
     # No random init: every parameter is overwritten by the load. CPU: the export streams from host memory.
     config = transformer_config(arch, 1, 1, params_dtype=dtype, use_cpu_initialization=True,
-                                perform_initialization=False)
+                                perform_initialization=False, use_te=False)
     model = build_gpt_stage(arch, config, pre_process=True, post_process=True, use_te=False)
     # Only the model's tensors are requested: the optimizer's part (any DP sharding) is left on disk.
     try:
@@ -200,8 +200,9 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
             from megatron_offgrpo.runtime import destroy_parallel
 
             destroy_parallel()
-    logger.info("trainer checkpoint (saved at tp=%s pp=%s dp=%s) -> HF in %.2f s: %s", card.layout.get("tp"),
-                card.layout.get("pp"), card.layout.get("dp"), time.perf_counter() - start, out)
+    layout = card.layout
+    logger.info("trainer checkpoint (saved at tp=%s pp=%s dp=%s ep=%s) -> HF in %.2f s: %s", layout.get("tp"),
+                layout.get("pp"), layout.get("dp"), layout.get("ep", 1), time.perf_counter() - start, out)
     return out
 
 

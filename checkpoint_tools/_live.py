@@ -2,7 +2,8 @@
 
 The streaming export is what every fleet refresh uses: parameters are TP-gathered one at a time onto TP rank 0 of
 each pipeline stage, converted to HF names, and yielded in buckets of about ``bucket_bytes``; no rank ever holds
-the whole model, and each PP stage exports its own layers (with global layer indices).
+the whole model, and each PP stage exports its own layers (with global layer indices). MoE experts are exported a
+layer's stack at a time: TP-gathered over the expert-TP group, then over the EP group onto EP rank 0.
 """
 
 from __future__ import annotations
@@ -20,10 +21,21 @@ Named = list[tuple[str, torch.Tensor]]
 
 def _stage_params(
     model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int
-) -> list[tuple[str, torch.nn.Parameter]]:
-    """(local-spec megatron name, parameter) of a stage in the weight map's canonical order (the order of
-    ``hf_names``), so exported tensors arrive in the order a streaming writer declared; unknown names raise."""
-    params = {M.local_name(name): param for name, param in model.named_parameters()}
+) -> list[tuple[str, list[torch.nn.Parameter]]]:
+    """(local-spec megatron name, its parameters) of a stage in the weight map's canonical order (the order of
+    ``hf_names``), so exported tensors arrive in the order a streaming writer declared; unknown names raise.
+
+    One parameter per name, except a layer's expert stack: this rank's experts, in local expert order.
+    """
+    params: dict[str, list] = {}
+    experts: dict[str, dict[int, torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        stacked = M.expert_param(name)
+        if stacked is None:
+            params[M.local_name(name)] = [param]
+        else:
+            experts.setdefault(stacked[0], {})[stacked[1]] = param
+    params.update({name: [by_index[j] for j in sorted(by_index)] for name, by_index in experts.items()})
     ordered = [(name, params.pop(name)) for name in M.full_megatron_names(arch, pp, pp_rank) if name in params]
     if params:
         raise M.UnknownTensorError(f"model parameters outside the weight map's layout: {sorted(params)[:5]}")
@@ -33,9 +45,10 @@ def _stage_params(
 @torch.no_grad()
 def load_hf_into_stage(
     model: torch.nn.Module, arch: QwenArch, hf_tensors: Mapping[str, torch.Tensor], tp: int, tp_rank: int, pp: int,
-    pp_rank: int,
+    pp_rank: int, ep: int = 1, ep_rank: int = 0,
 ) -> None:
-    """Copy this rank's shard of every parameter of a model stage from HF tensors.
+    """Copy this rank's shard of every parameter of a model stage from HF tensors (an EP rank reads only its
+    experts).
 
     Raises:
         KeyError: naming a HF tensor the stage needs that ``hf_tensors`` lacks.
@@ -43,22 +56,48 @@ def load_hf_into_stage(
         ValueError: naming a parameter whose shard shape differs from the model's.
     """
     offset = M.layers_of_stage(arch, pp, pp_rank).start
-    for name, param in _stage_params(model, arch, pp, pp_rank):
-        full = M.hf_to_megatron(name, arch, hf_tensors, layer_offset=offset)
+    experts = M.experts_of_rank(arch, ep, ep_rank) if arch.is_moe else None
+    for name, params in _stage_params(model, arch, pp, pp_rank):
+        full = M.hf_to_megatron(name, arch, hf_tensors, layer_offset=offset, experts=experts)
         shard = M.shard_for_tp(full, M.split_kind(name), tp, tp_rank)
-        if shard.shape != param.shape:
-            raise ValueError(f"parameter {name}: shard shape {tuple(shard.shape)} != model shape {tuple(param.shape)}")
-        param.copy_(shard)
+        pieces = shard.unbind(0) if M.is_expert_kind(M.split_kind(name)) else [shard]
+        if len(pieces) != len(params):
+            raise ValueError(f"parameter {name}: {len(params)} local experts in the model, {len(pieces)} expected")
+        for piece, param in zip(pieces, params):
+            if piece.shape != param.shape:
+                raise ValueError(f"parameter {name}: shard shape {tuple(piece.shape)} != model shape "
+                                 f"{tuple(param.shape)}")
+            param.copy_(piece)
 
 
-def _gather_full(param: torch.Tensor, kind: str, tp_group, tp_size: int, tp_rank: int) -> torch.Tensor | None:
-    """The TP-merged tensor on TP rank 0 (None elsewhere); replicated tensors need no communication."""
-    if tp_size == 1 or kind == "replicated":
-        return param.detach() if tp_rank == 0 else None
-    data = param.detach().contiguous()
-    shards = [torch.empty_like(data) for _ in range(tp_size)] if tp_rank == 0 else None
-    dist.gather(data, gather_list=shards, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
-    return M.merge_tp(shards, kind) if tp_rank == 0 else None
+def _gather(data: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every rank's ``data`` on the group's rank 0 (in rank order), None elsewhere; a group of one: no call."""
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return [data]
+    rank = dist.get_rank(group)
+    data = data.contiguous()  # gloo sends wrong bytes from views
+    shards = [torch.empty_like(data) for _ in range(size)] if rank == 0 else None
+    dist.gather(data, gather_list=shards, dst=dist.get_global_rank(group, 0), group=group)
+    return shards
+
+
+def _gather_full(params: list[torch.Tensor], kind: str, tp_group, expert_tp_group, ep_group) -> torch.Tensor | None:
+    """The full tensor on the rank that exports (TP rank 0, and for experts EP rank 0 too), None elsewhere.
+
+    Replicated tensors need no communication. An expert stack is TP-merged over the expert-TP group, then its EP
+    ranks' stacks are concatenated in rank order (EP rank r holds experts r*E/ep ..).
+    """
+    if not M.is_expert_kind(kind):
+        shards = [params[0].detach()] if kind == "replicated" else _gather(params[0].detach(), tp_group)
+        if tp_group is not None and dist.get_rank(tp_group) != 0:
+            return None
+        return M.merge_tp(shards, kind)
+    tp_shards = _gather(torch.stack([p.detach() for p in params]), expert_tp_group)
+    if tp_shards is None:
+        return None
+    ep_stacks = _gather(M.merge_tp(tp_shards, kind), ep_group)
+    return None if ep_stacks is None else torch.cat(ep_stacks)
 
 
 @torch.no_grad()
@@ -70,25 +109,28 @@ def stream_hf_buckets(
     tp_group=None,
     bucket_bytes: int = 256 * 1024**2,
     dtype: torch.dtype | None = None,
+    ep_group=None,
+    expert_tp_group=None,
 ) -> Iterator[Named]:
     """Yield lists of HF ``(name, tensor)`` of about ``bucket_bytes`` from a live model stage.
 
-    Every rank of the stage's TP group must iterate (the gathers are collective); buckets are yielded only on TP
-    rank 0. With tied embeddings the last stage's copy of the output layer is skipped (the embedding carries it).
+    Every rank of the stage's TP group (and, for MoE, of its EP and expert-TP groups) must iterate (the gathers are
+    collective); buckets are yielded only on TP rank 0 of EP rank 0. With tied embeddings the last stage's copy of
+    the output layer is skipped (the embedding carries it).
 
     Args:
         model: one PP stage (unwrapped from DDP). arch: its architecture. pp, pp_rank: the pipeline layout.
         tp_group: the TP process group (None: no TP). bucket_bytes: bucket size bound.
         dtype: cast exported tensors (e.g. bf16 for a bf16 fleet); None keeps the parameters' dtype.
+        ep_group, expert_tp_group: the MoE expert-parallel and expert-TP groups (None: not split).
     """
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     offset = M.layers_of_stage(arch, pp, pp_rank).start
+    exporter = all(group is None or dist.get_rank(group) == 0 for group in (tp_group, ep_group))
 
     def per_parameter() -> Iterator[Named]:
-        for name, param in _stage_params(model, arch, pp, pp_rank):
-            full = _gather_full(param, M.split_kind(name), tp_group, tp_size, tp_rank)
-            if full is not None:
+        for name, params in _stage_params(model, arch, pp, pp_rank):
+            full = _gather_full(params, M.split_kind(name), tp_group, expert_tp_group, ep_group)
+            if full is not None and exporter:
                 yield [(hf_name, (tensor.to(dtype) if dtype is not None else tensor).contiguous())
                        for hf_name, tensor in M.megatron_to_hf(name, full, arch, layer_offset=offset)]
 

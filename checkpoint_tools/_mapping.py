@@ -10,17 +10,24 @@ Two levels, both declarative:
 
 Megatron names are those of the local spec; TE-spec aliases (norm weights fused into linear layers) are accepted
 on input and produced on request. Layer indices in megatron names are stage-local; ``global_layer`` converts.
+
+Qwen3-MoE: every expert of a layer is one *stacked* megatron tensor, ``decoder.layers.{i}.mlp.experts.linear_fc1``
+``[E, 2I, H]`` (each expert ``[gate_e; up_e]``) and ``linear_fc2`` ``[E, H, I]``, from HF's per-expert tensors
+(``mlp.experts.{e}.gate_proj``...). Expert parallelism splits the stack along experts (EP rank r holds experts
+``r*E/ep ..``), TP splits each expert as the dense MLP is split (``experts_gate_up``, ``experts_cols``). The model's own
+parameters are one per local expert (``local_experts.{j}.linear_fc1.weight`` under the local spec, TE's grouped
+``linear_fc1.weight{j}``); ``expert_param`` names their stack and place in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
-from megatron_offgrpo.model import QwenArch, arch_from_hf_config
+from megatron_offgrpo.model import QwenArch
 
 L = "{i}"  # layer index placeholder in patterns
 
@@ -31,8 +38,10 @@ class Rule:
 
     Attributes:
         megatron: megatron name pattern (``{i}`` = layer index). hf: HF name patterns, in merge order.
-        op: "copy" | "qkv" | "gate_up". split: TP split kind. te_alias: the name under the TE spec, if different.
-        when: "always" | "qkv_bias" | "qk_norm" | "untied" (rule applies only to archs with that feature).
+        op: "copy" | "qkv" | "gate_up" | "experts_gate_up" | "experts" (the last two: one HF tensor set per expert,
+            ``{e}`` in ``hf``). split: TP split kind. te_alias: the name under the TE spec, if different.
+        when: "always" | "qkv_bias" | "qk_norm" | "untied" | "dense" | "moe" (rule applies only to archs with that
+            feature).
         stage: "first" (embedding) | "last" (final norm, output layer) | "layer".
     """
 
@@ -43,6 +52,11 @@ class Rule:
     te_alias: str | None = None
     when: str = "always"
     stage: str = "layer"
+
+    @property
+    def per_expert(self) -> bool:
+        """The megatron tensor stacks every expert of its layer (HF patterns hold ``{e}``)."""
+        return self.op.startswith("experts")
 
 
 _ATT = "decoder.layers.{i}.self_attention"
@@ -80,8 +94,20 @@ RULES: tuple[Rule, ...] = (
         ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
         op="gate_up",
         split="gate_up",
+        when="dense",
     ),
-    Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), split="cols"),
+    Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), split="cols",
+         when="dense"),
+    Rule("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), when="moe"),
+    Rule(
+        "decoder.layers.{i}.mlp.experts.linear_fc1.weight",
+        ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+        op="experts_gate_up",
+        split="experts_gate_up",
+        when="moe",
+    ),
+    Rule("decoder.layers.{i}.mlp.experts.linear_fc2.weight", ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
+         op="experts", split="experts_cols", when="moe"),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), stage="last"),
     Rule("output_layer.weight", ("lm_head.weight",), split="rows", when="untied", stage="last"),
 )
@@ -97,11 +123,39 @@ def _applies(rule: Rule, arch: QwenArch) -> bool:
         "qkv_bias": arch.qkv_bias,
         "qk_norm": arch.qk_norm,
         "untied": not arch.tie_word_embeddings,
+        "dense": not arch.is_moe,
+        "moe": arch.is_moe,
     }[rule.when]
 
 
 def _pattern_regex(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(re.escape(L), r"(\d+)") + "$")
+    return re.compile("^" + re.escape(pattern).replace(re.escape(L), r"(\d+)").replace(re.escape("{e}"), r"\d+") + "$")
+
+
+def _hf_keys(rule: Rule, layer: int | None, arch: QwenArch, experts: range | None = None) -> list[str]:
+    """The HF names of one megatron tensor, in merge order; per-expert rules: expert by expert over ``experts``
+    (default all), each expert's tensors in ``rule.hf`` order."""
+    filled = [p.replace(L, str(layer)) for p in rule.hf]
+    if not rule.per_expert:
+        return filled
+    return [p.replace("{e}", str(e)) for e in (experts or range(arch.num_experts)) for p in filled]
+
+
+_EXPERT_PARAM = (
+    re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"),  # local
+    re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$"),  # TE grouped GEMM
+)
+
+
+def expert_param(name: str) -> tuple[str, int] | None:
+    """(stacked megatron name, local expert index) of one expert's model parameter; None for other names."""
+    match = _EXPERT_PARAM[0].match(name)
+    if match:
+        return f"{match.group(1)}.{match.group(3)}.weight", int(match.group(2))
+    match = _EXPERT_PARAM[1].match(name)
+    if match:
+        return f"{match.group(1)}.{match.group(2)}.weight", int(match.group(3))
+    return None
 
 
 _MEGATRON_REGEX = [(r, _pattern_regex(r.megatron)) for r in RULES] + [
@@ -154,7 +208,7 @@ def hf_names(arch: QwenArch) -> list[str]:
     out = []
     for name in full_megatron_names(arch):
         rule, layer = rule_for_megatron(name)
-        out.extend(p.format(i=layer) for p in rule.hf)
+        out.extend(_hf_keys(rule, layer, arch))
     return out
 
 
@@ -173,7 +227,12 @@ def megatron_to_hf(
         layer_offset: first global layer of the stage.
     """
     rule, layer = rule_for_megatron(name)
-    hf = [p.format(i=None if layer is None else layer + layer_offset) for p in rule.hf]
+    hf = _hf_keys(rule, None if layer is None else layer + layer_offset, arch)
+    if rule.op == "experts_gate_up":  # [E, 2I, H] -> gate_e, up_e per expert
+        halves = full.chunk(2, dim=1)
+        return [(n, halves[k % 2][k // 2]) for k, n in enumerate(hf)]
+    if rule.op == "experts":
+        return list(zip(hf, full.unbind(0)))
     if rule.op == "copy":
         if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
             return []  # tied: the embedding already carries this tensor
@@ -203,24 +262,28 @@ def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArch
     return grouped.reshape(ng * (hpg + 2) * d, *tail)
 
 
-def hf_sources(name: str, arch: QwenArch, layer_offset: int = 0) -> tuple[Rule, list[str]]:
-    """The rule and the HF tensor names a megatron tensor (stage-local layer index) is built from."""
+def hf_sources(name: str, arch: QwenArch, layer_offset: int = 0,
+               experts: range | None = None) -> tuple[Rule, list[str]]:
+    """The rule and the HF tensor names a megatron tensor (stage-local layer index) is built from (per-expert
+    rules: of ``experts``, default all)."""
     rule, layer = rule_for_megatron(name)
     if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
         rule = RULES[0]  # tied embeddings: the last stage's copy of the output layer is the embedding
-    return rule, [p.format(i=None if layer is None else layer + layer_offset) for p in rule.hf]
+    return rule, _hf_keys(rule, None if layer is None else layer + layer_offset, arch, experts)
 
 
-def hf_to_megatron(name: str, arch: QwenArch, hf_tensors, layer_offset: int = 0) -> torch.Tensor:
+def hf_to_megatron(name: str, arch: QwenArch, hf_tensors, layer_offset: int = 0,
+                   experts: range | None = None) -> torch.Tensor:
     """Build the TP-merged megatron tensor ``name`` (stage-local layer index) from HF tensors.
 
     Args:
         hf_tensors: a mapping (``in`` and ``[]``) from HF names to tensors; read lazily, one tensor at a time.
+        experts: for a stacked expert tensor, the experts to stack (an EP rank's: ``experts_of_rank``); default all.
 
     Raises:
         KeyError: naming the missing HF tensor.
     """
-    rule, keys = hf_sources(name, arch, layer_offset)
+    rule, keys = hf_sources(name, arch, layer_offset, experts)
     sources = []
     for key in keys:
         if key not in hf_tensors:
@@ -230,7 +293,17 @@ def hf_to_megatron(name: str, arch: QwenArch, hf_tensors, layer_offset: int = 0)
         return sources[0]
     if rule.op == "gate_up":
         return torch.cat(sources, dim=0)
+    if rule.op == "experts_gate_up":
+        return torch.stack([torch.cat(sources[k:k + 2], dim=0) for k in range(0, len(sources), 2)])
+    if rule.op == "experts":
+        return torch.stack(sources)
     return _merge_qkv(*sources, arch)
+
+
+def experts_of_rank(arch: QwenArch, ep: int, ep_rank: int) -> range:
+    """Global indices of the experts EP rank ``ep_rank`` holds (megatron: contiguous, rank-major)."""
+    per_rank = arch.num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
 def megatron_global_name_for_hf(hf_name: str) -> str:
@@ -244,28 +317,36 @@ def split_kind(name: str) -> str:
     return rule_for_megatron(name)[0].split
 
 
+def split_dim(kind: str) -> tuple[str, int]:
+    """(dense split kind, first dim it acts on): stacked expert tensors split each expert as the dense MLP does."""
+    return {"experts_gate_up": ("gate_up", 1), "experts_cols": ("cols", 1)}.get(kind, (kind, 0))
+
+
+def is_expert_kind(kind: str) -> bool:
+    """The split kind of a stacked expert tensor (dim 0: experts, split over EP)."""
+    return kind.startswith("experts")
+
+
 def shard_for_tp(full: torch.Tensor, kind: str, tp: int, tp_rank: int) -> torch.Tensor:
     """This TP rank's shard of a full megatron tensor (contiguous: gloo sends wrong bytes from views)."""
-    if kind == "replicated" or tp == 1:
-        return full.contiguous() if kind == "replicated" else full.contiguous()
-    if kind == "rows":
-        return full.chunk(tp, dim=0)[tp_rank].contiguous()
-    if kind == "cols":
-        return full.chunk(tp, dim=1)[tp_rank].contiguous()
-    gate, up = full.chunk(2, dim=0)
-    return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    base, dim = split_dim(kind)
+    if base == "replicated" or tp == 1:
+        return full.contiguous()
+    if base in ("rows", "cols"):
+        return full.chunk(tp, dim=dim + (base == "cols"))[tp_rank].contiguous()
+    gate, up = full.chunk(2, dim=dim)
+    return torch.cat([gate.chunk(tp, dim=dim)[tp_rank], up.chunk(tp, dim=dim)[tp_rank]], dim=dim)
 
 
 def merge_tp(shards: list[torch.Tensor], kind: str) -> torch.Tensor:
     """Inverse of ``shard_for_tp``: the full tensor from all TP ranks' shards (in rank order)."""
-    if kind == "replicated" or len(shards) == 1:
+    base, dim = split_dim(kind)
+    if base == "replicated" or len(shards) == 1:
         return shards[0]
-    if kind == "rows":
-        return torch.cat(shards, dim=0)
-    if kind == "cols":
-        return torch.cat(shards, dim=1)
-    halves = [s.chunk(2, dim=0) for s in shards]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if base in ("rows", "cols"):
+        return torch.cat(shards, dim=dim + (base == "cols"))
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
 
 
 def megatron_name_for_hf(hf_name: str) -> tuple[str, int | None]:
@@ -300,38 +381,3 @@ def local_name(name: str) -> str:
     """The local-spec spelling of a megatron name given in either spelling."""
     rule, layer = rule_for_megatron(name)
     return rule.megatron.format(i=layer)
-
-
-def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
-    """Shape of every HF tensor of ``arch``, in ``hf_names`` order (known before any data is read)."""
-    h, inter, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    by_suffix = {
-        "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h), "norm.weight": (h,),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
-        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
-        "o_proj.weight": (h, q), "gate_proj.weight": (inter, h), "up_proj.weight": (inter, h),
-        "down_proj.weight": (h, inter),
-    }
-    return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}
-
-
-def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name of the model described by ``hf_config`` -> its shape (tied lm_head excluded)."""
-    return hf_shapes(arch_from_hf_config(hf_config))
-
-
-def megatron_shard_shape(name: str, arch: QwenArch, tp: int) -> tuple[int, ...]:
-    """Shape of this megatron tensor's TP shard (any layer index; all TP ranks have the same shape)."""
-    rule, _ = rule_for_megatron(name)
-    if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
-        rule = RULES[0]
-    shapes = hf_shapes(arch)
-    parts = [shapes[p.format(i=0)] for p in rule.hf]
-    full = (sum(p[0] for p in parts), *parts[0][1:])
-    if rule.split in ("rows", "gate_up"):
-        return (full[0] // tp, *full[1:])
-    if rule.split == "cols":
-        return (full[0], full[1] // tp)
-    return full

@@ -20,7 +20,7 @@ from checkpoint_tools._cli import run_cli
 from checkpoint_tools._convert import hf_to_megatron_dir, megatron_to_hf_dir, reshard_dir
 from checkpoint_tools._io import open_safetensors_dir
 from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
-from checkpoint_tools import _mapping as M
+from checkpoint_tools._shapes import hf_shapes
 from megatron_offgrpo.model import load_arch
 
 ASSETS = Path(__file__).resolve().parents[1] / "megatron_offgrpo" / "assets"
@@ -36,7 +36,7 @@ def make_random_hf(config_dir: Path, out: Path, dtype: torch.dtype, seed: int = 
     """
     arch = load_arch(config_dir)
     gen = torch.Generator().manual_seed(seed)
-    shapes = M.hf_shapes(arch)
+    shapes = hf_shapes(arch)
     out.mkdir(parents=True)
     writer = StreamingSafetensorsWriter(out / "model.safetensors", [(n, dtype, s) for n, s in shapes.items()])
     for name, shape in shapes.items():

@@ -27,9 +27,9 @@ CHOICES = {
 }
 LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers (metrics.jsonl is always written)
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
-POSITIVE = ["parallel.tp", "parallel.pp", "rollout.prompts_per_step", "rollout.max_new_tokens", "rollout.refresh_every",
-            "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens", "train.steps",
-            "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
+POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
+            "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
+            "train.steps", "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
             "data.max_prompt_tokens", "data.count"]
 
 
@@ -72,6 +72,9 @@ def collect_errors(config: Any) -> list[str]:
     errors.extend(_optim_errors(config))
     if config.data.max_operand < 0:
         errors.append(f"data.max_operand={config.data.max_operand}: must be >= 0")
+    if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
+        errors.append(f"model.moe_aux_loss_coef={config.model.moe_aux_loss_coef}: must be >= 0 (0: no load-balancing "
+                      "loss; null: the HF config's router_aux_loss_coef)")
     if r.engine == "fleet" and not r.fleet_state:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport in ("collective", "shm") and r.engine != "fleet":

@@ -33,16 +33,21 @@ class ModelConfig:
     """Amax history length of the delayed recipe."""
     fp8_margin: int = 0
     """FP8 scaling margin."""
+    moe_aux_loss_coef: float | None = None
+    """MoE models: weight of megatron's load-balancing loss (None: the HF config's router_aux_loss_coef; 0: off)."""
 
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """How the trainer is split over ranks: world = tp * pp * dp."""
+    """How the trainer is split over ranks: world = tp * pp * dp (ep splits dp for the experts)."""
 
     tp: int = 1
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each of ep ranks holds num_experts/ep experts of every layer; ep divides
+    dp (world / tp / pp); experts keep the tp split."""
     seed: int = 1234
     """Base seed (model-parallel RNG streams, prompt shuffling, sampling)."""
 

@@ -27,3 +27,15 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
         variant_name(mt, tied): save_hf_model(tiny_hf_config(mt, tied), root / variant_name(mt, tied), seed=i)
         for i, (mt, tied) in enumerate(VARIANTS)
     }
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, Path]:
+    """Two tiny random Qwen3-MoE checkpoints: top-k probabilities renormalised (Qwen3's default) and not."""
+    from tests.helpers import save_hf_model, tiny_hf_config
+
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {
+        name: save_hf_model(dict(tiny_hf_config("qwen3_moe"), norm_topk_prob=norm), root / name, seed=10 + i)
+        for i, (name, norm) in enumerate([("qwen3_moe", True), ("qwen3_moe_unnormed", False)])
+    }

@@ -19,7 +19,8 @@ def tiny_hf_config(model_type: str = "qwen2", tied: bool = False, layers: int = 
     head_dim that differs from hidden/heads (qwen3)."""
     cfg = dict(
         model_type=model_type,
-        architectures=["Qwen2ForCausalLM" if model_type == "qwen2" else "Qwen3ForCausalLM"],
+        architectures=[{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                        "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]],
         vocab_size=256,
         hidden_size=64,
         intermediate_size=96,
@@ -33,8 +34,11 @@ def tiny_hf_config(model_type: str = "qwen2", tied: bool = False, layers: int = 
         tie_word_embeddings=tied,
         initializer_range=0.05,
     )
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         cfg.update(head_dim=32, attention_bias=False)
+    if model_type == "qwen3_moe":  # 4 experts (2 per rank at ep=2), top-2, renormalised like Qwen3-30B-A3B
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                   router_aux_loss_coef=0.01, decoder_sparse_step=1, mlp_only_layers=[])
     return cfg
 
 

@@ -1,8 +1,9 @@
 """A Hugging Face Qwen config, read into the typed architecture megatron-core is built from.
 
 One job: decide whether a HF ``config.json`` describes a model we can represent exactly, and say which field is
-not when it is not. Qwen2/Qwen2.5 (GQA, qkv bias, SwiGLU, RMSNorm, rope theta, tied or untied embeddings) and
-Qwen3 (q/k RMSNorm over head_dim, no qkv bias by default, explicit head_dim). ``resolve_model_dir`` finds that
+not when it is not. Qwen2/Qwen2.5 (GQA, qkv bias, SwiGLU, RMSNorm, rope theta, tied or untied embeddings),
+Qwen3 (q/k RMSNorm over head_dim, no qkv bias by default, explicit head_dim) and Qwen3-MoE (Qwen3 attention, every
+layer a mixture of SwiGLU experts behind a softmax top-k router, no shared expert). ``resolve_model_dir`` finds that
 config (and the weights beside it) for a ``model.hf_path``: a directory, a bundled asset or a hub id.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 ASSET_PREFIX = ("megatron_offgrpo", "assets")  # how recipes name bundled files: relative to the repository root
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name
@@ -42,6 +43,10 @@ class QwenArch:
         qkv_bias: q/k/v projections carry a bias (Qwen2 yes, Qwen3 no).
         qk_norm: RMSNorm on each query and key head (Qwen3).
         initializer_range: std of the normal init (for randomly initialised models).
+        num_experts: routed experts per layer (0: a dense model). moe_top_k: experts per token.
+        moe_intermediate_size: each expert's SwiGLU inner size. norm_topk_prob: the top-k probabilities are
+            renormalised to sum to 1 (softmax over the chosen logits). router_aux_loss_coef: the load-balancing loss
+            weight of the HF config (the trainer's default for ``model.moe_aux_loss_coef``).
     """
 
     model_type: str
@@ -59,6 +64,16 @@ class QwenArch:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float = 0.02
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        """Every decoder layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
 
     @property
     def hf_architecture(self) -> str:
@@ -75,26 +90,34 @@ class QwenArch:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = (h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
                 + (2 * self.head_dim if self.qk_norm else 0))
-        mlp = 3 * h * self.intermediate_size
+        mlp = (self.num_experts * (3 * h * self.moe_intermediate_size + h) if self.is_moe
+               else 3 * h * self.intermediate_size)
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """Raise ``ValueError`` naming the field and the fix when this arch cannot be split as tp x pp."""
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise ``ValueError`` naming the field and the fix when this arch cannot be split as tp x pp (x ep)."""
         errors = []
         for name, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)):
             if value % tp:
                 errors.append(f"{name}={value} is not divisible by tp={tp}: choose tp among the divisors of {value}")
         if self.vocab_size % tp:
             errors.append(f"vocab_size={self.vocab_size} is not divisible by tp={tp}: choose a tp that divides it")
-        if self.intermediate_size % tp:
+        if not self.is_moe and self.intermediate_size % tp:
             errors.append(f"intermediate_size={self.intermediate_size} is not divisible by tp={tp}")
+        if self.is_moe and self.moe_intermediate_size % tp:
+            errors.append(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by tp={tp}")
+        if ep > 1 and not self.is_moe:
+            errors.append(f"ep={ep}: expert parallelism needs a mixture-of-experts model ({self.model_type} is dense)")
+        elif self.is_moe and self.num_experts % ep:
+            errors.append(f"num_experts={self.num_experts} is not divisible by ep={ep}: choose ep among its divisors")
         if self.num_layers % pp:
             errors.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}: "
                           "choose pp among its divisors")
         if errors:
-            raise ValueError("cannot split the model as tp=%d x pp=%d:\n  " % (tp, pp) + "\n  ".join(errors))
+            layout = f"tp={tp} x pp={pp}" + (f" x ep={ep}" if ep > 1 else "")
+            raise ValueError(f"cannot split the model as {layout}:\n  " + "\n  ".join(errors))
 
 
 def _rope_theta(cfg: dict[str, Any], problems: list[str]) -> float:
@@ -126,8 +149,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> QwenArch:
     layer_types = cfg.get("layer_types") or []
     if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         problems.append("use_sliding_window=true / sliding layer_types (only full attention is supported)")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        problems.append("num_experts (MoE Qwen is not supported)")
+    moe = _moe_fields(cfg, model_type, problems)
     rope_theta = _rope_theta(cfg, problems)
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -151,9 +173,35 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> QwenArch:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str, problems: list[str]) -> dict[str, Any]:
+    """The MoE fields of ``QwenArch`` from a HF config (empty for dense models); problems are appended."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 may write either
+    if model_type != "qwen3_moe":
+        if experts:
+            problems.append(f"num_experts={experts} on a dense {model_type} config (a MoE model is qwen3_moe)")
+        return {}
+    if experts < 1:
+        problems.append("num_experts missing or 0 (a qwen3_moe config needs its expert count)")
+    if cfg.get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers={cfg['mlp_only_layers']} (only all-MoE decoders are supported)")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1:
+        problems.append(f"decoder_sparse_step={cfg['decoder_sparse_step']} (only every layer MoE, step 1)")
+    if cfg.get("shared_expert_intermediate_size"):
+        problems.append("shared_expert_intermediate_size (Qwen3-MoE has no shared expert)")
+    if int(cfg.get("moe_intermediate_size") or 0) < 1:
+        problems.append("moe_intermediate_size missing or 0 (each expert's inner size)")
+    top_k = int(cfg.get("num_experts_per_tok", 0))
+    if not 1 <= top_k <= max(experts, 1):
+        problems.append(f"num_experts_per_tok={top_k} must be in 1..num_experts={experts}")
+    return dict(num_experts=experts, moe_top_k=top_k, moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))
 
 
 def bundled_asset(path: Path) -> Path | None:
@@ -236,8 +284,13 @@ def hf_config_dict(arch: QwenArch, extra: dict[str, Any] | None = None) -> dict[
         initializer_range=arch.initializer_range,
         use_sliding_window=False,
     )
-    if arch.model_type == "qwen3":
+    if arch.model_type in ("qwen3", "qwen3_moe"):
         cfg.update(head_dim=arch.head_dim, attention_bias=arch.qkv_bias)
+    if arch.is_moe:
+        cfg.pop("num_local_experts", None)
+        cfg.update(num_experts=arch.num_experts, num_experts_per_tok=arch.moe_top_k,
+                   moe_intermediate_size=arch.moe_intermediate_size, norm_topk_prob=arch.norm_topk_prob,
+                   router_aux_loss_coef=arch.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[])
     cfg.pop("rope_parameters", None)
     cfg.pop("rope_scaling", None)
     return cfg

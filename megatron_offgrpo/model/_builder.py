@@ -19,16 +19,22 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     use_cpu_initialization: bool | None = None,
     perform_initialization: bool = True,
+    ep: int = 1,
+    moe_aux_loss_coef: float | None = None,
+    use_te: bool | None = None,
 ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` that computes the same function as the HF model of ``arch``.
 
     Fusions and dropout are off: they either need CUDA kernels or change the function (RL log-probs must match
     the generator's). Mixed precision other than the params' dtype (FP8) is configured by ``model.precision``.
+    MoE archs also get ``ep`` (expert parallelism), the load-balancing loss weight (``None``: the HF config's
+    ``router_aux_loss_coef``) and grouped-GEMM experts when the TE spec is used (``use_te``, as ``build_gpt_stage``).
     """
-    arch.check_layout(tp, pp)
+    arch.check_layout(tp, pp, ep)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     return TransformerConfig(
+        **_moe_fields(arch, ep, moe_aux_loss_coef, use_te),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -62,6 +68,32 @@ def transformer_config(
     )
 
 
+def _moe_fields(arch: QwenArch, ep: int, aux_loss_coef: float | None, use_te: bool | None) -> dict:
+    """The MoE part of the config (empty for dense archs): HF Qwen3-MoE routing, expressed in megatron's terms."""
+    if not arch.is_moe:
+        return {}
+    from megatron_offgrpo.runtime import have_te
+
+    coef = arch.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_top_k,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        # HF: softmax over all experts, top-k, then (norm_topk_prob) renormalise. Renormalised, that equals
+        # megatron's top-k of the logits then softmax over them (pre_softmax=False); without renormalisation it is
+        # megatron's softmax-then-top-k (pre_softmax=True).
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",  # HF computes the routing softmax in fp32 whatever the params' dtype
+        moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
+        moe_aux_loss_coeff=coef,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=have_te() if use_te is None else use_te,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+    )
+
+
 def build_gpt_stage(
     arch: QwenArch,
     config: TransformerConfig,
@@ -79,7 +111,7 @@ def build_gpt_stage(
     """
     model = GPTModel(
         config=config,
-        transformer_layer_spec=qwen_layer_spec(arch.qk_norm, use_te),
+        transformer_layer_spec=qwen_layer_spec(arch.qk_norm, use_te, arch.num_experts),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

@@ -17,12 +17,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_offgrpo.runtime import have_te
 
 
-def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None) -> ModuleSpec:
+def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None, num_experts: int = 0) -> ModuleSpec:
     """The decoder layer spec for a Qwen model.
 
     Args:
         qk_norm: add RMSNorm on query and key heads (Qwen3).
         use_te: force the TE (True) or local (False) spec; ``None`` picks TE when it is usable.
+        num_experts: > 0 for a mixture-of-experts MLP (Qwen3-MoE): TE's grouped-GEMM experts under the TE spec,
+            megatron's ``SequentialMLP`` (one local MLP per expert, torch GEMMs) under the local spec.
 
     Raises:
         RuntimeError: ``use_te=True`` on a machine where Transformer Engine cannot be used.
@@ -34,9 +36,11 @@ def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None) -> ModuleSpec:
             from megatron_offgrpo.runtime import te_status
 
             raise RuntimeError(f"the Transformer Engine layer spec was requested but {te_status()[1]}")
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts or None,
+                                                          moe_grouped_gemm=num_experts > 0, qk_layernorm=qk_norm)
     from megatron_offgrpo.model._sdpa import SdpaAttention
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+                                    normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec

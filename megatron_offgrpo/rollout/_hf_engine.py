@@ -20,6 +20,7 @@ import torch
 from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
+from megatron_offgrpo.rollout._hf_params import parameter_view
 from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import Buckets, check_complete, manifest_version, read_version_dir
@@ -134,7 +135,7 @@ class TransformersEngine:
             params = dict(self.model.named_parameters())
             with torch.no_grad():
                 for name, tensor in tensors:
-                    params[name].copy_(tensor)
+                    parameter_view(params, name).copy_(tensor)
             self._version = int(version)
             nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
             return RefreshReport(

@@ -108,6 +108,39 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device=_CPU), diagonal=1).bool()
 
 
+def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` without CUDA streams and events.
+
+    On CUDA the split sizes are copied to host numpy there; megatron's copy helper leaves CPU tensors as tensors,
+    which ``all_to_all_single`` rejects as split sizes ("incompatible function arguments"): here they become numpy
+    at the same point, as on CUDA. CPU work is already in order, so there is nothing to synchronise.
+    """
+    if self.drop_and_pad or point != self.cuda_dtoh_point:
+        return tokens_per_expert
+    for name in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(self, name)
+        if torch.is_tensor(value):
+            setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _patch_moe() -> None:
+    """The three CUDA assumptions of megatron-core 0.16's MoE layer (``shared/notes/moe-on-cpu.md``)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # 8. The alltoall dispatcher creates a class-wide `torch.cuda.Stream()` for its device-to-host split copies
+    #    when the first MoE layer is built ("torch.cuda.Stream requires CUDA support"), and syncs on its events.
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    dispatcher.cuda_dtoh_stream = "cpu: no streams"  # any non-None value: the constructor skips the creation
+    dispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+    # 9. The router's gating GEMM calls `te_general_gemm`, a name 0.16.1 binds only when TE imports ("NameError:
+    #    name 'te_general_gemm' is not defined"); None selects its torch path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # 10. `track_moe_metrics` allocates its per-layer buffers with a literal device="cuda".
+    _swap_torch_name(moe_utils)
+
+
 def apply_cpu_compat() -> list[str]:
     """Patch megatron-core so that its model, schedules and optimizer run on the CPU. Idempotent.
 
@@ -168,6 +201,7 @@ def apply_cpu_compat() -> list[str]:
         LanguageModule.setup_embeddings_and_output_layer = _under_cuda_as_cpu(
             LanguageModule.setup_embeddings_and_output_layer
         )
+    _patch_moe()
     _APPLIED.extend(
         [
             "cuda.current_device->cpu",
@@ -177,6 +211,7 @@ def apply_cpu_compat() -> list[str]:
             "causal mask on cpu",
             "optimizer cuda tensors and type checks->cpu",
             "tied-embedding sync at construction on cpu",
+            "moe: alltoall splits without cuda streams, torch router gemm, metrics tracker on cpu",
         ]
     )
     logger.info("megatron-core CPU compatibility layer applied: %s", ", ".join(_APPLIED))

@@ -40,6 +40,11 @@ def tracker_value(value: Any) -> int | float | None:
     return value if isinstance(value, (int, float)) else None
 
 
+def _is_number_list(value: Any) -> bool:
+    """A per-item metric (``moe_tokens_per_expert``): kept whole in metrics.jsonl, not a tracker scalar."""
+    return isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
+
+
 def completion_rows(samples: Sequence[Sample], tokenizer, step: int, groups: int = SAMPLE_GROUPS) -> list[SampleRow]:
     """The completions of the first ``groups`` groups as table rows, decoded."""
     def text(ids: Sequence[int]) -> str:
@@ -138,7 +143,7 @@ class MetricsLog:
             number = tracker_value(value)
             if number is not None:
                 out[key] = number
-            elif key not in self._not_numbers:
+            elif key not in self._not_numbers and not _is_number_list(value):  # a list is metrics.jsonl's only
                 self._not_numbers.add(key)
                 logger.warning("metric %s=%r is not a number: it is in metrics.jsonl only, not in the trackers",
                                key, value)

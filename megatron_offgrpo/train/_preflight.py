@@ -23,9 +23,10 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     except (FileNotFoundError, ValueError) as exc:
         return [f"{key}={source}: {exc}"]
     try:
-        arch.check_layout(config.parallel.tp, config.parallel.pp)
+        arch.check_layout(config.parallel.tp, config.parallel.pp, config.parallel.ep)
     except ValueError as exc:
-        return [f"parallel.tp={config.parallel.tp}, parallel.pp={config.parallel.pp}: {line.strip()}"
+        ep = f", parallel.ep={config.parallel.ep}" if config.parallel.ep > 1 else ""
+        return [f"parallel.tp={config.parallel.tp}, parallel.pp={config.parallel.pp}{ep}: {line.strip()}"
                 for line in str(exc).splitlines()[1:]]
     return []
 

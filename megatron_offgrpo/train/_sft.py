@@ -57,7 +57,7 @@ def teacher_batch(prompts: list[Prompt], tokenizer, teacher: random.Random, off_
 def sft(config: Config) -> Path:
     """Warm up the model of ``config`` for ``train.steps`` steps; returns the HF directory written."""
     started = time.time()
-    ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
+    ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep)
     config.model.hf_path = str(resolve_model_dir(config.model.hf_path))  # once: hub id / bundled asset -> dir
     arch = load_arch(config.model.hf_path)
     policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)

@@ -4,6 +4,7 @@ it never sees the engine."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -21,6 +22,7 @@ from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule, save_checkpoint
 from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
+from megatron_offgrpo.train._router_load import RouterLoad
 from megatron_offgrpo.train._step import policy_step, token_logprobs
 from megatron_offgrpo.train._weights import export_buckets, export_hf_dir, hf_extra_dirs, model_card
 
@@ -32,6 +34,7 @@ class TrainerSide:
     Attributes:
         snapshot: the weights the engine serves (``rollout.behavior_logprobs=recompute``): exact behavior log-probs.
         reference: the initial policy (``algo.kl_beta > 0``): the KL term's log-probs.
+        router_load: MoE models: counts each step's routing (the ``moe_*`` metrics).
     """
 
     config: Config
@@ -42,11 +45,12 @@ class TrainerSide:
     advantage: AdvantageParams
     snapshot: torch.nn.Module | None = None
     reference: torch.nn.Module | None = None
+    router_load: RouterLoad | None = None
 
     @classmethod
     def build(cls, config: Config) -> TrainerSide:
         """Initialise the process groups and build the policy and its frozen copies (collective)."""
-        ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
+        ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep)
         torch.use_deterministic_algorithms(config.train.deterministic)
         arch = load_arch(config.model.hf_path)
         policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
@@ -56,6 +60,8 @@ class TrainerSide:
             side.snapshot = frozen_copy(policy.model, arch, ctx, config.model)
         if config.algo.kl_beta > 0:
             side.reference = frozen_copy(policy.model, arch, ctx, config.model)
+        if arch.is_moe:
+            side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
         return side
 
     def learn(self, samples: Sequence[Sample]) -> dict[str, float]:
@@ -72,12 +78,14 @@ class TrainerSide:
         microbatches = build(samples, adv.advantages, valid, cfg.rollout.group_size, ctx.dp_rank, ctx.dp_size,
                              cfg.optim.micro_batch_tokens, device=ctx.device)
         self.fill_logprobs(microbatches)
-        result = policy_step(self.policy.ddp, self.policy.optimizer, ctx, microbatches, self.objective,
-                             global_token_count(samples, valid), global_seq_count(valid), cfg.rollout.temperature)
+        with self.router_load.counting() if self.router_load else contextlib.nullcontext():
+            result = policy_step(self.policy.ddp, self.policy.optimizer, ctx, microbatches, self.objective,
+                                 global_token_count(samples, valid), global_seq_count(valid), cfg.rollout.temperature)
         if not result.skipped:
             self.policy.scheduler.step(increment=1)
+        routing = self.router_load.metrics(ctx, len(microbatches)) if self.router_load else {}
         return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
-                "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics}
+                "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics, **routing}
 
     def fill_logprobs(self, microbatches: Sequence[MicroBatch]) -> None:
         """Exact behavior log-probs (from the snapshot of the pushed weights) and reference log-probs, in place."""

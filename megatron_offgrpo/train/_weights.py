@@ -3,7 +3,8 @@ periodic and final exports of a run, the warm-up's result), and the description 
 
 Every pipeline stage streams its own layers (``checkpoint_tools.stream_hf_buckets``: TP-gathered one parameter at a
 time onto the stage's TP rank 0); stages other than the first send their buckets to global rank 0 point to point,
-one bucket at a time (metadata, then one flat contiguous buffer). Only the first DP replica exports.
+one bucket at a time (metadata, then one flat contiguous buffer). Only the first DP replica exports; with expert
+parallelism its EP group (DP ranks that hold the other experts) joins the expert gathers.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ def export_buckets(model, arch: QwenArch, ctx: ParallelContext, bucket_bytes: in
         model: this rank's stage (unwrapped). arch: its architecture. ctx: the parallel layout.
         bucket_bytes: bucket size bound. dtype: cast exported tensors (None: keep the parameters' dtype).
     """
-    if ctx.dp_rank != 0:
+    if ctx.expert_dp_rank != 0:  # a replica: the first DP replica (with, for MoE, its EP group) exports
         return
     tp_group = ctx.tp_group if ctx.tp_size > 1 else None
-    local = stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, tp_group, bucket_bytes, dtype)
-    exporter = ctx.tp_rank == 0
+    ep_groups = (ctx.ep_group, ctx.expert_tp_group) if arch.is_moe else ()
+    local = stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, tp_group, bucket_bytes, dtype, *ep_groups)
+    exporter = ctx.tp_rank == 0 and ctx.dp_rank == 0
     if ctx.pp_rank == 0:
         for bucket in local:
             if exporter:
@@ -95,7 +97,7 @@ def model_card(model, arch: QwenArch, ctx: ParallelContext, source_dir: Path) ->
     """What a checkpoint of this run needs to be exported without the recipe (``checkpoint_tools``' format)."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return DistModelCard(source_hf_config(arch, source_dir), dtype,
-                         {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size})
+                         {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "ep": ctx.ep_size})
 
 
 def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source_dir: Path) -> Path | None:

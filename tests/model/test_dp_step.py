@@ -19,8 +19,8 @@ def test_dp2_step_equals_single_process(hf_models, tmp_path, distributed_optimiz
     extra = ["--distributed-optimizer"] if distributed_optimizer else []
     for nproc in (1, 2):
         run_torchrun(WORKER, nproc, ["--mode", "dpstep", "--hf", str(hf_dir), "--out", str(tmp_path), *extra])
-    single = load_file(tmp_path / "dpstep.dp1.safetensors")
-    dp2 = load_file(tmp_path / "dpstep.dp2.safetensors")
+    single = load_file(tmp_path / "dpstep.dp1.ep0.safetensors")
+    dp2 = load_file(tmp_path / "dpstep.dp2.ep0.safetensors")
     assert set(single) == set(dp2)
     # The clip threshold (0.05) is below the measured grad norm, so clipping is exercised in both runs.
     assert single["grad_norm"].item() > 0.05

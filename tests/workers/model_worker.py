@@ -33,9 +33,12 @@ def build_stage(hf_dir: Path, ctx):
     from megatron_offgrpo.model import build_gpt_stage, load_arch, transformer_config
 
     arch = load_arch(hf_dir)
-    config = transformer_config(arch, ctx.tp_size, ctx.pp_size)
+    # MoE: no load-balancing loss, so that a step on a DP/EP split batch equals the whole batch's (the loss is
+    # computed on each rank's own tokens, so with it the two differ by design)
+    config = transformer_config(arch, ctx.tp_size, ctx.pp_size, ep=ctx.ep_size, moe_aux_loss_coef=0.0)
     model = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
-    load_hf_into_stage(model, arch, open_safetensors_dir(hf_dir), ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank)
+    load_hf_into_stage(model, arch, open_safetensors_dir(hf_dir), ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank,
+                       ctx.ep_size, ctx.ep_rank)
     return arch, model
 
 
@@ -85,7 +88,8 @@ def mode_logits(args, ctx) -> None:
                 torch.save({"ids": ids, "logits": torch.cat(parts, dim=-1)},
                            Path(args.out) / f"{hf_dir.name}.logits.pt")
         exported = {}
-        for bucket in stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, ctx.tp_group, bucket_bytes=64 * 1024):
+        groups = (ctx.ep_group, ctx.expert_tp_group) if arch.is_moe else ()
+        for bucket in stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, ctx.tp_group, 64 * 1024, None, *groups):
             for name, tensor in bucket:
                 assert name not in exported, f"{name} exported twice"
                 exported[name] = tensor
@@ -93,7 +97,7 @@ def mode_logits(args, ctx) -> None:
             assert exported, "TP rank 0 of a stage exported nothing"
             save_file(exported, str(Path(args.out) / f"{hf_dir.name}.export.pp{ctx.pp_rank}.safetensors"))
         elif exported:
-            raise AssertionError("a TP rank other than 0 yielded export buckets")
+            raise AssertionError("a rank other than TP rank 0 of DP rank 0 yielded export buckets")
         dist.barrier()
 
 
@@ -128,10 +132,10 @@ def mode_dpstep(args, ctx) -> None:
     run_schedule(ddp, ids, pos, forward_only=False, loss_fn=ce)
     success, grad_norm, _ = opt.step()
     assert success, "optimizer step reported failure"
-    if ctx.dp_rank == 0:
+    if ctx.expert_dp_rank == 0:  # DP rank 0, and with EP each rank of its EP group (they hold different experts)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         params["grad_norm"] = torch.tensor([float(grad_norm)])
-        save_file(params, str(Path(args.out) / f"dpstep.dp{ctx.dp_size}.safetensors"))
+        save_file(params, str(Path(args.out) / f"dpstep.dp{ctx.dp_size}.ep{ctx.ep_rank}.safetensors"))
 
 
 def main() -> None:
@@ -140,10 +144,11 @@ def main() -> None:
     parser.add_argument("--hf", nargs="+", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--out", required=True)
     parser.add_argument("--distributed-optimizer", action="store_true")
     args = parser.parse_args()
-    ctx = init_parallel(args.tp, args.pp)
+    ctx = init_parallel(args.tp, args.pp, ep=args.ep)
     {"logits": mode_logits, "dpstep": mode_dpstep}[args.mode](args, ctx)
     dist.barrier()
 
