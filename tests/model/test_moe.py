@@ -128,3 +128,22 @@ def test_offline_conversion_reshards_experts_bit_exactly(moe_models, tmp_path):
         assert torch.equal(exported[name], source[name]), name
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_production_recipe_layout_fits_qwen3_30b_a3b():
+    """configs/qwen3-30b-a3b-gsm8k.yaml against the real model's architecture (its config ships as an asset)."""
+    from megatron_offgrpo.config import load_config
+    from megatron_offgrpo.model import transformer_config
+
+    asset = REPO / "megatron_offgrpo" / "assets" / "qwen3-30b-a3b-config"
+    config = load_config(REPO / "configs" / "qwen3-30b-a3b-gsm8k.yaml", [f"model.hf_path={asset}"])
+    arch = load_arch(asset)
+    assert 30.4e9 < arch.num_params() < 30.6e9  # the model card's 30.5 B
+    tp, pp, ep = config.parallel.tp, config.parallel.pp, config.parallel.ep
+    arch.check_layout(tp, pp, ep)
+    trainer_gpus = 2 * 8  # the header's sbatch: 4 nodes of which FLEET_NODES=2 generate
+    assert (trainer_gpus // (tp * pp)) % ep == 0, "ep must divide dp"
+    megatron = transformer_config(arch, tp, pp, ep=ep, use_te=False, perform_initialization=False)
+    assert (megatron.num_moe_experts, megatron.moe_router_topk, megatron.moe_ffn_hidden_size) == (128, 8, 768)
+    assert megatron.moe_router_pre_softmax is False and megatron.expert_model_parallel_size == 8
+    assert config.model.precision == "fp8" and config.optim.distributed_optimizer
