@@ -1,11 +1,12 @@
 """Fleet: what runs in or operates the vLLM servers the trainer generates with.
 
 Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight installs; vLLM loads it by the dotted
-path ``transports.WORKER_EXTENSION``) and ``ControlTokenMiddleware`` (the shared-token check). Around them: the
-launcher (``FleetSpec``, ``start_fleet`` / ``stop_fleet`` / ``fleet_status``, the recorded ``FleetState`` read by
-``load_state``), server sizing (``size_server``, ``kv_cache_bytes``), ``merge_states`` for multi-node fleets, and
-JSON over HTTP to a server (``call_json``). ``python -m megatron_offgrpo.cli.fleet`` is ``offgrpo fleet``.
-Nothing here imports megatron; the weight wire format comes from ``transports``.
+path ``transports.WORKER_EXTENSION``; ``repack_after_reload`` repairs vLLM CPU's MoE experts after a reload) and
+``ControlTokenMiddleware`` (the shared-token check). Around them: the launcher (``FleetSpec``, ``start_fleet`` /
+``stop_fleet`` / ``fleet_status``, the recorded ``FleetState`` read by ``load_state``), server sizing
+(``size_server``, ``kv_cache_bytes``), ``merge_states`` for multi-node fleets, and JSON over HTTP to a server
+(``call_json``). ``python -m megatron_offgrpo.cli.fleet`` is ``offgrpo fleet``. Nothing here imports megatron; the
+weight wire format comes from ``transports``.
 """
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV, ControlTokenMiddleware
@@ -25,6 +26,7 @@ from megatron_offgrpo.fleet._launcher import (
     start_fleet,
 )
 from megatron_offgrpo.fleet._merge import merge_states
+from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
 from megatron_offgrpo.fleet._processes import fleet_status, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._server_size import ServerSize, read_hf_config, size_server
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
@@ -40,6 +42,7 @@ __all__ = [
     "gpu_count",
     "install_cpu_sampler",
     "FleetState",
+    "MoeLayoutError",
     "OffgrpoWorkerExtension",
     "RequestRejected",
     "ServerDown",
@@ -53,6 +56,7 @@ __all__ = [
     "kv_cache_bytes",
     "load_state",
     "merge_states",
+    "repack_after_reload",
     "read_hf_config",
     "server_command",
     "server_healthy",

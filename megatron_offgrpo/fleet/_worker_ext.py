@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from checkpoint_tools import expected_hf_shapes
-from megatron_offgrpo.fleet import _cpu_sampler
+from megatron_offgrpo.fleet import _cpu_sampler, _moe_repack
 from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, check_complete
 
 if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
@@ -235,6 +235,10 @@ class OffgrpoWorkerExtension:
             check_complete({n: tuple(t.shape) for n, t in tensors}, self._offgrpo_expected())
         except ValueError as exc:
             return WorkerAnswer.failed(str(exc), version=self._offgrpo_version())
+        model = self.model_runner.get_model()
+        refusal = _moe_repack.reload_refusal(model)
+        if refusal:
+            return WorkerAnswer.failed(refusal, version=self._offgrpo_version())
         start = time.perf_counter()
         tied_pair = self._offgrpo_tied_modules()
         embed_kernel_before = getattr(tied_pair[1], "cpu_linear", None) if tied_pair else None
@@ -254,13 +258,25 @@ class OffgrpoWorkerExtension:
                 f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}",
                 version=DIRTY,
             )
+        repack_start = time.perf_counter()
+        try:  # vLLM CPU's reload leaves MoE experts unpacked: see fleet._moe_repack
+            repacked = _moe_repack.repack_after_reload(model, dict(tensors))
+        except Exception as exc:
+            self._offgrpo_current = DIRTY
+            return WorkerAnswer.failed(
+                f"version {version} loaded, but re-packing its MoE experts failed: {type(exc).__name__}: {exc}",
+                version=DIRTY,
+            )
+        moe_layers = len(_moe_repack.cpu_moe_layers(model))
         self._offgrpo_current = version
+        end = time.perf_counter()
         return WorkerAnswer(
             ok=True,
             version=version,
             tensors=len(tensors),
-            seconds={**seconds, "load": time.perf_counter() - start},
+            seconds={**seconds, "load": end - start, **({"moe_repack": end - repack_start} if moe_layers else {})},
             tied_head_refreshed=tied_refreshed,
+            moe_repacked=repacked if moe_layers else None,
         )
 
     def _offgrpo_tied_modules(self) -> tuple[Any, Any] | None:

@@ -20,6 +20,7 @@ _FIELD_TYPES: dict[str, type] = {
     "dtype": str,
     "staged": int,
     "tied_head_refreshed": bool,
+    "moe_repacked": int,
     "sampler": str,
 }
 
@@ -50,6 +51,9 @@ class WorkerAnswer:
         pid, dtype: the worker's process and the dtype it serves (``offgrpo_info``).
         staged: tensors a receive without commit holds for the version so far.
         tied_head_refreshed: a load re-derived the output layer tied to the embedding.
+        moe_repacked: a load's MoE layers whose expert weights the worker re-packed into vLLM CPU's kernel layout
+            after the reload left them in checkpoint layout (``fleet._moe_repack``); None for a model without
+            such layers, 0 when the reload packed them itself.
         sampler: the worker's token sampler (``offgrpo_info``): "offgrpo-inverse-cdf" (``fleet._cpu_sampler``) or
             "vllm".
     """
@@ -65,6 +69,7 @@ class WorkerAnswer:
     dtype: str | None = None
     staged: int | None = None
     tied_head_refreshed: bool | None = None
+    moe_repacked: int | None = None
     sampler: str | None = None
 
     @classmethod

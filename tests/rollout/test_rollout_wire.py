@@ -222,6 +222,18 @@ def test_worker_answer_survives_the_json_wire():
         "load_s": 1.5,
     }
     assert WorkerAnswer.from_wire(json.loads(json.dumps(wire))) == answer
+    moe = WorkerAnswer(ok=True, version=4, tensors=69, seconds={"load": 0.2, "moe_repack": 0.05}, moe_repacked=2)
+    assert moe.to_wire() == {
+        "ok": True,
+        "version": 4,
+        "tensors": 69,
+        "moe_repacked": 2,
+        "load_s": 0.2,
+        "moe_repack_s": 0.05,
+    }
+    assert WorkerAnswer.from_wire(json.loads(json.dumps(moe.to_wire()))) == moe
+    assert not WorkerAnswer.from_wire({"ok": True, "moe_repacked": True}).ok  # a bool is not a layer count
+    assert summarize([moe.to_wire()]).moe_repacked == 2
     failed = WorkerAnswer.failed("reload failed midway", version=DIRTY)
     assert WorkerAnswer.from_wire(json.loads(json.dumps(failed.to_wire()))) == failed
     info = {"ok": True, "version": 0, "rank": 0, "pid": 42, "dtype": "float32", "tensors": 27, "future_fact": [1]}
