@@ -11,7 +11,7 @@ import torch
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RefreshVerificationError, verify_refresh
 from megatron_offgrpo.transports import version_dir, write_version_dir
-from tests.rollout.tiny import as_buckets, hf_probe_logprobs
+from tests.rollout.tiny import as_buckets, hf_probe_logprobs, load_hf_model
 
 PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -43,12 +43,7 @@ def check_behavior_logprobs(
 ) -> None:
     """Each sampled token's log-prob is log-softmax(logits / temperature) of the served weights at that position
     (what the trainer recomputes for the importance ratio), checked against a fp32 HF forward."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if weights is not None:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model = load_hf_model(model_dir, weights)
     params = SamplingParams(max_tokens=8, temperature=temperature, seed=9)
     for sample in engine.generate(PROMPTS[:3], 2, params):
         ids = torch.tensor([sample.prompt_ids + sample.response_ids])

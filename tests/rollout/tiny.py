@@ -4,6 +4,10 @@ The model: hidden 128, 2 heads of 64 (vLLM CPU head sizes are 32, 64, 80, ...; i
 heads, 2 layers, SwiGLU 256, a 4096-token vocabulary (token ids in and out, so no tokenizer is needed), and a
 large init (std 0.2) so that its next-token distributions are peaked: a wrong tensor moves the probe's
 log-probs by whole nats, and greedy continuations are stable under float reordering.
+
+The MoE twin (``TINY_MOE``): a Qwen3-MoE of the same size whose MLPs are 8 experts (top-2, renormalised) of
+intermediate size 64 (a multiple of 32: vLLM CPU pads other sizes), 4 heads of 32 (Qwen3 takes ``head_dim`` from
+the config), with the same large init so that a wrong or mis-laid-out expert moves the probe by nats.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ TINY = dict(
     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-6,
     rope_theta=1000000.0, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2,
     bos_token_id=1, eos_token_id=2,
+)
+
+TINY_MOE = dict(
+    TINY, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_attention_heads=4, head_dim=32,
+    attention_bias=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
 )
 
 
@@ -46,13 +56,41 @@ def as_buckets(weights: dict[str, torch.Tensor], per_bucket: int = 8) -> list[li
 
 def hf_probe_logprobs(model_dir: Path, weights: dict[str, torch.Tensor] | None, probe: list[int]) -> list[float]:
     """The trainer-side reference: a fp32 HF forward of ``weights`` (None: the directory's) on ``probe``."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if weights is not None:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        # tied: lm_head is the embedding
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model = load_hf_model(model_dir, weights)
     with torch.no_grad():
         ids = torch.tensor([probe])
         return model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
+
+def load_hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None):
+    """The fp32 HF model of ``model_dir`` holding ``weights`` (checkpoint names; None: the directory's).
+
+    transformers >= 5 holds a MoE layer's experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H]: each expert's
+    gate rows then its up rows; ``down_proj`` [E, H, I]) where checkpoints name them one expert at a time."""
+    import re
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if weights is None:
+        return model
+    params = dict(model.named_parameters())
+    plain = {}
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            match = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+            if match is None or name in params:
+                plain[name] = tensor
+                continue
+            prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+            if kind == "down":
+                params[f"{prefix}.down_proj"][expert].copy_(tensor)
+            else:
+                rows = params[f"{prefix}.gate_up_proj"][expert]
+                half = rows.shape[0] // 2
+                (rows[:half] if kind == "gate" else rows[half:]).copy_(tensor)
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    fused = {n for n in missing if re.search(r"\.mlp\.experts\.(gate_up|down)_proj$", n)}
+    # tied: lm_head is the embedding; fused experts were copied above
+    assert not unexpected and set(missing) - fused <= {"lm_head.weight"}, (missing, unexpected)
+    return model
