@@ -65,6 +65,7 @@ class Rule:
 
 _SFT = r"offgrpo sft --config configs/tiny-cpu-sft\.yaml"
 _TINY = r"--config configs/tiny-cpu\.yaml"
+_MOE = r"--config configs/tiny-moe-cpu\.yaml"
 _SHORT_RL = ("train.steps=2", "train.save_every=1")
 _VLLM = ("using the transformers engine",)  # engine=auto's fallback: the README promises in-process vLLM here
 _HUB = "needs Qwen2.5 weights from the hub (the 0.5B/7B recipes; no network in CI)"
@@ -84,6 +85,12 @@ RULES: tuple[Rule, ...] = (
     Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),
     Rule(rf"^{_SFT}", "run-shortened", "200 warm-up steps take ~3 min; 2 steps still write the HF model",
          append=("train.steps=2",), provides="sft"),
+    Rule(r"^offgrpo sft --config configs/tiny-moe-cpu-sft\.yaml", "run-shortened", "the MoE warm-up; 2 steps still "
+         "write the HF model", append=("train.steps=2",), provides="moe-sft"),
+    Rule(rf"^torchrun .*-m megatron_offgrpo\.train {_MOE}", "run-shortened", "2 processes at ep=2, 2 steps",
+         append=_SHORT_RL, needs=("moe-sft",), multiproc=True, forbid=_VLLM),
+    Rule(rf"^offgrpo train {_MOE}", "run-shortened", "one process at ep=1, 2 steps", append=_SHORT_RL,
+         needs=("moe-sft",), forbid=_VLLM),
     Rule(r"rollout\.engine=fleet", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint",
          append=_SHORT_RL, needs=("sft", "fleet")),
     Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes the 2-step run for one more step",

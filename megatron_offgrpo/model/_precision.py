@@ -41,4 +41,7 @@ def precision_transformer_config(arch: QwenArch, tp: int, pp: int, precision: st
         config.fp8_recipe = fp8_recipe
         config.fp8_amax_history_len = fp8_amax_history
         config.fp8_margin = fp8_margin
+        # TE's FP8 grouped GEMM needs each expert's token count a multiple of 16: the router pads its map with
+        # zero-probability slots (megatron's option for this) instead of the experts padding their inputs
+        config.moe_router_padding_for_quantization = arch.is_moe
     return config

@@ -17,13 +17,22 @@ from tests.train.conftest import kill_tree, metrics, run_train, train_cmd, train
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("tp,pp,v,overlap", [(2, 1, 1, False), (1, 2, 4, False), (1, 1, 2, True)],
-                         ids=["tp2-v1", "pp2-v4", "tp1-v2-overlap"])
-def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, v, overlap):
+MOE = "model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe"  # 8 experts, top-2
+
+
+@pytest.mark.parametrize("tp,pp,ep,v,overlap", [(2, 1, 1, 1, False), (1, 2, 1, 4, False), (1, 1, 1, 2, True),
+                                                (1, 1, 2, 2, False)],
+                         ids=["tp2-v1", "pp2-v4", "tp1-v2-overlap", "moe-ep2-v2"])
+def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, ep, v, overlap):
     steps = 5
-    proc = train_proc(tp * pp, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
-                      f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}")
+    moe = [MOE, f"parallel.ep={ep}"] if ep > 1 else []
+    proc = train_proc(tp * pp * ep, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
+                      f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}", *moe)
     records = metrics(tmp_path)
+    if moe:  # the router's load, every step: 8 experts, top-2 of every routed position, in each of the 2 layers
+        for r in records:
+            assert len(r["moe_tokens_per_expert"]) == 8 and r["moe_load_max"] >= 1.0 >= r["moe_load_min"] >= 0
+            assert sum(r["moe_tokens_per_expert"]) % (2 * 2) == 0 and r["moe_aux_loss"] > 0
     # the end-of-run summary: printed once per job (global rank 0), not once per torchrun rank, and written
     assert proc.stdout.count("run summary:") == 1 and f"{steps} steps in" in proc.stdout, proc.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["refresh_every"] == v
