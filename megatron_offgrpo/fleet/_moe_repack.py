@@ -46,13 +46,12 @@ def _cpu_experts_class() -> type | None:
 def cpu_moe_layers(model: torch.nn.Module) -> list[tuple[int, Any, Any]]:
     """(decoder layer index, experts module, its ``CPUUnquantizedExperts``) of every MoE layer the CPU grouped-GEMM
     kernel runs with prepacked weights, in model order."""
-    cls = _cpu_experts_class()
+    candidates = [(n, m) for n, m in model.named_modules() if hasattr(m, "w13_weight") and hasattr(m, "w2_weight")]
+    cls = _cpu_experts_class() if candidates else None  # a dense model never imports vLLM's MoE layers
     if cls is None:
         return []
     found = []
-    for name, module in model.named_modules():
-        if not (hasattr(module, "w13_weight") and hasattr(module, "w2_weight")):
-            continue
+    for name, module in candidates:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if not isinstance(experts, cls) or getattr(experts, "_use_zentorch", False):

@@ -236,7 +236,10 @@ class OffgrpoWorkerExtension:
         except ValueError as exc:
             return WorkerAnswer.failed(str(exc), version=self._offgrpo_version())
         model = self.model_runner.get_model()
-        refusal = _moe_repack.reload_refusal(model)
+        try:
+            refusal = _moe_repack.reload_refusal(model)
+        except Exception as exc:  # a vLLM whose MoE layers this worker cannot inspect: load nothing
+            refusal = f"cannot check the MoE layers before reloading: {type(exc).__name__}: {exc}"
         if refusal:
             return WorkerAnswer.failed(refusal, version=self._offgrpo_version())
         start = time.perf_counter()

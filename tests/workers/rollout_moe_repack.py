@@ -102,10 +102,35 @@ def check_padded_refused(work: Path) -> None:
     engine.close()
 
 
+def check_bf16(work: Path) -> None:
+    """Served in bf16 from fp32 tensors: the layout check compares with the tensors cast as the loader casts them, and
+    the refreshed engine's probe is bit-identical to a fresh bf16 engine's on the same weights."""
+    from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids
+    from megatron_offgrpo.transports import write_version_dir
+    from tests.rollout.tiny import TINY_MOE, as_buckets, hf_weights, perturbed
+
+    model_dir = work / "moe"  # check_reload_and_repack's model
+    probe = make_probe_ids(TINY_MOE["vocab_size"], 24)
+    new = perturbed(hf_weights(model_dir), 86)
+    path, _ = write_version_dir(work / "bf16", as_buckets(new), 1, hf_config=dict(TINY_MOE))
+    engine = VLLMEngine(path, dtype="bfloat16", max_model_len=512)
+    fresh = next(iter(engine.probe_logprobs(probe).values())).logprobs
+    engine.close()
+    del engine
+    gc.collect()
+    engine = VLLMEngine(model_dir, dtype="bfloat16", max_model_len=512)
+    report = engine.update_weights(as_buckets(new), 1)
+    assert "moe_repack_s" in report.detail, report.detail
+    refreshed = next(iter(engine.probe_logprobs(probe).values())).logprobs
+    assert refreshed == fresh, max(abs(a - b) for a, b in zip(refreshed, fresh))
+    engine.close()
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     numbers = check_reload_and_repack(work)
     check_padded_refused(work)
+    check_bf16(work)
     print(f"OK {numbers}")
 
 
