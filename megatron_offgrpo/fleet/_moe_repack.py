@@ -14,7 +14,8 @@ loader casts): equal -> raw, pack the layer; equal to their packed form -> a vLL
 the layer (never pack twice); neither -> a layout this module does not know, fail (the worker is then dirty).
 
 Checked before a reload (nothing is loaded when it refuses): vLLM pads ``moe_intermediate_size`` up to a multiple of
-the kernel's alignment (32) when the model's is not one, and its reload then cannot copy the unpadded weights back;
+the kernel's alignment (32) when the model's is not one, and its reload then fails midway copying the unpadded
+weights back (measured, moe_intermediate_size 48: "size of tensor a (128) must match ... b (96)": a dirty worker);
 expert- or tensor-parallel vLLM workers hold a slice of the experts that the expert-0 comparison does not map.
 Layers run by another kernel (zentorch keeps checkpoint layout; GPU backends convert on every load) are left alone.
 
