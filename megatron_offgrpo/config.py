@@ -35,6 +35,9 @@ class ModelConfig:
     """FP8 scaling margin."""
     moe_aux_loss_coef: float | None = None
     """MoE models: weight of megatron's load-balancing loss (None: the HF config's router_aux_loss_coef; 0: off)."""
+    router_replay: bool = False
+    """MoE models: the engine records the experts each layer routed every token to, and the trainer's forwards replay
+    them (the train/inference routing mismatch removed). Engines: transformers (vLLM's capture is not done yet)."""
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ importance ratios against the behavior policy.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Sample:
         policy_version: the trainer step whose weights generated every token of this sample.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
         server: which engine/server produced it (for logs and failover checks).
+        routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
+            integer tensor, the experts each layer routed each input position to (the prompt and every sampled
+            token but the last, which was never fed back); the trainer's forward replays them. None otherwise.
     """
 
     prompt_id: str
@@ -69,6 +73,7 @@ class Sample:
     reward: float | None = None
     server: str = ""
     shaping: float = 0.0
+    routed_experts: Any = None  # torch.Tensor | None (this room's types stay importable without torch)
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -76,3 +81,7 @@ class Sample:
                 f"sample {self.prompt_id}/{self.group_id}: {len(self.behavior_logprobs)} log-probs for "
                 f"{len(self.response_ids)} response tokens: the engine must return one log-prob per sampled token"
             )
+        positions = len(self.prompt_ids) + len(self.response_ids) - 1
+        if self.routed_experts is not None and self.routed_experts.shape[0] != positions:
+            raise ValueError(f"sample {self.prompt_id}/{self.group_id}: routing of {self.routed_experts.shape[0]} "
+                             f"positions for {positions} input positions (prompt + response less its last token)")

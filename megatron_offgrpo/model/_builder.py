@@ -22,19 +22,21 @@ def transformer_config(
     ep: int = 1,
     moe_aux_loss_coef: float | None = None,
     use_te: bool | None = None,
+    routing_replay: bool = False,
 ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` that computes the same function as the HF model of ``arch``.
 
     Fusions and dropout are off: they either need CUDA kernels or change the function (RL log-probs must match
     the generator's). Mixed precision other than the params' dtype (FP8) is configured by ``model.precision``.
     MoE archs also get ``ep`` (expert parallelism), the load-balancing loss weight (``None``: the HF config's
-    ``router_aux_loss_coef``) and grouped-GEMM experts when the TE spec is used (``use_te``, as ``build_gpt_stage``).
+    ``router_aux_loss_coef``) and grouped-GEMM experts when the TE spec is used (``use_te``, as ``build_gpt_stage``);
+    ``routing_replay`` builds routers that can replay given experts (``train._step.replay_routing``).
     """
     arch.check_layout(tp, pp, ep)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     return TransformerConfig(
-        **_moe_fields(arch, ep, moe_aux_loss_coef, use_te),
+        **_moe_fields(arch, ep, moe_aux_loss_coef, use_te, routing_replay),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -68,7 +70,8 @@ def transformer_config(
     )
 
 
-def _moe_fields(arch: QwenArch, ep: int, aux_loss_coef: float | None, use_te: bool | None) -> dict:
+def _moe_fields(arch: QwenArch, ep: int, aux_loss_coef: float | None, use_te: bool | None,
+                routing_replay: bool) -> dict:
     """The MoE part of the config (empty for dense archs): HF Qwen3-MoE routing, expressed in megatron's terms."""
     if not arch.is_moe:
         return {}
@@ -91,6 +94,7 @@ def _moe_fields(arch: QwenArch, ep: int, aux_loss_coef: float | None, use_te: bo
         moe_grouped_gemm=have_te() if use_te is None else use_te,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
+        moe_enable_routing_replay=routing_replay,
     )
 
 

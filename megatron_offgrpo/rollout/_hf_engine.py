@@ -11,6 +11,7 @@ touched.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._hf_params import parameter_view
+from megatron_offgrpo.rollout._routing import RoutingRecorder
 from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import Buckets, check_complete, manifest_version, read_version_dir
@@ -35,8 +37,10 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
-        """Load ``model_dir`` (its version: the manifest's, else 0)."""
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 record_routing: bool = False) -> None:
+        """Load ``model_dir`` (its version: the manifest's, else 0). ``record_routing``: MoE models only, every
+        sample carries the experts each layer routed its tokens to (``Sample.routed_experts``, router replay)."""
         import transformers
 
         self.model_dir = Path(model_dir)
@@ -49,6 +53,7 @@ class TransformersEngine:
         self._eos = self._eos_ids()
         self._version = manifest_version(self.model_dir) or 0
         self._lock = threading.Lock()
+        self._routing = RoutingRecorder(self.model) if record_routing else None
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
@@ -71,19 +76,10 @@ class TransformersEngine:
             {} if greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
         )
         sampling["repetition_penalty"] = 1.0  # SamplingParams has no penalties: ignore the model's generation_config
-        out = self.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=not greedy,
-            max_new_tokens=params.max_tokens,
-            min_new_tokens=0,
-            eos_token_id=stops or None,
-            pad_token_id=(stops or [0])[0],
-            output_logits=True,
-            return_dict_in_generate=True,
-            **sampling,
-        )
+        with self._routing.recording() if self._routing else contextlib.nullcontext():
+            out = self._generate(ids, greedy, params, stops, sampling)
         new = out.sequences[:, ids.shape[1] :]
+        routing = self._routing.per_row(rows, ids.shape[1]) if self._routing else None
         scale = 1.0 if greedy else params.temperature
         logits = torch.stack(out.logits, dim=1).float() / scale  # [rows, T, V] raw logits of each generated position
         logps = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [rows, T]
@@ -103,9 +99,24 @@ class TransformersEngine:
                     self._version,
                     finish,
                     server=self.name,
+                    routed_experts=None if routing is None else routing[row, : ids.shape[1] + end - 1].clone(),
                 )
             )
         return fill_group(samples, n)
+
+    def _generate(self, ids: torch.Tensor, greedy: bool, params: SamplingParams, stops: list[int], sampling: dict):
+        return self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=not greedy,
+            max_new_tokens=params.max_tokens,
+            min_new_tokens=0,
+            eos_token_id=stops or None,
+            pad_token_id=(stops or [0])[0],
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """``len(prompts) * n`` samples, grouped by prompt (one ``generate`` call per group)."""

@@ -32,6 +32,8 @@ class MicroBatch:
         ref_logp: [b, s] reference-policy log-probs (set by the trainer when the KL term is on).
         attention_mask: [b, 1, s, s] bool, True = masked (megatron's convention), for packed rows
             (``_packing.block_causal_mask``); None = plain causal attention over each row.
+        routed_experts: [b, s, layers, top_k] the engine's experts of each position (router replay), pad positions
+            routed to experts 0..k-1; None = the trainer's routers choose.
     """
 
     tokens: torch.Tensor
@@ -44,6 +46,7 @@ class MicroBatch:
     seq_ids: torch.Tensor
     ref_logp: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def flat(self, name: str) -> torch.Tensor:
         """A field as ``[b * s]`` in the order of ``hidden.reshape(-1, H)`` of a ``[b, s, H]`` output."""
@@ -72,12 +75,22 @@ class StepRows:
     loss_mask: torch.Tensor
     behavior: torch.Tensor
     advantages: torch.Tensor
+    routing: torch.Tensor | None = None
 
     @classmethod
-    def zeros(cls, rows: int, s: int) -> "StepRows":
+    def zeros(cls, rows: int, s: int, samples: Sequence[Sample] = ()) -> "StepRows":
+        """Empty rows; with routing rows (``[rows, s, layers, k]``, pads routed to experts 0..k-1) when the step's
+        ``samples`` carry the engine's routing."""
         long, shape = torch.long, (rows, s)
+        routed = [x.routed_experts for x in samples if x.routed_experts is not None]
+        if routed and len(routed) != len(samples):
+            raise ValueError("router replay: some samples carry the engine's routing and some do not")
+        routing = None
+        if routed:
+            layers, k = routed[0].shape[1:]
+            routing = torch.arange(k, dtype=torch.int16).expand(rows, s, layers, k).clone()
         return cls(torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long),
-                   torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape))
+                   torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape), routing)
 
     def put(self, row: int, start: int, sample: Sample, valid: bool, advantage: float, first: int = 0,
             last: int | None = None) -> int:
@@ -94,6 +107,8 @@ class StepRows:
         self.targets[row, span] = torch.tensor(full[first + 1:last + 1])
         self.positions[row, span] = torch.arange(first, last)
         self.advantages[row, span] = advantage
+        if self.routing is not None:
+            self.routing[row, span] = sample.routed_experts[first:last]
         lo, hi = max(p - 1, first), last  # the response's targets: positions p-1 .. end-1
         if hi > lo:
             response = slice(start + lo - first, start + hi - first)
@@ -106,7 +121,8 @@ class StepRows:
         """The micro-batch of ``rows`` (on the CPU)."""
         behavior = self.behavior[rows]
         return MicroBatch(self.tokens[rows], self.positions[rows], self.targets[rows], self.loss_mask[rows], behavior,
-                          self.advantages[rows], behavior.clone(), seq_ids, attention_mask=attention_mask)
+                          self.advantages[rows], behavior.clone(), seq_ids, attention_mask=attention_mask,
+                          routed_experts=None if self.routing is None else self.routing[rows])
 
 
 def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int) -> tuple[int, int, int]:
@@ -150,7 +166,7 @@ def build_microbatches(
     """
     check_step(samples, advantages, group_size)
     seq_len, per_micro, count = _layout(samples, dp_size, token_budget)
-    rows = StepRows.zeros(count * per_micro, seq_len)
+    rows = StepRows.zeros(count * per_micro, seq_len, samples)
     for row, index in enumerate(deal_groups(samples, group_size, dp_rank, dp_size)):
         rows.put(row, 0, samples[index], bool(sample_valid[index]), float(advantages[index]))
     rows.positions[:] = torch.arange(seq_len)  # the pad tail too: one position row for every row

@@ -110,7 +110,7 @@ def build_packed_microbatches(
     packs = [[mine[i] for i in pack] for pack in pack_lengths([length[i] for i in mine], s)]
     per_micro = max(1, min(len(packs), token_budget // s))
     packs += [[]] * (-len(packs) % per_micro)  # empty rows: every micro-batch has the same shape (pipeline p2p)
-    rows = StepRows.zeros(len(packs), s)
+    rows = StepRows.zeros(len(packs), s, samples)
     seq_ids = torch.zeros(len(packs), s, dtype=torch.long)
     for row, pack in enumerate(packs):
         start = 0

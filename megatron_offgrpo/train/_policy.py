@@ -36,7 +36,7 @@ class Policy:
 def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
     config = precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
                                           model_cfg.fp8_amax_history, model_cfg.fp8_margin, ctx.ep_size,
-                                          model_cfg.moe_aux_loss_coef)
+                                          model_cfg.moe_aux_loss_coef, model_cfg.router_replay)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     return expose_hidden_states(stage)
 

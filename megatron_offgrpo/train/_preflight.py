@@ -28,6 +28,11 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
         ep = f", parallel.ep={config.parallel.ep}" if config.parallel.ep > 1 else ""
         return [f"parallel.tp={config.parallel.tp}, parallel.pp={config.parallel.pp}{ep}: {line.strip()}"
                 for line in str(exc).splitlines()[1:]]
+    if config.model.router_replay and not arch.is_moe:
+        return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
+    if config.model.router_replay and config.rollout.engine != "transformers":
+        return [f"model.router_replay=true needs rollout.engine=transformers (not {config.rollout.engine!r}): "
+                "recording the experts vLLM routed each token to is not built yet"]
     return []
 
 

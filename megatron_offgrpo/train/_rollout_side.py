@@ -173,7 +173,7 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         return make_engine(r.engine, model_dir, dtype=serving_dtype(config.model.precision),
                            max_model_len=generation_length(config, max_positions),
                            max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH))
-    return make_engine(r.engine, model_dir)
+    return make_engine(r.engine, model_dir, record_routing=config.model.router_replay)
 
 
 def generation_length(config: Config, max_positions: int) -> int:

@@ -97,7 +97,7 @@ def build_shared_prompt_microbatches(
     packs = [[mine[i] for i in pack] for pack in pack_lengths([seg.length for seg in mine], s)]
     per_micro = max(1, min(len(packs), token_budget // s))
     packs += [[]] * (-len(packs) % per_micro)  # empty rows: every micro-batch has the same shape (pipeline p2p)
-    rows = StepRows.zeros(len(packs), s)
+    rows = StepRows.zeros(len(packs), s, samples)
     seq_ids = torch.zeros(len(packs), s, dtype=torch.long)
     next_id = 0
     for row, pack in enumerate(packs):

@@ -80,6 +80,7 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
 
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
+        replay_routing(stage, mb.routed_experts)
         out = stage(mb.tokens, mb.positions, mb.attention_mask)
         return out, lambda hidden: loss_closure(mb, hidden)
 
@@ -93,6 +94,28 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
         micro_batch_size=first.tokens.shape[0],
         forward_only=forward_only,
     )
+
+
+def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None) -> None:
+    """Make the MoE routers of ``stage`` use ``routed_experts`` ``[b, s, layers, k]`` (the engine's choices) in the
+    next forward, or choose themselves when it is None (a model built without routing replay has nothing to set).
+
+    Megatron's router sees the stage's hidden states as ``[s * b, H]`` (sequence-major), and its replay gathers the
+    router's own probabilities at the given experts, so the gradient still reaches the router.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for module in stage.modules():
+        replay = getattr(module, "router_replay", None)
+        if replay is None:
+            continue
+        replay.clear_indices()
+        if routed_experts is None:
+            replay.clear_router_replay_action()
+            continue
+        layer = routed_experts[:, :, module.layer_number - 1]  # [b, s, k], global layer numbers are 1-based
+        replay.set_target_indices(layer.transpose(0, 1).reshape(-1, layer.shape[-1]).long())
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def backward_pass(
