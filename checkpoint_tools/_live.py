@@ -45,10 +45,10 @@ def _stage_params(
 @torch.no_grad()
 def load_hf_into_stage(
     model: torch.nn.Module, arch: QwenArch, hf_tensors: Mapping[str, torch.Tensor], tp: int, tp_rank: int, pp: int,
-    pp_rank: int, ep: int = 1, ep_rank: int = 0,
+    pp_rank: int, ep: int = 1, ep_rank: int = 0, etp: int | None = None, etp_rank: int | None = None,
 ) -> None:
     """Copy this rank's shard of every parameter of a model stage from HF tensors (an EP rank reads only its
-    experts).
+    experts; ``etp``/``etp_rank``: how the experts are tensor-split, default as the rest, ``tp``/``tp_rank``).
 
     Raises:
         KeyError: naming a HF tensor the stage needs that ``hf_tensors`` lacks.
@@ -59,8 +59,10 @@ def load_hf_into_stage(
     experts = M.experts_of_rank(arch, ep, ep_rank) if arch.is_moe else None
     for name, params in _stage_params(model, arch, pp, pp_rank):
         full = M.hf_to_megatron(name, arch, hf_tensors, layer_offset=offset, experts=experts)
-        shard = M.shard_for_tp(full, M.split_kind(name), tp, tp_rank)
-        pieces = shard.unbind(0) if M.is_expert_kind(M.split_kind(name)) else [shard]
+        expert = M.is_expert_kind(M.split_kind(name))
+        split, rank = (etp or tp, tp_rank if etp_rank is None else etp_rank) if expert else (tp, tp_rank)
+        shard = M.shard_for_tp(full, M.split_kind(name), split, rank)
+        pieces = shard.unbind(0) if expert else [shard]
         if len(pieces) != len(params):
             raise ValueError(f"parameter {name}: {len(params)} local experts in the model, {len(pieces)} expected")
         for piece, param in zip(pieces, params):

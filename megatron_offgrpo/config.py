@@ -50,7 +50,8 @@ class ParallelConfig:
     """Pipeline-parallel size."""
     ep: int = 1
     """Expert-parallel size (MoE models): each of ep ranks holds num_experts/ep experts of every layer; ep divides
-    dp (world / tp / pp); experts keep the tp split."""
+    dp (world / tp / pp). MoE training needs tp=1 for now (megatron requires sequence parallelism with MoE and tp > 1,
+    not built yet)."""
     seed: int = 1234
     """Base seed (model-parallel RNG streams, prompt shuffling, sampling)."""
 

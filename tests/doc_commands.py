@@ -68,7 +68,7 @@ _TINY = r"--config configs/tiny-cpu\.yaml"
 _MOE = r"--config configs/tiny-moe-cpu\.yaml"
 _SHORT_RL = ("train.steps=2", "train.save_every=1")
 _VLLM = ("using the transformers engine",)  # engine=auto's fallback: the README promises in-process vLLM here
-_HUB = "needs Qwen2.5 weights from the hub (the 0.5B/7B recipes; no network in CI)"
+_HUB = "needs Qwen weights from the hub (the 0.5B, 7B and 30B-A3B recipes; no network in CI)"
 RULES: tuple[Rule, ...] = (
     Rule(r"^make (test|setup)$", "skip", "what CI itself runs: the suite cannot run itself"),
     Rule(r"^make demo$", "skip", "run for real by tests/test_demo.py"),
@@ -79,7 +79,7 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^(\S+=\S* )*sbatch ", "dry", "no Slurm in CI: the script's DRY_RUN=1 on NODES named after --nodes"),
     Rule(r"^docker build ", "dry", "no Docker in CI: the build context holds the Dockerfile"),
     Rule(r"^docker run ", "dry", "no Docker in CI: the command inside the image is checked statically"),
-    Rule(r"Qwen2\.5-(0\.5B|7B)|configs/qwen2\.5-|runs/qwen2\.5-|\bckpt_tp", "dry", _HUB),
+    Rule(r"Qwen2\.5-(0\.5B|7B)|Qwen3-30B-A3B|configs/qwen(2\.5|3)-|runs/qwen(2\.5|3)-|\bckpt_(tp|ep)", "dry", _HUB),
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
     Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
     Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),

@@ -96,8 +96,10 @@ class QwenArch:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
-    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
-        """Raise ``ValueError`` naming the field and the fix when this arch cannot be split as tp x pp (x ep)."""
+    def check_layout(self, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field and the fix when this arch cannot be split as tp x pp (x ep, with
+        experts split etp ways: default tp)."""
+        etp = tp if etp is None else etp
         errors = []
         for name, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)):
             if value % tp:
@@ -106,8 +108,9 @@ class QwenArch:
             errors.append(f"vocab_size={self.vocab_size} is not divisible by tp={tp}: choose a tp that divides it")
         if not self.is_moe and self.intermediate_size % tp:
             errors.append(f"intermediate_size={self.intermediate_size} is not divisible by tp={tp}")
-        if self.is_moe and self.moe_intermediate_size % tp:
-            errors.append(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by tp={tp}")
+        if self.is_moe and self.moe_intermediate_size % etp:
+            name = "tp" if etp == tp else "etp"
+            errors.append(f"moe_intermediate_size={self.moe_intermediate_size} is not divisible by {name}={etp}")
         if ep > 1 and not self.is_moe:
             errors.append(f"ep={ep}: expert parallelism needs a mixture-of-experts model ({self.model_type} is dense)")
         elif self.is_moe and self.num_experts % ep:
@@ -116,7 +119,7 @@ class QwenArch:
             errors.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}: "
                           "choose pp among its divisors")
         if errors:
-            layout = f"tp={tp} x pp={pp}" + (f" x ep={ep}" if ep > 1 else "")
+            layout = f"tp={tp} x pp={pp}" + (f" x ep={ep}" if ep > 1 else "") + (f" (etp={etp})" if etp != tp else "")
             raise ValueError(f"cannot split the model as {layout}:\n  " + "\n  ".join(errors))
 
 

@@ -23,6 +23,7 @@ def transformer_config(
     moe_aux_loss_coef: float | None = None,
     use_te: bool | None = None,
     routing_replay: bool = False,
+    etp: int | None = None,
 ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` that computes the same function as the HF model of ``arch``.
 
@@ -30,13 +31,14 @@ def transformer_config(
     the generator's). Mixed precision other than the params' dtype (FP8) is configured by ``model.precision``.
     MoE archs also get ``ep`` (expert parallelism), the load-balancing loss weight (``None``: the HF config's
     ``router_aux_loss_coef``) and grouped-GEMM experts when the TE spec is used (``use_te``, as ``build_gpt_stage``);
-    ``routing_replay`` builds routers that can replay given experts (``train._step.replay_routing``).
+    ``routing_replay`` builds routers that can replay given experts (``train._step.replay_routing``); ``etp`` splits
+    each expert over that many ranks (None: tp).
     """
-    arch.check_layout(tp, pp, ep)
+    arch.check_layout(tp, pp, ep, etp)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     return TransformerConfig(
-        **_moe_fields(arch, ep, moe_aux_loss_coef, use_te, routing_replay),
+        **_moe_fields(arch, ep, moe_aux_loss_coef, use_te, routing_replay, etp),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.intermediate_size,
@@ -71,7 +73,7 @@ def transformer_config(
 
 
 def _moe_fields(arch: QwenArch, ep: int, aux_loss_coef: float | None, use_te: bool | None,
-                routing_replay: bool) -> dict:
+                routing_replay: bool, etp: int | None) -> dict:
     """The MoE part of the config (empty for dense archs): HF Qwen3-MoE routing, expressed in megatron's terms."""
     if not arch.is_moe:
         return {}
@@ -94,6 +96,7 @@ def _moe_fields(arch: QwenArch, ep: int, aux_loss_coef: float | None, use_te: bo
         moe_grouped_gemm=have_te() if use_te is None else use_te,
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         moe_enable_routing_replay=routing_replay,
     )
 

@@ -29,9 +29,9 @@ class ParallelContext:
         tp_group, pp_group, dp_group: the process groups (``None`` only in a single-process run).
         device: where this rank's model lives.
         ep_rank, ep_size, ep_group: expert parallelism (MoE): the ranks of one EP group hold different experts of
-            every layer and split the dense DP dimension (ep divides dp). expert_tp_group: the group an expert's
-            tensor-parallel shards are spread over. expert_dp_rank: which replica of this rank's experts it holds
-            (0: the copy the weight export reads).
+            every layer. expert_tp_group, expert_tp_rank, expert_tp_size: the group an expert's tensor-parallel
+            shards are spread over (default the TP group's size). expert_dp_rank: which replica of this rank's
+            experts it holds (0: the copy the weight export reads).
     """
 
     rank: int
@@ -50,6 +50,8 @@ class ParallelContext:
     ep_size: int = 1
     ep_group: object = None
     expert_tp_group: object = None
+    expert_tp_rank: int = 0
+    expert_tp_size: int = 1
     expert_dp_rank: int = 0
 
     @property
@@ -72,13 +74,15 @@ def _env_int(name: str, default: int) -> int:
 
 
 def init_parallel(
-    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, backend: str | None = None, ep: int = 1
+    tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, backend: str | None = None, ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelContext:
     """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's parallel state.
 
     Args:
         tp: tensor-parallel size. pp: pipeline-parallel size. DP is world_size / (tp * pp).
-        ep: expert-parallel size (MoE models): splits DP, so it must divide it; experts keep the dense TP split.
+        ep: expert-parallel size (MoE models). etp: expert-tensor-parallel size (None: tp). Megatron lays the
+            experts out as etp x ep x expert-DP x pp = world, so etp x ep must divide world / pp.
         seed: base seed; megatron's model-parallel RNG states are derived from it per TP rank.
         timeout_s: collective timeout. backend: override "gloo"/"nccl" (default: by device).
 
@@ -97,9 +101,10 @@ def init_parallel(
             f"parallel layout tp={tp} x pp={pp} does not divide world_size={world_size}: "
             f"launch tp*pp*dp processes (torchrun --nproc_per_node), or change tp/pp"
         )
-    if ep < 1 or (world_size // (tp * pp)) % ep:
-        raise ValueError(f"ep={ep} must divide the data-parallel size dp={world_size // (tp * pp)} (world_size="
-                         f"{world_size} / tp={tp} / pp={pp}): launch tp*pp*dp processes with ep dividing dp")
+    etp = tp if etp is None else etp
+    if ep < 1 or etp < 1 or (world_size // pp) % (etp * ep):
+        raise ValueError(f"etp={etp} x ep={ep} must divide world_size / pp = {world_size // pp} (the experts' layout "
+                         f"is etp x ep x expert-dp x pp): change parallel.ep or the process count")
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
@@ -127,7 +132,8 @@ def init_parallel(
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
@@ -148,6 +154,8 @@ def init_parallel(
         ep_size=ep,
         ep_group=parallel_state.get_expert_model_parallel_group(),
         expert_tp_group=parallel_state.get_expert_tensor_parallel_group(),
+        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        expert_tp_size=etp,
         expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
     logger.info("parallel layout: %s", ctx)

@@ -36,7 +36,7 @@ class Policy:
 def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
     config = precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
                                           model_cfg.fp8_amax_history, model_cfg.fp8_margin, ctx.ep_size,
-                                          model_cfg.moe_aux_loss_coef, model_cfg.router_replay)
+                                          model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     return expose_hidden_states(stage)
 
@@ -48,7 +48,7 @@ def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelCo
     from checkpoint_tools import load_hf_into_stage, open_safetensors_dir
 
     load_hf_into_stage(stage, arch, open_safetensors_dir(Path(model_cfg.hf_path)), ctx.tp_size, ctx.tp_rank,
-                       ctx.pp_size, ctx.pp_rank, ctx.ep_size, ctx.ep_rank)
+                       ctx.pp_size, ctx.pp_rank, ctx.ep_size, ctx.ep_rank, ctx.expert_tp_size, ctx.expert_tp_rank)
 
 
 def build_policy(

@@ -28,6 +28,10 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
         ep = f", parallel.ep={config.parallel.ep}" if config.parallel.ep > 1 else ""
         return [f"parallel.tp={config.parallel.tp}, parallel.pp={config.parallel.pp}{ep}: {line.strip()}"
                 for line in str(exc).splitlines()[1:]]
+    if arch.is_moe and config.parallel.tp > 1:
+        return [f"parallel.tp={config.parallel.tp}: training a mixture-of-experts model with tp > 1 needs megatron's "
+                "sequence parallelism, which is not built yet: use parallel.tp=1 and spread the experts with "
+                "parallel.ep"]
     if config.model.router_replay and not arch.is_moe:
         return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
     if config.model.router_replay and config.rollout.engine != "transformers":

@@ -17,12 +17,14 @@ from megatron_offgrpo.model import UnsupportedConfigError, arch_from_hf_config, 
 from tests.helpers import REPO, run_torchrun, tiny_hf_config
 
 WORKER = REPO / "tests" / "workers" / "model_worker.py"
-LAYOUTS = [
-    pytest.param(1, 1, 1, id="ep1"),
-    pytest.param(1, 1, 2, id="ep2", marks=pytest.mark.multiproc),
-    pytest.param(2, 1, 1, id="tp2", marks=pytest.mark.multiproc),
-    pytest.param(1, 2, 1, id="pp2", marks=pytest.mark.multiproc),
-    pytest.param(2, 1, 2, id="tp2ep2", marks=[pytest.mark.multiproc, pytest.mark.slow]),
+LAYOUTS = [  # tp, pp, ep, etp (None: tp), processes
+    pytest.param(1, 1, 1, None, 1, id="ep1"),
+    pytest.param(1, 1, 2, None, 2, id="ep2", marks=pytest.mark.multiproc),
+    pytest.param(2, 1, 1, None, 2, id="tp2", marks=pytest.mark.multiproc),
+    pytest.param(1, 2, 1, None, 2, id="pp2", marks=pytest.mark.multiproc),
+    # experts whole (etp=1) and spread over the two TP ranks (ep=2): EP spans TP, the usual large-MoE layout
+    pytest.param(2, 1, 2, 1, 2, id="tp2-etp1-ep2", marks=pytest.mark.multiproc),
+    pytest.param(2, 1, 2, None, 4, id="tp2ep2", marks=[pytest.mark.multiproc, pytest.mark.slow]),
 ]
 
 
@@ -60,14 +62,15 @@ def _hf_logits(hf_dir: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("tp,pp,ep", LAYOUTS)
-def test_logits_and_expert_export_match_hf(moe_models, tmp_path, tp, pp, ep):
-    run_torchrun(WORKER, tp * pp * ep, ["--mode", "logits", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep),
-                                        "--out", str(tmp_path), "--hf", *map(str, moe_models.values())])
+@pytest.mark.parametrize("tp,pp,ep,etp,nproc", LAYOUTS)
+def test_logits_and_expert_export_match_hf(moe_models, tmp_path, tp, pp, ep, etp, nproc):
+    split = ["--etp", str(etp)] if etp is not None else []
+    run_torchrun(WORKER, nproc, ["--mode", "logits", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *split,
+                                 "--out", str(tmp_path), "--hf", *map(str, moe_models.values())])
     for name, hf_dir in moe_models.items():
         saved = torch.load(tmp_path / f"{name}.logits.pt")
         diff = (saved["logits"] - _hf_logits(hf_dir, saved["ids"])).abs().max().item()
-        assert diff <= 1e-5, f"{name} tp={tp} pp={pp} ep={ep}: max |logits diff| {diff:.3g} > 1e-5"
+        assert diff <= 1e-5, f"{name} tp={tp} pp={pp} ep={ep} etp={etp}: max |logits diff| {diff:.3g} > 1e-5"
         exported = {}
         for stage in range(pp):
             exported.update(load_file(tmp_path / f"{name}.export.pp{stage}.safetensors"))
@@ -145,5 +148,18 @@ def test_production_recipe_layout_fits_qwen3_30b_a3b():
     assert (trainer_gpus // (tp * pp)) % ep == 0, "ep must divide dp"
     megatron = transformer_config(arch, tp, pp, ep=ep, use_te=False, perform_initialization=False)
     assert (megatron.num_moe_experts, megatron.moe_router_topk, megatron.moe_ffn_hidden_size) == (128, 8, 768)
-    assert megatron.moe_router_pre_softmax is False and megatron.expert_model_parallel_size == 8
+    assert megatron.moe_router_pre_softmax is False and megatron.expert_model_parallel_size == 16
     assert config.model.precision == "fp8" and config.optim.distributed_optimizer
+
+
+def test_moe_training_with_tensor_parallelism_is_refused_in_one_line():
+    """megatron trains MoE layers with tp > 1 only under sequence parallelism (a ValueError at the first training
+    forward otherwise), which the trainer does not build: the recipe check says so before anything starts."""
+    from megatron_offgrpo.config import load_config
+    from megatron_offgrpo.train._preflight import model_errors
+
+    config = load_config(REPO / "configs" / "tiny-moe-cpu.yaml",
+                         ["model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "parallel.tp=2"])
+    [error] = model_errors(config)
+    assert error.startswith("parallel.tp=2: training a mixture-of-experts model with tp > 1 needs megatron's "
+                            "sequence parallelism")

@@ -35,10 +35,11 @@ def build_stage(hf_dir: Path, ctx):
     arch = load_arch(hf_dir)
     # MoE: no load-balancing loss, so that a step on a DP/EP split batch equals the whole batch's (the loss is
     # computed on each rank's own tokens, so with it the two differ by design)
-    config = transformer_config(arch, ctx.tp_size, ctx.pp_size, ep=ctx.ep_size, moe_aux_loss_coef=0.0)
+    config = transformer_config(arch, ctx.tp_size, ctx.pp_size, ep=ctx.ep_size, moe_aux_loss_coef=0.0,
+                                etp=ctx.expert_tp_size)
     model = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     load_hf_into_stage(model, arch, open_safetensors_dir(hf_dir), ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank,
-                       ctx.ep_size, ctx.ep_rank)
+                       ctx.ep_size, ctx.ep_rank, ctx.expert_tp_size, ctx.expert_tp_rank)
     return arch, model
 
 
@@ -145,10 +146,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--distributed-optimizer", action="store_true")
     args = parser.parse_args()
-    ctx = init_parallel(args.tp, args.pp, ep=args.ep)
+    ctx = init_parallel(args.tp, args.pp, ep=args.ep, etp=args.etp)
     {"logits": mode_logits, "dpstep": mode_dpstep}[args.mode](args, ctx)
     dist.barrier()
 
