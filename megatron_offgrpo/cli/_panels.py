@@ -131,16 +131,20 @@ def length_curves(records: list[dict], window: int) -> list[Curve]:
 
 
 def mismatch_curves(records: list[dict], window: int) -> list[Curve]:
-    """The trainer / fleet log-prob mismatch: ``tis_raw_mean``, the mean of exp(trainer log-prob under the behavior
-    weights - the fleet's log-prob) over the tokens in the loss (1 = no mismatch), with [``tis_raw_min``,
-    ``tis_raw_max``] as the band. A step with no token in the loss logs 0 for all three: left out."""
+    """The trainer / behavior log-prob mismatch over the tokens in the loss, before the step's update:
+    ``log_ratio_abs_mean`` (mean |trainer - behavior log-prob|; at staleness 0 the trainer / engine numerical
+    mismatch, else also the policy's change since the samples' version), and on the right axis, when the run
+    recomputes the behavior log-probs (``rollout.behavior_logprobs=recompute``: ``tis_raw_mean`` is not 1 throughout),
+    ``tis_raw_mean``, the mean of exp(recomputed - fleet log-prob), with [``tis_raw_min``, ``tis_raw_max``] as the
+    band. A step with no token in the loss logs 0 for every one of them: left out."""
     rows = [r for r in records if _number(r.get("tis_raw_mean")) and r["tis_raw_mean"] > 0]
-    if not rows:
-        return []
-    curve = metric_curve(rows, "tis_raw_mean", window)
-    if all(_number(r.get("tis_raw_min")) and _number(r.get("tis_raw_max")) for r in rows):
-        curve.band = ([r["tis_raw_min"] for r in rows], [r["tis_raw_max"] for r in rows])
-    return [curve]
+    curves = [c for c in [metric_curve(rows, "log_ratio_abs_mean", window)] if c is not None]
+    if rows and any(abs(r["tis_raw_mean"] - 1.0) > 1e-12 for r in rows):
+        ratio = metric_curve(rows, "tis_raw_mean", window, right=True)
+        if all(_number(r.get("tis_raw_min")) and _number(r.get("tis_raw_max")) for r in rows):
+            ratio.band = ([r["tis_raw_min"] for r in rows], [r["tis_raw_max"] for r in rows])
+        curves.append(ratio)
+    return curves
 
 
 def time_split(records: list[dict]) -> dict[str, list[float]]:
@@ -172,8 +176,9 @@ PANELS = (
     Panel("entropy", "mean token entropy (nats)", "entropy_mean", entropy_curves),
     Panel("response length", "tokens", "response_len*, truncated_fraction", length_curves,
           right_label="truncated fraction"),
-    Panel("trainer / fleet log-prob mismatch", "exp(trainer - fleet log-prob)", "tis_raw_mean, tis_raw_min/max",
-          mismatch_curves),
+    Panel("trainer / behavior log-prob mismatch", "|trainer - behavior log-prob| (nats)",
+          "log_ratio_abs_mean, tis_raw_mean, tis_raw_min/max", mismatch_curves,
+          right_label="exp(recomputed - fleet log-prob)"),
 )
 """The report's curve panels in grid order; the time split (``time_split``) is drawn last."""
 

@@ -24,7 +24,8 @@ def _full(steps: int = 4) -> list[dict]:
                   clip_high_fraction=0.1 * s, dual_clip_fraction=0.0, tis_truncated_fraction=0.5, entropy_mean=2.0 - s,
                   response_len=5.0 + s, response_length_p90=9.0, truncated_fraction=0.25,
                   tis_raw_mean=0.0 if s == 0 else 1.0 + s / 100, tis_raw_min=0.0 if s == 0 else 0.9,
-                  tis_raw_max=0.0 if s == 0 else 1.5, time_generate_s=3.0, time_sync_s=1.0 * (s % 2 == 0),
+                  tis_raw_max=0.0 if s == 0 else 1.5, log_ratio_abs_mean=0.0 if s == 0 else 1e-3 * s,
+                  time_generate_s=3.0, time_sync_s=1.0 * (s % 2 == 0),
                   time_train_s=2.0, **({"eval_start_accuracy": 0.1, "eval_start_pass@4": 0.4} if s == 0 else {}),
                   **({"eval_accuracy": 0.6, "eval_pass@4": 0.9} if s == steps - 1 else {}))
             for s in range(steps)]
@@ -64,9 +65,12 @@ def test_families_of_keys_are_found_by_pattern():
 
 
 def test_the_mismatch_leaves_out_steps_with_no_token_in_the_loss():
-    [ratio] = panels.mismatch_curves(_full(), 1)
-    assert ratio.step == [1, 2, 3] and ratio.y == pytest.approx([1.01, 1.02, 1.03])  # step 0 logged 0: nothing counted
-    assert ratio.band == ([0.9] * 3, [1.5] * 3)
+    gap, ratio = panels.mismatch_curves(_full(), 1)  # behavior recomputed: its ratio to the fleet's on the right
+    assert gap.name == "log_ratio_abs_mean" and not gap.right
+    assert gap.step == [1, 2, 3] and gap.y == pytest.approx([1e-3, 2e-3, 3e-3])  # step 0 logged 0: nothing counted
+    assert ratio.right and ratio.y == pytest.approx([1.01, 1.02, 1.03]) and ratio.band == ([0.9] * 3, [1.5] * 3)
+    fleet_behavior = [dict(r, tis_raw_mean=1.0 if r["tis_raw_mean"] else 0.0) for r in _full()]
+    assert [c.name for c in panels.mismatch_curves(fleet_behavior, 1)] == ["log_ratio_abs_mean"]  # ratio 1: no curve
 
 
 def test_curves_are_moving_averages_over_the_records_that_hold_the_key():
