@@ -65,6 +65,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "(default: room for --max-num-seqs sequences of --max-model-len)",
     )
     start.add_argument("--cpu-bind", choices=["spread", "none"], default="spread")
+    start.add_argument(
+        "--record-routing",
+        action="store_true",
+        help="MoE models with model.router_replay: record the experts each token is routed to (prefix caching off)",
+    )
     start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
     start.add_argument(
         "--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1"
@@ -109,6 +114,7 @@ def _start(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         kv_cache_gib=args.kv_cache_gib,
         cpu_bind=args.cpu_bind,
+        record_routing=args.record_routing,
         extra_args=tuple(args.vllm_arg),
         python=args.python,
     )

@@ -1,7 +1,8 @@
 """Fleet: what runs in or operates the vLLM servers the trainer generates with.
 
 Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight installs; vLLM loads it by the dotted
-path ``transports.WORKER_EXTENSION``; ``repack_after_reload`` repairs vLLM CPU's MoE experts after a reload) and
+path ``transports.WORKER_EXTENSION``; ``repack_after_reload`` repairs vLLM CPU's MoE experts after a reload; the
+routing it records for router replay comes back as a ``RoutingAnswer``, claimed by ``routing_key``) and
 ``ControlTokenMiddleware`` (the shared-token check). Around them: the launcher (``FleetSpec``, ``start_fleet`` /
 ``stop_fleet`` / ``fleet_status``, the recorded ``FleetState`` read by ``load_state``), server sizing
 (``size_server``, ``kv_cache_bytes``), ``merge_states`` for multi-node fleets, and JSON over HTTP to a server
@@ -27,6 +28,7 @@ from megatron_offgrpo.fleet._launcher import (
 )
 from megatron_offgrpo.fleet._merge import merge_states
 from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
+from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, routing_key
 from megatron_offgrpo.fleet._processes import fleet_status, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._server_size import ServerSize, read_hf_config, size_server
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
@@ -45,6 +47,7 @@ __all__ = [
     "MoeLayoutError",
     "OffgrpoWorkerExtension",
     "RequestRejected",
+    "RoutingAnswer",
     "ServerDown",
     "ServerRecord",
     "ServerSize",
@@ -58,6 +61,7 @@ __all__ = [
     "merge_states",
     "repack_after_reload",
     "read_hf_config",
+    "routing_key",
     "server_command",
     "server_healthy",
     "server_url",

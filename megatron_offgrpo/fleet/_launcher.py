@@ -55,6 +55,8 @@ class FleetSpec:
             logits after temperature and top-k/top-p, i.e. of the distribution actually sampled from, which is what
             the trainer's importance ratio needs) or "raw_logprobs" (the unscaled model). Prompt (probe) log-probs
             are raw in both modes.
+        record_routing: the servers can record the experts each token is routed to (router replay of MoE models,
+            ``model.router_replay``): prefix caching off, so each request computes its whole prompt itself.
         extra_args: more vLLM CLI arguments. python: interpreter that runs the servers.
     """
 
@@ -72,6 +74,7 @@ class FleetSpec:
     cpu_bind: str = "spread"
     enforce_eager: bool = True
     logprobs_mode: str = "processed_logprobs"
+    record_routing: bool = False
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -216,8 +219,10 @@ def server_command(
         "--logprobs-mode",
         spec.logprobs_mode,
     ]
-    if spec.enforce_eager:
+    if spec.enforce_eager or spec.record_routing:  # the routing hooks do not run inside graphs
         argv.append("--enforce-eager")
+    if spec.record_routing:
+        argv.append("--no-enable-prefix-caching")
     if not any((model / f).is_file() for f in TOKENIZER_FILES):
         argv.append("--skip-tokenizer-init")  # token ids in and out: the fleet never needs text
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")

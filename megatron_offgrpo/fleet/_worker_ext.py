@@ -25,6 +25,7 @@ import torch
 
 from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.fleet import _cpu_sampler, _moe_repack
+from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, RoutingCapture
 from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, check_complete
 
 if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
@@ -93,6 +94,36 @@ class OffgrpoWorkerExtension:
             tensors=len(self._offgrpo_expected()),
             sampler=_cpu_sampler.sampler_name(self.model_runner),
         )
+
+    @_on_the_wire
+    def offgrpo_routing_begin(self, payload: str = "{}") -> WorkerAnswer:
+        """Record the experts every request is routed to from now on (earlier records dropped): router replay.
+
+        Refused when the server could not record them whole: prefix caching on (a cached prompt is computed by
+        another request) or compiled/graph execution (Python hooks do not run there).
+        """
+        runner = self.model_runner
+        if runner.cache_config.enable_prefix_caching:
+            return WorkerAnswer.failed("router replay: this server caches prompt prefixes, so it cannot record "
+                                       "each request's routing; start the fleet with --record-routing")
+        if not runner.model_config.enforce_eager:
+            return WorkerAnswer.failed("router replay: this server runs compiled graphs, where the routing hooks "
+                                       "do not run; start it with --enforce-eager")
+        try:
+            if getattr(self, "_offgrpo_routing", None) is None:
+                self._offgrpo_routing = RoutingCapture(runner)
+        except ValueError as exc:
+            return WorkerAnswer.failed(str(exc))
+        self._offgrpo_routing.begin()
+        return WorkerAnswer(ok=True, version=self._offgrpo_version())
+
+    def offgrpo_routing_take(self, payload: str) -> dict[str, Any]:
+        """The recorded routing of the sequences whose ``routing_key``s are ``{"keys": [...]}`` (``RoutingAnswer``
+        on the wire)."""
+        capture = getattr(self, "_offgrpo_routing", None)
+        if capture is None:
+            return RoutingAnswer(False, "router replay: offgrpo_routing_begin was never called").to_wire()
+        return capture.take(list(json.loads(payload)["keys"])).to_wire()
 
     @_on_the_wire
     def offgrpo_load_dir(self, payload: str) -> WorkerAnswer:

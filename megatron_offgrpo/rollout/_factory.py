@@ -27,15 +27,16 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
     Args:
         kind: "fleet" (servers started by ``offgrpo fleet start``), "vllm" (in-process ``vllm.LLM``),
             "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed and starts, else
-            "transformers" with a one-line warning naming why; vLLM's arguments are then dropped).
+            "transformers" with a one-line warning naming why; vLLM's arguments but ``record_routing`` are then
+            dropped).
         model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
         **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk",
             "collective", "shm", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
             temporary directory, enough when the servers run on this machine), ``bucket_bytes``,
             ``collective_host`` (collective: the address the servers' workers dial to reach this process; default
             127.0.0.1, enough when they run on this machine), ``shm_dir`` (shm: a RAM-backed directory the servers
-            see too, default /dev/shm), ``policy``; for "vllm" and "transformers": the engine's constructor
-            arguments.
+            see too, default /dev/shm), ``policy``, ``record_routing``; for "vllm" and "transformers": the engine's
+            constructor arguments.
 
     Raises:
         ValueError: an unknown kind, or missing arguments for it.
@@ -77,7 +78,7 @@ def _auto(model_dir: str | Path | None, **kwargs: Any) -> RolloutEngine:
         RuntimeWarning,
         stacklevel=3,
     )
-    return TransformersEngine(model_dir)
+    return TransformersEngine(model_dir, record_routing=kwargs.get("record_routing", False))
 
 
 def _first_line(exc: BaseException) -> str:

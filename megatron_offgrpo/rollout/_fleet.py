@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
+from megatron_offgrpo.fleet import RoutingAnswer
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
+from megatron_offgrpo.rollout._routing import routing_keys, with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
@@ -37,11 +39,16 @@ class FleetEngine:
         transport: WeightTransport,
         policy: RetryPolicy | None = None,
         revive_every_s: float = 10.0,
+        record_routing: bool = False,
     ) -> None:
         """Connect: read every worker's version, label each engine with it, and check the servers agree.
 
+        ``record_routing``: MoE models, router replay: every sample carries the experts each layer routed its tokens
+        to (``Sample.routed_experts``), recorded by the servers' workers (started with ``--record-routing``).
+
         Raises:
-            ValueError: no servers, or two with one name. FleetError: no server is reachable.
+            ValueError: no servers, or two with one name. FleetError: no server is reachable, or a server cannot
+                record the routing (``record_routing``).
         """
         if not servers:
             raise ValueError(
@@ -57,6 +64,9 @@ class FleetEngine:
         self._refresh_lock = threading.Lock()
         self._revive_every_s, self._last_revive = revive_every_s, time.monotonic()
         self._version = self._connect()
+        self.record_routing = record_routing
+        if record_routing:  # refused now (a server caching prefixes, a dense model), not at the first generation
+            self._begin_routing()
 
     @classmethod
     def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":
@@ -131,13 +141,31 @@ class FleetEngine:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
         self._revive()
 
+        if self.record_routing:
+            self._begin_routing()
+
         def send(name: str, index: int) -> list[Sample]:
-            return parse_group(
+            samples = parse_group(
                 self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name
             )
+            return self._with_routing(name, samples) if self.record_routing else samples
 
         groups = run_groups(self.pool, self.policy, len(prompts), send)
         return [sample for group in groups for sample in group]
+
+    def _begin_routing(self) -> None:
+        """Every serving worker drops the routing it recorded and records from now on (router replay)."""
+        for name in self.pool.serving():
+            server = self.servers[name]
+            answer = summarize(server.rpc("offgrpo_routing_begin", {}, server.control_timeout_s))
+            if not answer.ok:
+                raise FleetError(f"server {name}: {answer.error}")
+
+    def _with_routing(self, name: str, samples: list[Sample]) -> list[Sample]:
+        """``samples`` (one group from server ``name``) with the routing its worker recorded for them."""
+        server = self.servers[name]
+        answers = server.rpc("offgrpo_routing_take", {"keys": routing_keys(samples)}, server.control_timeout_s)
+        return with_routing(samples, RoutingAnswer.from_wire(answers[0] if answers else None), name)
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """Every serving server's version and prompt log-probs of ``token_ids`` ([T-1] each).

@@ -1,17 +1,26 @@
-"""The experts a HF MoE model routes each token to, recorded during ``generate`` (router replay on CPU).
+"""Router replay's engine half: the experts each token was routed to, recorded while generating.
 
-A forward hook on every layer's router (``mlp.gate``, which returns ``(logits, scores, top-k indices)`` in
-transformers 5's Qwen3-MoE) keeps each call's ``[rows x positions, top_k]`` indices. ``generate`` calls the model
-once on the prompt (all rows at once) and once per new token (one position per row), so a row's routing is its
-prompt's rows of the first call followed by its row of each later call; the last sampled token is never fed back.
+``RoutingRecorder`` records them in the transformers engine. vLLM engines record them in their workers
+(``fleet.RoutingAnswer``); ``routing_keys`` and ``with_routing`` claim them for the samples.
+
+In the transformers engine a forward hook on every layer's router (``mlp.gate``, which returns ``(logits, scores,
+top-k indices)`` in transformers 5's Qwen3-MoE) keeps each call's ``[rows x positions, top_k]`` indices.
+``generate`` calls the model once on the prompt (all rows at once) and once per new token (one position per row), so
+a row's routing is its prompt's rows of the first call followed by its row of each later call; the last sampled token
+is never fed back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import torch
+
+from megatron_offgrpo.data import Sample
+from megatron_offgrpo.fleet import RoutingAnswer, routing_key
+from megatron_offgrpo.rollout._samples import BadResponse
 
 
 class RoutingRecorder:
@@ -57,3 +66,24 @@ class RoutingRecorder:
             steps = [call.reshape(rows, 1, -1) for call in calls[1:]]
             layers.append(torch.cat([prompt, *steps], dim=1))
         return torch.stack(layers, dim=2)
+
+
+def routing_keys(samples: list[Sample]) -> list[str]:
+    """The distinct ``routing_key``s of ``samples`` (identical samples, e.g. a greedy group, share one routing)."""
+    return list(dict.fromkeys(routing_key(s.prompt_ids + s.response_ids[:-1]) for s in samples))
+
+
+def with_routing(samples: list[Sample], answer: RoutingAnswer, server: str) -> list[Sample]:
+    """``samples`` carrying the routing a vLLM worker recorded for them (``Sample.routed_experts``).
+
+    Raises:
+        BadResponse: the worker did not return the routing of every sample (the reason is the worker's): the
+            group is generated again.
+    """
+    if not answer.ok:
+        raise BadResponse(f"router replay: {server} has no routing for its samples: {answer.error}")
+    out = []
+    for sample in samples:
+        routing = answer.routing[routing_key(sample.prompt_ids + sample.response_ids[:-1])]
+        out.append(dataclasses.replace(sample, routed_experts=torch.from_numpy(routing.copy())))
+    return out

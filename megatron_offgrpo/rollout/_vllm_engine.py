@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import TOKENIZER_FILES, install_cpu_sampler, kv_cache_bytes
+from megatron_offgrpo.fleet import TOKENIZER_FILES, RoutingAnswer, install_cpu_sampler, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
+from megatron_offgrpo.rollout._routing import routing_keys, with_routing
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import (
@@ -50,6 +51,7 @@ class VLLMEngine:
         max_model_len: int = 2048,
         max_num_seqs: int = 256,
         in_process: bool = True,
+        record_routing: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``).
@@ -61,6 +63,12 @@ class VLLMEngine:
             in_process: run vLLM's engine core in this process (refreshes hand tensors over in memory). Ignored
                 under a torch.distributed job of several processes: vLLM would take the job's process group for
                 its own and wait for ranks that never join, so its engine core gets a fresh process of its own.
+            record_routing: MoE models only: every sample carries the experts each layer routed its tokens to
+                (``Sample.routed_experts``, router replay), recorded in the worker (``fleet.RoutingCapture``); this
+                turns prefix caching off (each sample computes its own prompt) and needs eager execution.
+
+        Raises:
+            ValueError: ``record_routing`` on a model without routers, or with ``enforce_eager=False``.
         """
         if in_process and _world_size() > 1:
             in_process = False
@@ -75,6 +83,10 @@ class VLLMEngine:
         install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
+        if record_routing:
+            if not llm_kwargs["enforce_eager"]:
+                raise ValueError("VLLMEngine record_routing=True needs enforce_eager=True (graphs skip the hooks)")
+            llm_kwargs["enable_prefix_caching"] = False
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards
         llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
         hf_config = json.loads((model_dir / "config.json").read_text())
@@ -100,6 +112,12 @@ class VLLMEngine:
                                          info.sampler)
         self.llm.llm_engine.set_weight_version(str(self._version))
         self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
+        self.record_routing = record_routing
+        if record_routing:  # refused now (a dense model, say), not at the first generation
+            answer = self._rpc("offgrpo_routing_begin", {})
+            if not answer.ok:
+                self.close()
+                raise ValueError(f"VLLMEngine record_routing=True: {answer.error}")
 
     def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
         return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
@@ -120,11 +138,23 @@ class VLLMEngine:
         if n < 1:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
         with self._lock:
+            if self.record_routing:
+                self._rpc("offgrpo_routing_begin", {})
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
                 [self._params(params, n, i) for i in range(len(prompts))],
                 use_tqdm=False,
             )
+            samples = self._samples(prompts, outputs, n)
+            if self.record_routing:
+                samples = with_routing(samples, self._take_routing(routing_keys(samples)), self.name)
+        return samples
+
+    def _take_routing(self, keys: list[str]) -> RoutingAnswer:
+        payload = json.dumps({"keys": keys})
+        return RoutingAnswer.from_wire(self.llm.collective_rpc("offgrpo_routing_take", kwargs={"payload": payload})[0])
+
+    def _samples(self, prompts: list[Prompt], outputs: list[Any], n: int) -> list[Sample]:
         samples = []
         for index, (prompt, output) in enumerate(zip(prompts, outputs)):
             group = []

@@ -34,9 +34,6 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
                 "parallel.ep"]
     if config.model.router_replay and not arch.is_moe:
         return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
-    if config.model.router_replay and config.rollout.engine != "transformers":
-        return [f"model.router_replay=true needs rollout.engine=transformers (not {config.rollout.engine!r}): "
-                "recording the experts vLLM routed each token to is not built yet"]
     return []
 
 

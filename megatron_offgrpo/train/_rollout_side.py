@@ -163,17 +163,18 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         run_dir: the run directory (a disk refresh writes its versions under it; None: an engine never refreshed).
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
     """
-    r = config.rollout
+    r, routing = config.rollout, config.model.router_replay
     if r.engine == "fleet":
         return make_engine("fleet", state=r.fleet_state, transport=r.transport,
                            shared_dir=None if run_dir is None else run_dir / "weights",
-                           bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir)
+                           bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir,
+                           record_routing=routing)
     if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
         return make_engine(r.engine, model_dir, dtype=serving_dtype(config.model.precision),
                            max_model_len=generation_length(config, max_positions),
-                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH))
-    return make_engine(r.engine, model_dir, record_routing=config.model.router_replay)
+                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing)
+    return make_engine(r.engine, model_dir, record_routing=routing)
 
 
 def generation_length(config: Config, max_positions: int) -> int:

@@ -124,6 +124,13 @@ def test_behavior_logprobs_are_the_sampled_distribution(fleet):
     scenarios.check_behavior_logprobs(engine, Path(load_state(fleet).model_dir), None)
 
 
+def test_router_replay_is_refused_by_servers_caching_prefixes(fleet, tmp_path):
+    """A fleet started without --record-routing caches prompts: it cannot record each sample's routing, so a client
+    asking for it is refused at connect, in one line naming the flag."""
+    with pytest.raises(FleetError, match="caches prompt prefixes.*start the fleet with --record-routing"):
+        FleetEngine.from_state(fleet, DiskTransport(tmp_path), record_routing=True)
+
+
 def test_control_calls_need_the_token(fleet, tmp_path):
     server = load_state(fleet).servers[0]
     assert call_json("GET", server.url + "/health") is None

@@ -26,7 +26,14 @@ from megatron_offgrpo.transports import (  # noqa: E402
 )
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
-from tests.rollout.tiny import TINY_MOE, as_buckets, hf_probe_logprobs, hf_weights, perturbed  # noqa: E402
+from tests.rollout.tiny import (  # noqa: E402
+    TINY_MOE,
+    as_buckets,
+    hf_probe_logprobs,
+    hf_weights,
+    perturbed,
+    routing_mismatches,
+)
 
 pytestmark = pytest.mark.slow
 TOKEN = "rollout-moe-token"
@@ -55,7 +62,8 @@ def test_in_process_reload_needs_the_repack(tmp_path):
 def moe_fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-fleet")
     model_dir = save_hf_model(dict(TINY_MOE), root / "tiny-moe", seed=13)
-    spec = FleetSpec(model_dir=model_dir, num_servers=1, token=TOKEN, dtype="float32", max_model_len=512)
+    spec = FleetSpec(model_dir=model_dir, num_servers=1, token=TOKEN, dtype="float32", max_model_len=512,
+                     record_routing=True)
     start = time.perf_counter()
     try:
         start_fleet(spec, root / "state", wait=True, timeout_s=400)
@@ -63,6 +71,23 @@ def moe_fleet(tmp_path_factory):
         yield model_dir, root / "state"
     finally:
         stop_fleet(root / "state" / "fleet.json")
+
+
+def test_fleet_records_the_routing_of_every_sample(moe_fleet, tmp_path):
+    """Router replay's engine half on a fleet (``--record-routing``): each sample's recorded experts are the fp32 HF
+    model's on the same tokens, greedy groups (one completion for the group) included."""
+    model_dir, state_dir = moe_fleet
+    engine = FleetEngine.from_state(state_dir, DiskTransport(tmp_path / "w"), record_routing=True)
+    try:
+        samples = engine.generate(scenarios.PROMPTS, 3, scenarios.SAMPLED)
+        greedy = engine.generate(scenarios.PROMPTS[:1], 2, scenarios.GREEDY)
+    finally:
+        engine.close()
+    for sample in samples + greedy:
+        assert sample.routed_experts.shape == (len(sample.prompt_ids) + len(sample.response_ids) - 1,
+                                               TINY_MOE["num_hidden_layers"], TINY_MOE["num_experts_per_tok"])
+    differ, total = routing_mismatches(model_dir, None, samples + greedy)
+    assert differ == 0, f"{differ} of {total} positions x layers routed unlike HF"
 
 
 def test_fleet_refreshes_moe_through_every_transport(moe_fleet, tmp_path):

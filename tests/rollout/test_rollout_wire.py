@@ -321,3 +321,30 @@ def test_token_middleware_guards_control_paths():
     assert (
         _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200
     )  # no token configured: open (loopback only)
+
+
+def test_recorded_routing_travels_and_is_claimed_by_token_sequence():
+    """A worker's routing answer survives JSON (int16 experts, any shape); a request computed only from position 2
+    (its prefix from the cache) is never handed out as whole: the answer names prefix caching."""
+    import numpy as np
+
+    from megatron_offgrpo.data import Sample
+    from megatron_offgrpo.fleet import RoutingAnswer, routing_key
+    from megatron_offgrpo.fleet._routing_capture import _Record
+    from megatron_offgrpo.rollout._routing import routing_keys, with_routing
+
+    experts = np.arange(5 * 3 * 2, dtype=np.int16).reshape(5, 3, 2) * 11
+    sample = Sample("p", 0, [7, 8, 9], [4, 5, 6], [0.0] * 3, 1, "stop")
+    key = routing_keys([sample, sample])
+    assert key == [routing_key([7, 8, 9, 4, 5])]  # identical samples share one routing; the last token is never fed
+    wire = json.loads(json.dumps(RoutingAnswer(True, routing={key[0]: experts}).to_wire()))
+    (got,) = with_routing([sample], RoutingAnswer.from_wire(wire), "s0")
+    assert got.routed_experts.dtype == torch.int16 and torch.equal(got.routed_experts, torch.from_numpy(experts))
+    with pytest.raises(BadResponse, match="s0 has no routing .*prefix caching"):
+        with_routing([sample], RoutingAnswer.from_wire({"ok": False, "error": "1 request(s) ... prefix caching"}),
+                     "s0")
+    whole, cached = _Record(3, 2), _Record(3, 2)
+    whole.write(np.arange(5), np.array([7, 8, 9, 4, 5]), experts)
+    cached.write(np.arange(2, 5), np.array([9, 4, 5]), experts[2:])
+    assert whole.key() == key[0] and cached.key() is None
+    assert RoutingAnswer.from_wire("oops").ok is False

@@ -94,3 +94,22 @@ def load_hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None):
     # tied: lm_head is the embedding; fused experts were copied above
     assert not unexpected and set(missing) - fused <= {"lm_head.weight"}, (missing, unexpected)
     return model
+
+
+def routing_mismatches(model_dir: Path, weights: dict[str, torch.Tensor] | None, samples: list) -> tuple[int, int]:
+    """(positions x layers whose expert set differs, all of them) between each sample's recorded routing and a fp32
+    HF forward of its input positions (prompt and response less its last token)."""
+    from megatron_offgrpo.rollout._routing import RoutingRecorder
+
+    model = load_hf_model(model_dir, weights)
+    recorder = RoutingRecorder(model)
+    differ = total = 0
+    for sample in samples:
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids[:-1]])
+        with recorder.recording(), torch.no_grad():
+            model(ids)
+        hf = recorder.per_row(1, ids.shape[1])[0].long().sort(-1).values
+        got = sample.routed_experts.long().sort(-1).values
+        differ += int((hf != got).any(-1).sum())
+        total += hf.shape[0] * hf.shape[1]
+    return differ, total

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from megatron_offgrpo.rollout import have_vllm
 from tests.helpers import REPO
 from tests.train.conftest import kill_tree, metrics, run_train, train_cmd, train_env, train_proc
 
@@ -25,8 +26,10 @@ MOE = "model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe"  # 8 experts, top-2
                          ids=["tp2-v1", "pp2-v4", "tp1-v2-overlap", "moe-ep2-v2"])
 def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, ep, v, overlap):
     steps = 5
-    # the MoE run replays the engine's routing in the trainer (the recipe's run, without it, is a docs test)
-    moe = [MOE, f"parallel.ep={ep}", "model.router_replay=true"] if ep > 1 else []
+    # the MoE run replays the routing vLLM recorded (its engine core a process of its own under a job of 2 ranks) in
+    # the trainer (the recipe's run, without it, is a docs test)
+    engine = "rollout.engine=vllm" if have_vllm() else "rollout.engine=transformers"
+    moe = [MOE, f"parallel.ep={ep}", "model.router_replay=true", engine] if ep > 1 else []
     proc = train_proc(tp * pp * ep, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
                       f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}", *moe)
     records = metrics(tmp_path)

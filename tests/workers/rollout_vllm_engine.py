@@ -51,6 +51,19 @@ def check_auto_fallback(model_dir: Path) -> None:
     engine.close()
 
 
+def check_routing_refused_on_dense(model_dir: Path) -> None:
+    """record_routing on a dense model: refused at start, in one line (there are no routers to record)."""
+    from megatron_offgrpo.rollout import VLLMEngine
+
+    try:
+        VLLMEngine(model_dir, dtype="float32", max_model_len=512, record_routing=True)
+    except ValueError as exc:
+        assert "no `mlp.gate` routers" in str(exc) and "\n" not in str(exc), exc
+    else:
+        raise AssertionError("record_routing on a dense model was accepted")
+    gc.collect()
+
+
 def main() -> None:
     from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids
     from megatron_offgrpo.transports import write_version_dir
@@ -87,6 +100,7 @@ def main() -> None:
     gc.collect()
     check_tied(work)
     check_auto_fallback(model_dir)
+    check_routing_refused_on_dense(model_dir)
     print(f"OK in-process vLLM engine: all cases passed ({time.perf_counter() - start:.1f} s after the fresh engines)")
 
 
