@@ -16,6 +16,7 @@ CHOICES = {
     "data.source": ("auto", "local", "hub"),
     "data.prompt_format": ("chat", "plain"),
     "rollout.engine": ("auto", "fleet", "vllm", "transformers"),
+    "rollout.dtype": ("auto", "float32", "bfloat16"),
     "rollout.transport": ("disk", "collective", "shm"),
     "rollout.behavior_logprobs": ("fleet", "recompute"),
     "algo.kl_estimator": ("k1", "k2", "k3"),

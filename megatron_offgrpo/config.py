@@ -98,6 +98,12 @@ class RolloutConfig:
 
     engine: str = "auto"
     """"fleet" (vLLM servers) | "vllm" (in-process) | "transformers" | "auto" (vLLM if installed, else transformers)."""
+    dtype: str = "auto"
+    """What the in-process engines (vllm, transformers) generate in: "auto" (float32 with model.precision=fp32, else
+    bfloat16) | "float32" | "bfloat16". bfloat16 under an fp32 trainer decodes faster on CPUs with bf16 GEMMs
+    (avx512_bf16, AMX) but its behavior log-probs carry bf16 rounding: the ``log_ratio_abs_mean`` metric reports the
+    gap, ``algo.tis_cap`` corrects for it, and the refresh probe is checked at bf16's tolerance. A fleet generates in
+    the dtype it was started with (``offgrpo fleet start --dtype``)."""
     fleet_state: str | None = None
     """The fleet's state directory written by `offgrpo fleet start` (engine=fleet): its servers and token."""
     prompts_per_step: int = 8
@@ -143,8 +149,8 @@ class RolloutConfig:
     """Each dynamic_sampling round asks for ceil(missing groups x oversample) prompts (>= 1)."""
     verify_tolerance: float | None = None
     """Max |fleet - trainer| log-prob on the probe after a refresh. None: the default of the precision the check runs
-    at (``rollout.PROBE_ATOL``: 1e-4 with model.precision=fp32, 5e-2 with bf16 or fp8, which serve bf16); a fleet
-    started with --dtype bfloat16 under an fp32 trainer needs 5e-2 here."""
+    at (``rollout.PROBE_ATOL`` of rollout.dtype: 1e-4 for float32, 5e-2 for bfloat16); a fleet started with --dtype
+    bfloat16 under an fp32 trainer needs 5e-2 here."""
 
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences

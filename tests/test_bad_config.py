@@ -22,6 +22,7 @@ CASES = [  # (overrides, what the message must name)
     (["data.count=0"], "data.count=0: must be >= 1"),
     (["rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds=0: must be >= 1"),
     (["rollout.oversample=0.5"], "rollout.oversample=0.5: must be >= 1"),
+    (["rollout.dtype=float16"], "rollout.dtype='float16': expected one of ['auto', 'float32', 'bfloat16']"),
     (["rollout.overlong_buffer=9", "rollout.max_new_tokens=8"], "rollout.overlong_buffer=9: must be in [0, "),
     (["rollout.overlong_buffer=-1"], "rollout.overlong_buffer=-1: must be in [0, "),
     (["rollout.overlong_penalty=-0.5"], "rollout.overlong_penalty=-0.5: must be >= 0"),

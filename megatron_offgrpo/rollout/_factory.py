@@ -27,8 +27,8 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
     Args:
         kind: "fleet" (servers started by ``offgrpo fleet start``), "vllm" (in-process ``vllm.LLM``),
             "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed and starts, else
-            "transformers" with a one-line warning naming why; vLLM's arguments but ``record_routing`` are then
-            dropped).
+            "transformers" with a one-line warning naming why; vLLM's arguments but ``dtype`` and ``record_routing``
+            are then dropped).
         model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
         **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk",
             "collective", "shm", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
@@ -78,7 +78,11 @@ def _auto(model_dir: str | Path | None, **kwargs: Any) -> RolloutEngine:
         RuntimeWarning,
         stacklevel=3,
     )
-    return TransformersEngine(model_dir, record_routing=kwargs.get("record_routing", False))
+    import torch
+
+    named = kwargs.get("dtype")  # vLLM's name of it; "auto" or None: the transformers engine's own float32
+    dtype = getattr(torch, named) if named in ("float32", "bfloat16") else torch.float32
+    return TransformersEngine(model_dir, dtype=dtype, record_routing=kwargs.get("record_routing", False))
 
 
 def _first_line(exc: BaseException) -> str:

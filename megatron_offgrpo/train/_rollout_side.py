@@ -171,10 +171,13 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
                            record_routing=routing)
     if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
-        return make_engine(r.engine, model_dir, dtype=serving_dtype(config.model.precision),
+        return make_engine(r.engine, model_dir, dtype=serving_dtype(r, config.model.precision),
                            max_model_len=generation_length(config, max_positions),
                            max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing)
-    return make_engine(r.engine, model_dir, record_routing=routing)
+    import torch
+
+    return make_engine(r.engine, model_dir, dtype=getattr(torch, serving_dtype(r, config.model.precision)),
+                       record_routing=routing)
 
 
 def generation_length(config: Config, max_positions: int) -> int:

@@ -12,14 +12,19 @@ def sampling_params(rollout: RolloutConfig, seed: int | None = None) -> Sampling
                           seed=seed)
 
 
-def serving_dtype(precision: str) -> str:
-    """The dtype an in-process engine serves a policy of ``model.precision`` in (fp8 and bf16 runs serve bf16)."""
+def serving_dtype(rollout: RolloutConfig, precision: str) -> str:
+    """The dtype an in-process engine generates in: ``rollout.dtype``, whose "auto" follows ``model.precision``
+    (fp8 and bf16 runs serve bf16)."""
+    if rollout.dtype != "auto":
+        return rollout.dtype
     return "float32" if precision == "fp32" else "bfloat16"
 
 
 def verify_tolerance(rollout: RolloutConfig, precision: str) -> float:
     """Max |fleet - trainer| probe log-prob after a refresh: ``rollout.verify_tolerance`` when set, else the
-    ``rollout.PROBE_ATOL`` default of the dtype of ``precision`` (the coarser side decides the agreement)."""
+    ``rollout.PROBE_ATOL`` default of the serving dtype (the coarser side decides the agreement)."""
     from megatron_offgrpo.rollout import probe_atol
 
-    return rollout.verify_tolerance if rollout.verify_tolerance is not None else probe_atol(serving_dtype(precision))
+    if rollout.verify_tolerance is not None:
+        return rollout.verify_tolerance
+    return probe_atol(serving_dtype(rollout, precision))
