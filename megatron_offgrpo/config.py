@@ -254,8 +254,9 @@ class OptimConfig:
     packing: bool = False
     """Pack whole sequences into each micro-batch row (padding only at a row's end; a block-diagonal causal mask keeps
     each to itself; groups dealt to DP ranks by tokens) instead of one sequence per row padded to the longest: fewer
-    positions, the same gradient (benchmarks/packing.py). Local layer spec only: refused where Transformer Engine is
-    in use (its causal attention ignores the mask; its THD path is not wired yet)."""
+    positions, the same gradient (benchmarks/packing.py). Packs the `offgrpo sft` warm-up too. Local layer spec only:
+    refused where Transformer Engine is in use (its causal attention ignores the mask; its THD path is not wired
+    yet)."""
     shared_prompt: bool = False
     """With packing: compute a group's prompt once for its G samples (the prompt, then each response as a branch that
     sees the prompt and itself: a tree mask; rotary angles from position ids): G - 1 fewer copies of every prompt, the

@@ -23,6 +23,7 @@ from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log, sft_progress
+from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
 from megatron_offgrpo.train._run_info import write_run_info
@@ -70,8 +71,9 @@ def sft(config: Config) -> Path:
         start = time.perf_counter()
         samples = teacher_batch(stream.next_batch(batch), tokenizer, teacher, config.sft.off_by_one_fraction)
         ones = torch.ones(len(samples), dtype=torch.float64)
-        mbs = build_microbatches(samples, ones, torch.ones(len(samples), dtype=torch.bool), 1, ctx.dp_rank,
-                                 ctx.dp_size, config.optim.micro_batch_tokens, device=ctx.device)
+        build = build_packed_microbatches if config.optim.packing else build_microbatches
+        mbs = build(samples, ones, torch.ones(len(samples), dtype=torch.bool), 1, ctx.dp_rank, ctx.dp_size,
+                    config.optim.micro_batch_tokens, device=ctx.device)
         tokens = sum(len(s.response_ids) for s in samples)
         lr = policy.optimizer.param_groups[0]["lr"]  # this step's
         result = policy_step(policy.ddp, policy.optimizer, ctx, mbs, SFT_OBJECTIVE, tokens, len(samples))
