@@ -100,7 +100,8 @@ class OffgrpoWorkerExtension:
         """Record the experts every request is routed to from now on (earlier records dropped): router replay.
 
         Refused when the server could not record them whole: prefix caching on (a cached prompt is computed by
-        another request) or compiled/graph execution (Python hooks do not run there).
+        another request), compiled/graph execution (Python hooks do not run there), or pipeline stages (each worker
+        would hold some of the layers' routing).
         """
         runner = self.model_runner
         if runner.cache_config.enable_prefix_caching:
@@ -109,6 +110,9 @@ class OffgrpoWorkerExtension:
         if not runner.model_config.enforce_eager:
             return WorkerAnswer.failed("router replay: this server runs compiled graphs, where the routing hooks "
                                        "do not run; start it with --enforce-eager")
+        if runner.parallel_config.pipeline_parallel_size > 1:  # the client reads one worker's answer: all layers
+            return WorkerAnswer.failed("router replay: a pipeline-parallel server splits the routers over workers; "
+                                       "serve the MoE model with tensor (and expert) parallelism")
         try:
             if getattr(self, "_offgrpo_routing", None) is None:
                 self._offgrpo_routing = RoutingCapture(runner)
