@@ -16,10 +16,12 @@ Install TRL beside the CPU torch (no CUDA build can come in under the torch cons
     pip install --constraint .venv/torch-constraints.txt -e ".[bench-trl]"
 
 ``--vllm-sampler`` also runs offgrpo with vLLM's own CPU sampler (``OFFGRPO_CPU_SAMPLER=vllm``), for the gain of
-``fleet._cpu_sampler``'s inverse-CDF draw.
+``fleet._cpu_sampler``'s inverse-CDF draw. ``--bf16-engine`` also runs offgrpo generating in bfloat16 under its fp32
+trainer (``rollout.dtype=bfloat16``, truncated IS at 2 against the rounding), and reports the trainer / engine
+log-prob gap of both offgrpo runs.
 
 Usage: python benchmarks/vs_trl.py [--steps 4] [--prompts 8] [--group 8] [--tokens 64] [--threads 2]
-[--vllm-sampler]
+[--vllm-sampler] [--bf16-engine]
 """
 
 from __future__ import annotations
@@ -111,20 +113,22 @@ def run_measured(cmd: list[str], env: dict[str, str], log: Path) -> tuple[float,
     return wall, peak
 
 
-def run_ours(args, model_dir: Path, work: Path, env: dict[str, str], name: str = "offgrpo") -> dict:
+def run_ours(args, model_dir: Path, work: Path, env: dict[str, str], name: str = "offgrpo",
+             extra: tuple[str, ...] = ()) -> dict:
     out = work / name
     cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "train", f"model.hf_path={model_dir}", "model.init=hf",
            *DATA, "data.reward=benchmarks._trl_side:length_parity", f"rollout.prompts_per_step={args.prompts}",
            f"rollout.group_size={args.group}", f"rollout.max_new_tokens={args.tokens}", "rollout.refresh_every=1",
            "rollout.temperature=1.0", f"optim.lr={args.lr}", f"train.steps={args.steps}", f"train.out_dir={out}",
-           "train.save_every=0", "train.eval_every=0", "train.loggers=[]", *args.ours]
+           "train.save_every=0", "train.eval_every=0", "train.loggers=[]", *args.ours, *extra]
     wall, peak = run_measured(cmd, env, work / f"{name}.log")
     from megatron_offgrpo.train import read_metrics
 
     records = read_metrics(out)
     walls = [r["wall_s"] for r in records]
     steps = [{"step_s": b - a, "generate_s": r["time_generate_s"], "sync_s": r["time_sync_s"],
-              "completion_tokens": r["response_len"] * args.prompts * args.group}
+              "completion_tokens": r["response_len"] * args.prompts * args.group,
+              "log_ratio_abs_mean": r.get("log_ratio_abs_mean")}
              for a, b, r in zip([0.0] + walls, walls, records)]
     return {"steps": steps, "wall_s": wall, "peak_pss_mb": peak}
 
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ours", nargs="*", default=[], help="extra offgrpo overrides (key=value)")
     parser.add_argument("--vllm-sampler", action="store_true", help="also run offgrpo with vLLM's own CPU sampler "
                         "(OFFGRPO_CPU_SAMPLER=vllm) instead of fleet._cpu_sampler's")
+    parser.add_argument("--bf16-engine", action="store_true", help="also run offgrpo generating in bfloat16 under "
+                        "its fp32 trainer (rollout.dtype=bfloat16, algo.tis_cap=2)")
     args = parser.parse_args(argv)
     try:
         import trl
@@ -207,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             result["ours_vllm_sampler"] = run_ours(args, model_dir, work, env | {"OFFGRPO_CPU_SAMPLER": "vllm"},
                                                    "offgrpo_vllm_sampler")
             print("offgrpo with vLLM's sampler done", flush=True)
+        if args.bf16_engine:
+            result["ours_bf16_engine"] = run_ours(args, model_dir, work, env, "offgrpo_bf16_engine",
+                                                  ("rollout.dtype=bfloat16", "algo.tis_cap=2.0"))
+            print("offgrpo with a bf16 engine done", flush=True)
         result["trl"] = run_trl(args, model_dir, work, env)
         print("TRL done", flush=True)
     train_floor, decode_floor = floors(args)
@@ -215,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     print(line)
     if "ours_vllm_sampler" in result:
         print(side_line("vLLM smp", result["ours_vllm_sampler"])[0])
+    if "ours_bf16_engine" in result:
+        print(side_line("bf16 gen", result["ours_bf16_engine"])[0])
     line, step_trl, tps_trl = side_line("TRL", result["trl"])
     print(line)
     mem = result["ours"]["peak_pss_mb"] / result["trl"]["peak_pss_mb"]
@@ -227,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         other = statistics.median(s["generate_s"] for s in result["ours_vllm_sampler"]["steps"][1:])
         print(f"generation with fleet._cpu_sampler: {other / gen[0]:.2f}x faster than with vLLM's CPU sampler "
               f"({gen[0] / args.tokens * 1000:.0f} vs {other / args.tokens * 1000:.0f} ms per decode step)")
+    if "ours_bf16_engine" in result:
+        bf16 = result["ours_bf16_engine"]["steps"][1:]
+        gap = {k: statistics.median(s["log_ratio_abs_mean"] for s in result[k]["steps"][1:])
+               for k in ("ours", "ours_bf16_engine")}
+        print(f"bf16 generation: completion tokens/s {side_line('', result['ours_bf16_engine'])[2] / tps_trl:.2f}x "
+              f"TRL's, generation {gen[0] / statistics.median(s['generate_s'] for s in bf16):.2f}x faster than fp32; "
+              f"trainer / engine log-prob gap {gap['ours_bf16_engine']:.1e} vs {gap['ours']:.1e} nats per token")
     print(f"floors: training's output-layer GEMMs {train_floor:.2f} s, generation's {decode_floor:.2f} s; "
           f"offgrpo at {(step_ours - gen[0]) / train_floor:.2f}x / {gen[0] / decode_floor:.2f}x of them, "
           f"TRL at {(step_trl - gen[1]) / train_floor:.2f}x / {gen[1] / decode_floor:.2f}x")

