@@ -113,6 +113,8 @@ def stream_hf_buckets(
     dtype: torch.dtype | None = None,
     ep_group=None,
     expert_tp_group=None,
+    dense: bool = True,
+    experts: bool = True,
 ) -> Iterator[Named]:
     """Yield lists of HF ``(name, tensor)`` of about ``bucket_bytes`` from a live model stage.
 
@@ -125,12 +127,18 @@ def stream_hf_buckets(
         tp_group: the TP process group (None: no TP). bucket_bytes: bucket size bound.
         dtype: cast exported tensors (e.g. bf16 for a bf16 fleet); None keeps the parameters' dtype.
         ep_group, expert_tp_group: the MoE expert-parallel and expert-TP groups (None: not split).
+        dense, experts: which parameters this rank takes part in. A replica skips them: a rank of a data-parallel
+            replica its dense ones, a rank of an expert-data-parallel replica its experts. The two differ when the
+            experts are replicated inside a TP group (etp < tp without EP to match: tp=2, etp=1, ep=1), where the TP
+            ranks gather the dense weights together but each holds whole copies of the experts.
     """
     offset = M.layers_of_stage(arch, pp, pp_rank).start
     exporter = all(group is None or dist.get_rank(group) == 0 for group in (tp_group, ep_group))
 
     def per_parameter() -> Iterator[Named]:
         for name, params in _stage_params(model, arch, pp, pp_rank):
+            if not (experts if M.is_expert_kind(M.split_kind(name)) else dense):
+                continue
             full = _gather_full(params, M.split_kind(name), tp_group, expert_tp_group, ep_group)
             if full is not None and exporter:
                 yield [(hf_name, (tensor.to(dtype) if dtype is not None else tensor).contiguous())

@@ -71,6 +71,7 @@ def collect_errors(config: Any) -> list[str]:
     if r.verify_tolerance is not None and r.verify_tolerance < 0:
         errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0 (or null: the precision's default)")
     errors.extend(_optim_errors(config))
+    errors.extend(_parallel_errors(config.parallel))
     if config.data.max_operand < 0:
         errors.append(f"data.max_operand={config.data.max_operand}: must be >= 0")
     if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
@@ -172,3 +173,14 @@ def _algo_errors(config: Any) -> list[str]:
         except (ValueError, TypeError) as exc:
             out.append(f"algo: {exc}")
     return out
+
+
+def _parallel_errors(p: Any) -> list[str]:
+    """``parallel.etp`` and ``parallel.sequence_parallel`` against tp (what megatron would refuse later, named now)."""
+    errors = []
+    if p.etp is not None and p.etp < 1:
+        errors.append(f"parallel.etp={p.etp}: must be >= 1 (or null: parallel.tp)")
+    if p.sequence_parallel and p.tp < 2:
+        errors.append(f"parallel.sequence_parallel=true needs parallel.tp > 1 (tp={p.tp}): sequence parallelism splits "
+                      "each row's positions over the TP ranks; set tp >= 2 or sequence_parallel=null")
+    return errors

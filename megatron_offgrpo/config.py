@@ -50,9 +50,16 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size."""
     ep: int = 1
-    """Expert-parallel size (MoE models): each of ep ranks holds num_experts/ep experts of every layer; ep divides
-    dp (world / tp / pp). MoE training needs tp=1 for now (megatron requires sequence parallelism with MoE and tp > 1,
-    not built yet)."""
+    """Expert-parallel size (MoE models): each of ep ranks holds num_experts/ep experts of every layer; etp x ep
+    divides world / pp."""
+    etp: int | None = None
+    """Expert-tensor-parallel size (MoE models): each expert's weights are split over etp ranks (null: tp). etp=1
+    keeps every expert whole, and EP can then span the TP ranks (tp=2, etp=1, ep=2 on 2 ranks)."""
+    sequence_parallel: bool | None = None
+    """Megatron's sequence parallelism (needs tp > 1): norms, residuals and MoE routing run on s/tp positions of each
+    row, with an all-gather / reduce-scatter over TP around attention and the MLP in place of an all-reduce; rows are
+    padded to a multiple of tp (pads carry no loss). null: on for MoE models at tp > 1 (megatron trains MoE layers
+    with tp > 1 only so), off otherwise; false with a MoE model at tp > 1 is an error."""
     seed: int = 1234
     """Base seed (model-parallel RNG streams, prompt shuffling, sampling)."""
 

@@ -28,6 +28,11 @@ CASES = [  # (overrides, what the message must name)
     (["rollout.overlong_penalty=-0.5"], "rollout.overlong_penalty=-0.5: must be >= 0"),
     (["parallel.tp=0"], "parallel.tp=0: must be >= 1"),
     (["parallel.pp=-1"], "parallel.pp=-1: must be >= 1"),
+    (["parallel.etp=0"], "parallel.etp=0: must be >= 1"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)"),
+    (["model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "parallel.tp=2", "parallel.sequence_parallel=false"],
+     "parallel.sequence_parallel=false with parallel.tp=2: megatron trains mixture-of-experts layers with tp > 1 "
+     "only under sequence parallelism"),
     (["rollout.top_p=0.9", "rollout.engine=transformers"], "rollout.top_p=0.9 needs the log-probs of the truncated"),
     (["parallel.tp=3"], "num_attention_heads=2 is not divisible by tp=3"),
     (["parallel.pp=3"], "num_hidden_layers=2 is not divisible by pp=3"),

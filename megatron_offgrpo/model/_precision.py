@@ -24,9 +24,11 @@ def params_dtype(precision: str) -> torch.dtype:
 def precision_transformer_config(arch: QwenArch, tp: int, pp: int, precision: str, fp8_recipe: str = "delayed",
                                  fp8_amax_history: int = 1024, fp8_margin: int = 0, ep: int = 1,
                                  moe_aux_loss_coef: float | None = None,
-                                 routing_replay: bool = False, etp: int | None = None) -> TransformerConfig:
+                                 routing_replay: bool = False, etp: int | None = None,
+                                 sequence_parallel: bool | None = None) -> TransformerConfig:
     """``transformer_config`` for a policy trained in ``precision`` (``model.precision``, ``model.fp8_*``), with
-    ``ep``, ``etp``, ``moe_aux_loss_coef`` and ``routing_replay`` for MoE archs.
+    ``ep``, ``etp``, ``moe_aux_loss_coef`` and ``routing_replay`` for MoE archs and ``sequence_parallel``
+    (``parallel.sequence_parallel``).
 
     Raises:
         ValueError: fp8 where Transformer Engine is not usable (the message says why and what to use).
@@ -36,7 +38,8 @@ def precision_transformer_config(arch: QwenArch, tp: int, pp: int, precision: st
 
         raise ValueError(f"model.precision='fp8' needs Transformer Engine, but {te_status()[1]}: use bf16 or fp32")
     config = transformer_config(arch, tp, pp, params_dtype=params_dtype(precision), ep=ep,
-                                moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay, etp=etp)
+                                moe_aux_loss_coef=moe_aux_loss_coef, routing_replay=routing_replay, etp=etp,
+                                sequence_parallel=sequence_parallel)
     if precision == "fp8":
         config.fp8 = "hybrid"
         config.fp8_recipe = fp8_recipe

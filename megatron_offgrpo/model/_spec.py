@@ -3,7 +3,8 @@
 Decided once by ``have_te()`` (megatron's ``HAVE_TE`` habit). Parameter names differ between the two specs (TE
 fuses the pre-attention and pre-MLP RMSNorm weights into ``linear_qkv`` / ``linear_fc1`` as
 ``layer_norm_weight``); ``checkpoint_tools`` maps both. The local spec's core attention is ``SdpaAttention``
-(``_sdpa.py``): no parameters, so the names are megatron's.
+(``_sdpa.py``): no parameters, so the names are megatron's; its norms are ``QwenRMSNorm`` (``_norm.py``), torch's
+RMSNorm that also runs under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_offgrpo.runtime import have_te
 
@@ -38,9 +40,31 @@ def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None, num_experts: int 
             raise RuntimeError(f"the Transformer Engine layer spec was requested but {te_status()[1]}")
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts or None,
                                                           moe_grouped_gemm=num_experts > 0, qk_layernorm=qk_norm)
+    from megatron_offgrpo.model._norm import QwenRMSNorm
     from megatron_offgrpo.model._sdpa import SdpaAttention
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm,
                                     normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = SdpaAttention
+    # megatron's torch norm refuses sequence parallelism; the final norm is the block's (``local_block_spec``)
+    layer.input_layernorm = layer.pre_mlp_layernorm = QwenRMSNorm
+    if qk_norm:
+        attention.q_layernorm = attention.k_layernorm = QwenRMSNorm
     return spec
+
+
+def local_block_spec(layer_spec: ModuleSpec, config) -> TransformerBlockSubmodules:
+    """The decoder block of this stage for a local ``layer_spec``: its layers, and ``QwenRMSNorm`` as the final norm
+    (megatron's default block takes the final norm from its module-level choice, torch's norm without apex or TE).
+
+    Args:
+        layer_spec: from ``qwen_layer_spec(..., use_te=False)``. config: the ``TransformerConfig`` (this stage's
+            number of layers follows from it and the pipeline rank, as megatron counts them).
+    """
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_offgrpo.model._norm import QwenRMSNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=QwenRMSNorm)

@@ -125,9 +125,15 @@ class StepRows:
                           routed_experts=None if self.routing is None else self.routing[rows])
 
 
-def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int) -> tuple[int, int, int]:
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``: a row length that sequence parallelism over ``multiple`` TP
+    ranks splits evenly (the extra positions are pads, outside the loss)."""
+    return -(-n // multiple) * multiple
+
+
+def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int, seq_multiple: int) -> tuple[int, int, int]:
     """(positions s, samples per micro-batch b, micro-batches per rank), identical on every rank."""
-    seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1
+    seq_len = round_up(max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1, seq_multiple)
     per_rank = math.ceil(len(samples) / dp_size)
     per_micro = max(1, min(per_rank, token_budget // max(seq_len, 1)))
     return seq_len, per_micro, math.ceil(per_rank / per_micro)
@@ -154,6 +160,7 @@ def build_microbatches(
     dp_size: int = 1,
     token_budget: int = 4096,
     device: torch.device | str = "cpu",
+    seq_multiple: int = 1,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of one step, on ``device``.
 
@@ -163,9 +170,11 @@ def build_microbatches(
         group_size: G. dp_rank, dp_size: this rank and the DP size. token_budget: ~tokens per micro-batch.
         device: where the step runs (``ParallelContext.device``). The rows are filled on the CPU (one small write
             per sample) and each micro-batch is moved once, which is cheaper than many tiny device writes.
+        seq_multiple: rows are a multiple of this many positions (tp under sequence parallelism, which splits each
+            row over the TP ranks: ``train._step.sequence_shard``); the extra positions are pads.
     """
     check_step(samples, advantages, group_size)
-    seq_len, per_micro, count = _layout(samples, dp_size, token_budget)
+    seq_len, per_micro, count = _layout(samples, dp_size, token_budget, seq_multiple)
     rows = StepRows.zeros(count * per_micro, seq_len, samples)
     for row, index in enumerate(deal_groups(samples, group_size, dp_rank, dp_size)):
         rows.put(row, 0, samples[index], bool(sample_valid[index]), float(advantages[index]))

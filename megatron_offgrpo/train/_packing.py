@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._batch import MicroBatch, StepRows, check_step
+from megatron_offgrpo.train._batch import MicroBatch, StepRows, check_step, round_up
 
 
 def balance_groups(group_tokens: Sequence[int], dp_size: int) -> list[list[int]]:
@@ -93,6 +93,7 @@ def build_packed_microbatches(
     dp_size: int = 1,
     token_budget: int = 4096,
     device: torch.device | str = "cpu",
+    seq_multiple: int = 1,
 ) -> list[MicroBatch]:
     """This rank's packed micro-batches of one step (arguments as ``build_microbatches``).
 
@@ -104,7 +105,7 @@ def build_packed_microbatches(
     """
     check_step(samples, advantages, group_size)
     length = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]  # positions: the last token predicts
-    s = max(length)
+    s = round_up(max(length), seq_multiple)  # the pad tail after the last sequence sees only itself (the mask)
     group_tokens = [sum(length[g * group_size:(g + 1) * group_size]) for g in range(len(samples) // group_size)]
     mine = [g * group_size + j for g in balance_groups(group_tokens, dp_size)[dp_rank] for j in range(group_size)]
     packs = [[mine[i] for i in pack] for pack in pack_lengths([length[i] for i in mine], s)]

@@ -33,10 +33,12 @@ class Policy:
     scheduler: object
 
 
-def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> torch.nn.Module:
+def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
+           sequence_parallel: bool | None) -> torch.nn.Module:
     config = precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
                                           model_cfg.fp8_amax_history, model_cfg.fp8_margin, ctx.ep_size,
-                                          model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size)
+                                          model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size,
+                                          sequence_parallel)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     return expose_hidden_states(stage)
 
@@ -52,21 +54,24 @@ def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelCo
 
 
 def build_policy(
-    arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, optim: OptimConfig, steps: int
+    arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, optim: OptimConfig, steps: int,
+    sequence_parallel: bool | None = None,
 ) -> Policy:
-    """The trainable stage with its DDP wrapper, optimizer and schedule (collective: every rank calls it)."""
+    """The trainable stage with its DDP wrapper, optimizer and schedule (collective: every rank calls it);
+    ``sequence_parallel`` as ``parallel.sequence_parallel``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    stage = _stage(arch, ctx, model_cfg)
+    stage = _stage(arch, ctx, model_cfg, sequence_parallel)
     load_initial_weights(stage, arch, ctx, model_cfg)
     ddp = DistributedDataParallel(
         stage.config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.distributed_optimizer),
         module=stage,
     )
-    # The schedules reduce DP grads (and tied-embedding grads across PP) only through this hook.
+    # The schedules reduce DP grads (and tied-embedding grads across PP, and under sequence parallelism the norm and
+    # router grads of each rank's positions across TP) only through this hook.
     stage.config.finalize_model_grads_func = finalize_model_grads
     bf16 = model_cfg.precision in ("bf16", "fp8")
     optimizer = get_megatron_optimizer(
@@ -88,8 +93,8 @@ def build_policy(
 def frozen_copy(
     source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig
 ) -> torch.nn.Module:
-    """A non-trainable stage with ``source``'s weights (reference policy, or behavior snapshot)."""
-    copy = _stage(arch, ctx, model_cfg).eval()
+    """A non-trainable stage with ``source``'s weights and layout (reference policy, or behavior snapshot)."""
+    copy = _stage(arch, ctx, model_cfg, source.config.sequence_parallel).eval()
     copy_weights(source, copy)
     for param in copy.parameters():
         param.requires_grad_(False)

@@ -22,16 +22,18 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
         arch = load_arch(source)
     except (FileNotFoundError, ValueError) as exc:
         return [f"{key}={source}: {exc}"]
+    p = config.parallel
     try:
-        arch.check_layout(config.parallel.tp, config.parallel.pp, config.parallel.ep)
+        arch.check_layout(p.tp, p.pp, p.ep, p.etp)
     except ValueError as exc:
-        ep = f", parallel.ep={config.parallel.ep}" if config.parallel.ep > 1 else ""
-        return [f"parallel.tp={config.parallel.tp}, parallel.pp={config.parallel.pp}{ep}: {line.strip()}"
+        ep = f", parallel.ep={p.ep}" if p.ep > 1 else ""
+        etp = f", parallel.etp={p.etp}" if p.etp is not None else ""
+        return [f"parallel.tp={p.tp}, parallel.pp={p.pp}{ep}{etp}: {line.strip()}"
                 for line in str(exc).splitlines()[1:]]
-    if arch.is_moe and config.parallel.tp > 1:
-        return [f"parallel.tp={config.parallel.tp}: training a mixture-of-experts model with tp > 1 needs megatron's "
-                "sequence parallelism, which is not built yet: use parallel.tp=1 and spread the experts with "
-                "parallel.ep"]
+    if arch.is_moe and p.tp > 1 and p.sequence_parallel is False:
+        return [f"parallel.sequence_parallel=false with parallel.tp={p.tp}: megatron trains mixture-of-experts layers "
+                "with tp > 1 only under sequence parallelism (every TP rank would route the same tokens): set "
+                "parallel.sequence_parallel=null (or true), or parallel.tp=1"]
     if config.model.router_replay and not arch.is_moe:
         return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
     return []

@@ -3,7 +3,9 @@
 Counted by forward hooks on this rank's routers (megatron's ``TopKRouter`` returns the routing map ``[tokens, E]``)
 only while ``counting()`` is open, so probes and evaluation forwards of the same model do not count. Every position
 a router sees is counted, padding included (the padded layout's pad positions are routed like tokens: packing
-removes them). The load-balancing loss is read from megatron's own per-layer tracker, then cleared.
+removes them). The load-balancing loss is read from megatron's own per-layer tracker, then cleared. Under sequence
+parallelism each TP rank routes its own part of every row, and its tracked loss is that part's share (megatron
+normalises by the tokens of all TP ranks): both are summed over TP then, where without it one TP rank counts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class RouterLoad:
 
         self._counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         self._active = False
+        self._tp_split = bool(model.config.sequence_parallel)  # TP ranks route different positions
         for module in model.modules():
             if isinstance(module, TopKRouter):
                 module.register_forward_hook(self._hook(module.layer_number - 1))  # global, 1-based in megatron
@@ -55,29 +58,31 @@ class RouterLoad:
         ``moe_aux_loss``: megatron's load-balancing loss (before its coefficient), mean over layers and micro-batches,
         when it is on. ``microbatches``: this rank's micro-batches in the step.
         """
-        counts = _summed(self._counts, ctx)  # DP ranks route their own tokens; PP stages hold their own layers
+        # DP ranks route their own tokens (and TP ranks under sequence parallelism); PP stages hold their own layers
+        counts = _summed(self._counts, ctx, self._tp_split)
         per_layer_mean = counts.mean(dim=1, keepdim=True).clamp_min(1e-9)
         load = counts / per_layer_mean
         out: dict[str, float | list[float]] = {
             "moe_load_max": float(load.max()), "moe_load_min": float(load.min()),
             "moe_tokens_per_expert": counts.sum(dim=0).tolist(),
         }
-        aux = _take_aux_loss(ctx, counts.shape[0], microbatches)
+        aux = _take_aux_loss(ctx, counts.shape[0], microbatches, self._tp_split)
         if aux is not None:
             out["moe_aux_loss"] = aux
         return out
 
 
-def _summed(local: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """``local`` summed over the ranks that hold different tokens or layers (one TP rank of each: TP ranks see the
-    same tokens), as fp64 on the CPU; reduced on ``ctx.device`` (NCCL reduces only CUDA tensors)."""
-    values = local.to(ctx.device) if ctx.tp_rank == 0 else torch.zeros_like(local, device=ctx.device)
+def _summed(local: torch.Tensor, ctx: ParallelContext, tp_split: bool) -> torch.Tensor:
+    """``local`` summed over the ranks that hold different tokens or layers (one TP rank of each, as TP ranks see the
+    same tokens, unless ``tp_split``: sequence parallelism), as fp64 on the CPU; reduced on ``ctx.device`` (NCCL
+    reduces only CUDA tensors)."""
+    values = local.to(ctx.device) if tp_split or ctx.tp_rank == 0 else torch.zeros_like(local, device=ctx.device)
     if dist.is_initialized() and ctx.world_size > 1:
         dist.all_reduce(values)
     return values.to("cpu", torch.float64)
 
 
-def _take_aux_loss(ctx: ParallelContext, num_layers: int, microbatches: int) -> float | None:
+def _take_aux_loss(ctx: ParallelContext, num_layers: int, microbatches: int, tp_split: bool) -> float | None:
     """Mean over layers and micro-batches (of every DP rank) of megatron's tracked load-balancing loss; None when
     it is off. The tracker is cleared for the next step."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
@@ -87,10 +92,10 @@ def _take_aux_loss(ctx: ParallelContext, num_layers: int, microbatches: int) -> 
               else torch.zeros(num_layers, dtype=torch.float64))
     clear_aux_losses_tracker()
     # per layer, the sum over this rank's micro-batches; then the present flag and the micro-batch count, counted
-    # once per DP rank (its first stage)
-    first_stage = float(ctx.pp_rank == 0)
+    # once per DP rank (its first stage, TP rank 0)
+    first_stage = float(ctx.pp_rank == 0 and ctx.tp_rank == 0)
     packed = _summed(torch.cat([values, torch.tensor([float(entry is not None), microbatches * first_stage],
-                                                     dtype=torch.float64)]), ctx)
+                                                     dtype=torch.float64)]), ctx, tp_split)
     if not packed[-2].item():
         return None
     return float(packed[:-2].sum() / (num_layers * max(packed[-1].item(), 1.0)))

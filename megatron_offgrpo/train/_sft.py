@@ -27,7 +27,7 @@ from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
 from megatron_offgrpo.train._run_info import write_run_info
-from megatron_offgrpo.train._step import policy_step
+from megatron_offgrpo.train._step import policy_step, sequence_shard
 from megatron_offgrpo.train._weights import export_hf_dir
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,12 @@ def teacher_batch(prompts: list[Prompt], tokenizer, teacher: random.Random, off_
 def sft(config: Config) -> Path:
     """Warm up the model of ``config`` for ``train.steps`` steps; returns the HF directory written."""
     started = time.time()
-    ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep)
+    ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep,
+                        etp=config.parallel.etp)
     config.model.hf_path = str(resolve_model_dir(config.model.hf_path))  # once: hub id / bundled asset -> dir
     arch = load_arch(config.model.hf_path)
-    policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
+    policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps,
+                          config.parallel.sequence_parallel)
     tokenizer = load_tokenizer(config.model.hf_path)
     stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
     batch = config.rollout.prompts_per_step * config.rollout.group_size
@@ -73,7 +75,8 @@ def sft(config: Config) -> Path:
         ones = torch.ones(len(samples), dtype=torch.float64)
         build = build_packed_microbatches if config.optim.packing else build_microbatches
         mbs = build(samples, ones, torch.ones(len(samples), dtype=torch.bool), 1, ctx.dp_rank, ctx.dp_size,
-                    config.optim.micro_batch_tokens, device=ctx.device)
+                    config.optim.micro_batch_tokens, device=ctx.device,
+                    seq_multiple=sequence_shard(policy.model, ctx)[1])
         tokens = sum(len(s.response_ids) for s in samples)
         lr = policy.optimizer.param_groups[0]["lr"]  # this step's
         result = policy_step(policy.ddp, policy.optimizer, ctx, mbs, SFT_OBJECTIVE, tokens, len(samples))

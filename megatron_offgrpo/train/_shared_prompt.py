@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._batch import MicroBatch, StepRows, check_step
+from megatron_offgrpo.train._batch import MicroBatch, StepRows, check_step, round_up
 from megatron_offgrpo.train._packing import balance_groups, pack_lengths, tree_mask
 
 
@@ -80,6 +80,7 @@ def build_shared_prompt_microbatches(
     dp_size: int = 1,
     token_budget: int = 4096,
     device: torch.device | str = "cpu",
+    seq_multiple: int = 1,
 ) -> list[MicroBatch]:
     """This rank's shared-prompt micro-batches of one step (arguments as ``build_microbatches``).
 
@@ -91,7 +92,7 @@ def build_shared_prompt_microbatches(
     check_step(samples, advantages, group_size)
     groups = [group_segments(samples[g:g + group_size], g) for g in range(0, len(samples), group_size)]
     longest = max(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
-    s = max([longest] + [seg.length for group in groups for seg in group])
+    s = round_up(max([longest] + [seg.length for group in groups for seg in group]), seq_multiple)
     balanced = balance_groups([sum(seg.length for seg in group) for group in groups], dp_size)[dp_rank]
     mine = [seg for g in balanced for seg in groups[g]]
     packs = [[mine[i] for i in pack] for pack in pack_lengths([seg.length for seg in mine], s)]

@@ -2,7 +2,9 @@
 
 The loss closure receives the last stage's hidden states ``[b, s, H]`` (see ``model.expose_hidden_states``), keeps
 only the rows that enter the loss (response tokens of valid samples: prompts never reach the output GEMM), and
-calls ``kernels.fused_linear_grpo_loss`` with this rank's output-layer shard and the TP group.
+calls ``kernels.fused_linear_grpo_loss`` with this rank's output-layer shard and the TP group. Under sequence
+parallelism the stage gathers the row's positions before handing them over, so the closure sees the same ``[b, s, H]``
+(rows are padded to a multiple of tp by the layouts' ``seq_multiple``; pads never enter the loss).
 
 Normalisation: each micro-batch's loss is ``local_sum / global_normaliser`` (the normaliser counted over the whole
 step and every DP rank). Megatron divides the closure's loss by the number of micro-batches and DDP averages
@@ -67,20 +69,39 @@ def _check_devices(microbatches: Sequence[MicroBatch], device: torch.device) -> 
                              "build_microbatches(..., device=ctx.device) or move it with MicroBatch.to(ctx.device)")
 
 
+def sequence_shard(model, ctx: ParallelContext) -> tuple[int, int]:
+    """``(part, parts)``: which of the equal parts of every row's positions this rank holds inside ``model``'s
+    sequence-parallel regions, ``(tp rank, tp)`` under sequence parallelism, else ``(0, 1)`` (the whole row).
+    ``model``: a stage or its DDP wrapper (both carry megatron's config)."""
+    return (ctx.tp_rank, ctx.tp_size) if model.config.sequence_parallel else (0, 1)
+
+
+def _check_row_length(microbatches: Sequence[MicroBatch], parts: int) -> None:
+    """Raise a ValueError naming the fix when rows cannot be split into ``parts`` equal sequence-parallel parts (the
+    layouts pad them: ``seq_multiple``), rather than failing deep inside megatron's scatter."""
+    s = microbatches[0].tokens.shape[1]
+    if s % parts:
+        raise ValueError(f"micro-batch rows of {s} positions under sequence parallelism over {parts} TP ranks: rows "
+                         f"must be a multiple of {parts} (build them with seq_multiple={parts})")
+
+
 def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callable, forward_only: bool,
-                 device: torch.device) -> None:
-    """Drive megatron's forward-backward schedule over ``microbatches`` with ``loss_closure(mb, hidden)``.
+                 device: torch.device, shard: tuple[int, int] = (0, 1)) -> None:
+    """Drive megatron's forward-backward schedule over ``microbatches`` with ``loss_closure(mb, hidden)``;
+    ``shard`` as ``sequence_shard``.
 
     Raises:
-        ValueError: a micro-batch tensor is not on ``device`` (the model's, ``ParallelContext.device``).
+        ValueError: a micro-batch tensor is not on ``device`` (the model's, ``ParallelContext.device``), or its rows
+            do not split into ``shard[1]`` parts.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     _check_devices(microbatches, device)
+    _check_row_length(microbatches, shard[1])
 
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
-        replay_routing(stage, mb.routed_experts)
+        replay_routing(stage, mb.routed_experts, shard)
         out = stage(mb.tokens, mb.positions, mb.attention_mask)
         return out, lambda hidden: loss_closure(mb, hidden)
 
@@ -96,11 +117,13 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
     )
 
 
-def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None) -> None:
+def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None,
+                   shard: tuple[int, int] = (0, 1)) -> None:
     """Make the MoE routers of ``stage`` use ``routed_experts`` ``[b, s, layers, k]`` (the engine's choices) in the
     next forward, or choose themselves when it is None (a model built without routing replay has nothing to set).
 
-    Megatron's router sees the stage's hidden states as ``[s * b, H]`` (sequence-major), and its replay gathers the
+    Megatron's router sees the stage's hidden states as ``[s * b, H]`` (sequence-major), under sequence parallelism
+    only this rank's part ``shard`` (``sequence_shard``) of the positions, ``[s/tp * b, H]``; its replay gathers the
     router's own probabilities at the given experts, so the gradient still reaches the router.
     """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -114,7 +137,8 @@ def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None) 
             replay.clear_router_replay_action()
             continue
         layer = routed_experts[:, :, module.layer_number - 1]  # [b, s, k], global layer numbers are 1-based
-        replay.set_target_indices(layer.transpose(0, 1).reshape(-1, layer.shape[-1]).long())
+        mine = layer.transpose(0, 1).chunk(shard[1])[shard[0]]  # [s/parts, b, k]: megatron's scatter along s
+        replay.set_target_indices(mine.reshape(-1, layer.shape[-1]).long())
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
@@ -156,7 +180,8 @@ def backward_pass(
         return loss * scale, {}
 
     ddp_model.zero_grad_buffer()
-    run_schedule(ddp_model, microbatches, closure, forward_only=False, device=ctx.device)
+    run_schedule(ddp_model, microbatches, closure, forward_only=False, device=ctx.device,
+                 shard=sequence_shard(ddp_model, ctx))
     packed = torch.stack([loss_total] + [sums[k] for k in SUMMED_METRICS])
     # Only the last stage computed them; TP ranks hold identical copies. Sum over PP, then over DP.
     for group in (ctx.pp_group, ctx.dp_group):
@@ -198,5 +223,5 @@ def token_logprobs(model, ctx: ParallelContext, microbatches: Sequence[MicroBatc
         out.append(logp.reshape(mb.targets.shape).float())
         return hidden.sum() * 0.0, {}
 
-    run_schedule(model, microbatches, closure, forward_only=True, device=ctx.device)
+    run_schedule(model, microbatches, closure, forward_only=True, device=ctx.device, shard=sequence_shard(model, ctx))
     return out

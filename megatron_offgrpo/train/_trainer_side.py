@@ -17,13 +17,19 @@ from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import QwenArch, load_arch
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
-from megatron_offgrpo.train._batch import MicroBatch, build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._batch import (
+    MicroBatch,
+    build_microbatches,
+    global_seq_count,
+    global_token_count,
+    round_up,
+)
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule, save_checkpoint
 from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
 from megatron_offgrpo.train._router_load import RouterLoad
-from megatron_offgrpo.train._step import policy_step, token_logprobs
+from megatron_offgrpo.train._step import policy_step, sequence_shard, token_logprobs
 from megatron_offgrpo.train._weights import export_buckets, export_hf_dir, hf_extra_dirs, model_card
 
 
@@ -50,10 +56,12 @@ class TrainerSide:
     @classmethod
     def build(cls, config: Config) -> TrainerSide:
         """Initialise the process groups and build the policy and its frozen copies (collective)."""
-        ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep)
+        ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep,
+                            etp=config.parallel.etp)
         torch.use_deterministic_algorithms(config.train.deterministic)
         arch = load_arch(config.model.hf_path)
-        policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps)
+        policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps,
+                              config.parallel.sequence_parallel)
         side = cls(config, ctx, arch, policy, config.algo.objective_params(config.rollout.drgrpo_constant()),
                    config.algo.advantage_params())
         if config.rollout.behavior_logprobs == "recompute":
@@ -76,7 +84,8 @@ class TrainerSide:
         build = (build_shared_prompt_microbatches if cfg.optim.shared_prompt else
                  build_packed_microbatches if cfg.optim.packing else build_microbatches)
         microbatches = build(samples, adv.advantages, valid, cfg.rollout.group_size, ctx.dp_rank, ctx.dp_size,
-                             cfg.optim.micro_batch_tokens, device=ctx.device)
+                             cfg.optim.micro_batch_tokens, device=ctx.device,
+                             seq_multiple=sequence_shard(self.policy.model, ctx)[1])
         self.fill_logprobs(microbatches)
         with self.router_load.counting() if self.router_load else contextlib.nullcontext():
             result = policy_step(self.policy.ddp, self.policy.optimizer, ctx, microbatches, self.objective,
@@ -136,12 +145,18 @@ def probe_logprobs(model: torch.nn.Module, ctx: ParallelContext, probe_ids: list
     At temperature 1 whatever the sampling temperature: engines score a given sequence (vLLM's prompt log-probs)
     with the raw distribution, and the probe checks the weights, not the sampler.
     """
-    ids = torch.tensor(probe_ids[:-1]).unsqueeze(0)
+    n = len(probe_ids) - 1
+    # under sequence parallelism the row is split over TP: pad it (pad ids 0, after the probe: causal attention keeps
+    # them out of the probe's log-probs)
+    s = round_up(n, sequence_shard(model, ctx)[1])
+    ids = torch.zeros(1, s, dtype=torch.long)
+    targets = torch.zeros_like(ids)
+    ids[0, :n], targets[0, :n] = torch.tensor(probe_ids[:-1]), torch.tensor(probe_ids[1:])
     zeros = torch.zeros_like(ids, dtype=torch.float32)
-    mb = MicroBatch(ids, torch.arange(ids.shape[1]).unsqueeze(0), torch.tensor(probe_ids[1:]).unsqueeze(0),
-                    torch.ones_like(ids, dtype=torch.bool), zeros, zeros, zeros, torch.zeros_like(ids)).to(ctx.device)
+    mb = MicroBatch(ids, torch.arange(s).unsqueeze(0), targets, torch.arange(s).unsqueeze(0) < n, zeros, zeros, zeros,
+                    torch.zeros_like(ids)).to(ctx.device)
     out = token_logprobs(model, ctx, [mb], temperature=1.0)
-    logp = out[0].reshape(-1).double() if out else torch.zeros(ids.shape[1], dtype=torch.float64, device=ctx.device)
+    logp = out[0].reshape(-1)[:n].double() if out else torch.zeros(n, dtype=torch.float64, device=ctx.device)
     if ctx.tp_rank != 0:
         logp = torch.zeros_like(logp)  # TP ranks hold copies: count one
     dist.all_reduce(logp, group=ctx.pp_group)  # only the last stage computed it

@@ -57,11 +57,15 @@ def export_buckets(model, arch: QwenArch, ctx: ParallelContext, bucket_bytes: in
         model: this rank's stage (unwrapped). arch: its architecture. ctx: the parallel layout.
         bucket_bytes: bucket size bound. dtype: cast exported tensors (None: keep the parameters' dtype).
     """
-    if ctx.expert_dp_rank != 0:  # a replica: the first DP replica (with, for MoE, its EP group) exports
+    # The first DP replica exports the dense weights, the first expert-DP replica the experts (different ranks when
+    # experts are replicated inside a TP group: tp=2, etp=1, ep=1); a rank of neither has nothing to send.
+    dense, experts = ctx.dp_rank == 0, ctx.expert_dp_rank == 0
+    if not (dense or experts):
         return
     tp_group = ctx.tp_group if ctx.tp_size > 1 else None
-    ep_groups = (ctx.ep_group, ctx.expert_tp_group) if arch.is_moe else ()
-    local = stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, tp_group, bucket_bytes, dtype, *ep_groups)
+    ep_groups = (ctx.ep_group, ctx.expert_tp_group) if arch.is_moe else (None, None)
+    local = stream_hf_buckets(model, arch, ctx.pp_size, ctx.pp_rank, tp_group, bucket_bytes, dtype, *ep_groups,
+                              dense=dense, experts=experts)
     exporter = ctx.tp_rank == 0 and ctx.dp_rank == 0
     if ctx.pp_rank == 0:
         for bucket in local:

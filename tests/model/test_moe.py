@@ -152,14 +152,20 @@ def test_production_recipe_layout_fits_qwen3_30b_a3b():
     assert config.model.precision == "fp8" and config.optim.distributed_optimizer
 
 
-def test_moe_training_with_tensor_parallelism_is_refused_in_one_line():
+def test_moe_with_tensor_parallelism_gets_sequence_parallelism():
     """megatron trains MoE layers with tp > 1 only under sequence parallelism (a ValueError at the first training
-    forward otherwise), which the trainer does not build: the recipe check says so before anything starts."""
+    forward otherwise): parallel.sequence_parallel=null turns it on there, and only there; the recipe check passes."""
     from megatron_offgrpo.config import load_config
+    from megatron_offgrpo.model import transformer_config
     from megatron_offgrpo.train._preflight import model_errors
 
+    moe, dense = load_arch(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen3-moe"), load_arch(
+        REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2")
+    layout = dict(use_te=False, perform_initialization=False)
+    assert transformer_config(moe, 2, 1, **layout).sequence_parallel
+    assert not transformer_config(moe, 1, 1, **layout).sequence_parallel
+    assert not transformer_config(dense, 2, 1, **layout).sequence_parallel
+    assert transformer_config(dense, 2, 1, sequence_parallel=True, **layout).sequence_parallel
     config = load_config(REPO / "configs" / "tiny-moe-cpu.yaml",
-                         ["model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "parallel.tp=2"])
-    [error] = model_errors(config)
-    assert error.startswith("parallel.tp=2: training a mixture-of-experts model with tp > 1 needs megatron's "
-                            "sequence parallelism")
+                         ["model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "parallel.tp=2", "parallel.ep=1"])
+    assert model_errors(config) == []

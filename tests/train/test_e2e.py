@@ -123,8 +123,9 @@ def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path,
     assert "MATCH dp=2" in proc.stdout and f"packed={layout == 'packed'}" in proc.stdout
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], [], ["algo.aggregation=seq_mean_token_mean"]],
-                         ids=["tp2", "pp2", "dp2", "dp2-seq-mean"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.pp=2"], [], ["algo.aggregation=seq_mean_token_mean"]],
+                         ids=["tp2", "tp2-sp", "pp2", "dp2", "dp2-seq-mean"])
 def test_packed_gradient_equals_padded(tmp_path, layout):
     """Packed and shared-prompt micro-batches give the padded layout's gradient (tests/workers/train_pack_worker.py)."""
     from tests.helpers import run_torchrun

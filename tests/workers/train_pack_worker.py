@@ -14,7 +14,7 @@ from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, 
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
-from megatron_offgrpo.train._step import backward_pass
+from megatron_offgrpo.train._step import backward_pass, sequence_shard
 from megatron_offgrpo.train._sync import share_samples
 from tests.train.conftest import TINY
 
@@ -35,7 +35,7 @@ def main() -> None:
     assert all(len({tuple(s.prompt_ids) for s in samples[g:g + G]}) == 1 for g in range(0, len(samples), G))
     for build in (build_microbatches, build_packed_microbatches, build_shared_prompt_microbatches):
         mbs = build(samples, adv.advantages, adv.sample_valid, G, ctx.dp_rank, ctx.dp_size, token_budget=96,
-                    device=ctx.device)
+                    device=ctx.device, seq_multiple=sequence_shard(model, ctx)[1])
         counts.append(len(mbs))
         backward_pass(trainer.policy.ddp, ctx, mbs, trainer.objective, global_token_count(samples, adv.sample_valid),
                       global_seq_count(adv.sample_valid))
@@ -46,7 +46,8 @@ def main() -> None:
             err = (grad[name] - padded).abs().max().item() / max(padded.abs().max().item(), 1e-12)
             worst[layout] = max(worst[layout], err)
             assert err < 1e-5, f"{name}: {layout} vs padded relative grad error {err:.3g}"
-    print(f"MATCH tp={ctx.tp_size} pp={ctx.pp_size} dp={ctx.dp_size} micro-batches padded={counts[0]} "
+    print(f"MATCH tp={ctx.tp_size} sp={model.config.sequence_parallel} pp={ctx.pp_size} dp={ctx.dp_size} "
+          f"micro-batches padded={counts[0]} "
           f"packed={counts[1]} shared={counts[2]} worst relative error packed {worst['packed']:.2e} "
           f"shared {worst['shared']:.2e}")
     if rollout is not None:
