@@ -124,8 +124,41 @@ def _cpu_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor 
     return tokens_per_expert
 
 
+def _gloo_uneven_collectives(mappings: types.ModuleType) -> None:
+    """Uneven first-dim gathers and reduce-scatters for gloo, which takes equal-sized tensors only ("ProcessGroupGloo::
+    allgather: invalid tensor size"). Megatron uses them where tokens are split unevenly over expert-TP ranks (the
+    alltoall dispatcher under sequence parallelism with experts split over TP). The gather pads every part to the
+    largest and trims; the reduce-scatter all-reduces the whole tensor and keeps this rank's rows: the same values,
+    more bytes (CPU only). Equal splits keep megatron's own calls."""
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "__offgrpo_cpu_compat__", False):
+        return
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]].contiguous()
+
+    for fn in (gather_along_first_dim, reduce_scatter_along_first_dim):
+        fn.__offgrpo_cpu_compat__ = True
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 def _patch_moe() -> None:
-    """The three CUDA assumptions of megatron-core 0.16's MoE layer (``shared/notes/moe-on-cpu.md``)."""
+    """The CUDA (and NCCL) assumptions of megatron-core 0.16's MoE layer (``shared/notes/moe-on-cpu.md``)."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     # 8. The alltoall dispatcher creates a class-wide `torch.cuda.Stream()` for its device-to-host split copies
@@ -139,6 +172,11 @@ def _patch_moe() -> None:
         moe_utils.te_general_gemm = None
     # 10. `track_moe_metrics` allocates its per-layer buffers with a literal device="cuda".
     _swap_torch_name(moe_utils)
+    # 11. Experts split over TP under sequence parallelism gather and reduce-scatter uneven token counts, which gloo
+    #     refuses.
+    from megatron.core.tensor_parallel import mappings
+
+    _gloo_uneven_collectives(mappings)
 
 
 def apply_cpu_compat() -> list[str]:
@@ -212,6 +250,7 @@ def apply_cpu_compat() -> list[str]:
             "optimizer cuda tensors and type checks->cpu",
             "tied-embedding sync at construction on cpu",
             "moe: alltoall splits without cuda streams, torch router gemm, metrics tracker on cpu",
+            "uneven first-dim gather / reduce-scatter on gloo",
         ]
     )
     logger.info("megatron-core CPU compatibility layer applied: %s", ", ".join(_APPLIED))
