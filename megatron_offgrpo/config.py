@@ -110,7 +110,7 @@ class RolloutConfig:
     bfloat16) | "float32" | "bfloat16". bfloat16 under an fp32 trainer decodes faster on CPUs with bf16 GEMMs
     (avx512_bf16, AMX) but its behavior log-probs carry bf16 rounding: the ``log_ratio_abs_mean`` metric reports the
     gap, ``algo.tis_cap`` corrects for it, and the refresh probe is checked at bf16's tolerance. A fleet generates in
-    the dtype it was started with (``offgrpo fleet start --dtype``)."""
+    the dtype it was started with (the fleet's ``--dtype`` flag)."""
     fleet_state: str | None = None
     """The fleet's state directory written by `offgrpo fleet start` (engine=fleet): its servers and token."""
     prompts_per_step: int = 8
