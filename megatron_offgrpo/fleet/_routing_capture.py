@@ -69,6 +69,7 @@ class _Record:
         self.tokens = np.full(64, -1, dtype=np.int64)
         self.routing = np.zeros((64, layers, top_k), dtype=np.int16)
         self.length = 0
+        self._key: str | None = None  # cached between writes: every take (one per group on a fleet) asks it
 
     def write(self, positions: np.ndarray, tokens: np.ndarray, routing: np.ndarray) -> None:
         end = int(positions.max()) + 1
@@ -79,11 +80,14 @@ class _Record:
         self.tokens[positions] = tokens
         self.routing[positions] = routing
         self.length = max(self.length, end)
+        self._key = None
 
     def key(self) -> str | None:
         """The routing key, or None when a position was never computed here (a prefix from the cache)."""
-        tokens = self.tokens[: self.length]
-        return None if (tokens < 0).any() else routing_key(tokens)
+        if self._key is None:
+            tokens = self.tokens[: self.length]
+            self._key = None if (tokens < 0).any() else routing_key(tokens)
+        return self._key
 
 
 class RoutingCapture:

@@ -12,7 +12,7 @@ from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import RoutingAnswer
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
-from megatron_offgrpo.rollout._routing import routing_keys, with_routing
+from megatron_offgrpo.rollout._routing import with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
@@ -164,8 +164,12 @@ class FleetEngine:
     def _with_routing(self, name: str, samples: list[Sample]) -> list[Sample]:
         """``samples`` (one group from server ``name``) with the routing its worker recorded for them."""
         server = self.servers[name]
-        answers = server.rpc("offgrpo_routing_take", {"keys": routing_keys(samples)}, server.control_timeout_s)
-        return with_routing(samples, RoutingAnswer.from_wire(answers[0] if answers else None), name)
+
+        def take(keys: list[str]) -> RoutingAnswer:
+            answers = server.rpc("offgrpo_routing_take", {"keys": keys}, server.control_timeout_s)
+            return RoutingAnswer.from_wire(answers[0] if answers else None)
+
+        return with_routing(samples, take, name)
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """Every serving server's version and prompt log-probs of ``token_ids`` ([T-1] each).

@@ -1,7 +1,7 @@
 """Router replay's engine half: the experts each token was routed to, recorded while generating.
 
 ``RoutingRecorder`` records them in the transformers engine. vLLM engines record them in their workers
-(``fleet.RoutingAnswer``); ``routing_keys`` and ``with_routing`` claim them for the samples.
+(``fleet.RoutingAnswer``); ``with_routing`` claims them for the samples.
 
 In the transformers engine a forward hook on every layer's router (``mlp.gate``, which returns ``(logits, scores,
 top-k indices)`` in transformers 5's Qwen3-MoE) keeps each call's ``[rows x positions, top_k]`` indices.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -68,22 +68,17 @@ class RoutingRecorder:
         return torch.stack(layers, dim=2)
 
 
-def routing_keys(samples: list[Sample]) -> list[str]:
-    """The distinct ``routing_key``s of ``samples`` (identical samples, e.g. a greedy group, share one routing)."""
-    return list(dict.fromkeys(routing_key(s.prompt_ids + s.response_ids[:-1]) for s in samples))
-
-
-def with_routing(samples: list[Sample], answer: RoutingAnswer, server: str) -> list[Sample]:
-    """``samples`` carrying the routing a vLLM worker recorded for them (``Sample.routed_experts``).
+def with_routing(samples: list[Sample], take: Callable[[list[str]], RoutingAnswer], server: str) -> list[Sample]:
+    """``samples`` carrying the routing a vLLM worker recorded for them (``Sample.routed_experts``), asked of
+    ``take`` once per distinct ``routing_key`` (identical samples, e.g. a greedy group, share one routing).
 
     Raises:
         BadResponse: the worker did not return the routing of every sample (the reason is the worker's): the
             group is generated again.
     """
+    keys = [routing_key(s.prompt_ids + s.response_ids[:-1]) for s in samples]
+    answer = take(list(dict.fromkeys(keys)))
     if not answer.ok:
         raise BadResponse(f"router replay: {server} has no routing for its samples: {answer.error}")
-    out = []
-    for sample in samples:
-        routing = answer.routing[routing_key(sample.prompt_ids + sample.response_ids[:-1])]
-        out.append(dataclasses.replace(sample, routed_experts=torch.from_numpy(routing.copy())))
-    return out
+    return [dataclasses.replace(sample, routed_experts=torch.from_numpy(answer.routing[key].copy()))
+            for sample, key in zip(samples, keys)]

@@ -20,7 +20,7 @@ from typing import Any
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import TOKENIZER_FILES, RoutingAnswer, install_cpu_sampler, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
-from megatron_offgrpo.rollout._routing import routing_keys, with_routing
+from megatron_offgrpo.rollout._routing import with_routing
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import (
@@ -147,7 +147,7 @@ class VLLMEngine:
             )
             samples = self._samples(prompts, outputs, n)
             if self.record_routing:
-                samples = with_routing(samples, self._take_routing(routing_keys(samples)), self.name)
+                samples = with_routing(samples, self._take_routing, self.name)
         return samples
 
     def _take_routing(self, keys: list[str]) -> RoutingAnswer:
