@@ -34,6 +34,8 @@ class MicroBatch:
             (``_packing.block_causal_mask``); None = plain causal attention over each row.
         routed_experts: [b, s, layers, top_k] the engine's experts of each position (router replay), pad positions
             routed to experts 0..k-1; None = the trainer's routers choose.
+        padding: [b, s] bool, True = a pad position (no sample's token there): MoE routers leave it out of their
+            load-balancing loss and the router metrics; None = no pads.
     """
 
     tokens: torch.Tensor
@@ -47,6 +49,7 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
 
     def flat(self, name: str) -> torch.Tensor:
         """A field as ``[b * s]`` in the order of ``hidden.reshape(-1, H)`` of a ``[b, s, H]`` output."""
@@ -75,6 +78,7 @@ class StepRows:
     loss_mask: torch.Tensor
     behavior: torch.Tensor
     advantages: torch.Tensor
+    filled: torch.Tensor
     routing: torch.Tensor | None = None
 
     @classmethod
@@ -90,7 +94,8 @@ class StepRows:
             layers, k = routed[0].shape[1:]
             routing = torch.arange(k, dtype=torch.int16).expand(rows, s, layers, k).clone()
         return cls(torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long),
-                   torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape), routing)
+                   torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape),
+                   torch.zeros(shape, dtype=torch.bool), routing)
 
     def put(self, row: int, start: int, sample: Sample, valid: bool, advantage: float, first: int = 0,
             last: int | None = None) -> int:
@@ -107,6 +112,7 @@ class StepRows:
         self.targets[row, span] = torch.tensor(full[first + 1:last + 1])
         self.positions[row, span] = torch.arange(first, last)
         self.advantages[row, span] = advantage
+        self.filled[row, span] = True
         if self.routing is not None:
             self.routing[row, span] = sample.routed_experts[first:last]
         lo, hi = max(p - 1, first), last  # the response's targets: positions p-1 .. end-1
@@ -119,10 +125,11 @@ class StepRows:
 
     def microbatch(self, rows: slice, seq_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MicroBatch:
         """The micro-batch of ``rows`` (on the CPU)."""
-        behavior = self.behavior[rows]
+        behavior, padding = self.behavior[rows], ~self.filled[rows]
         return MicroBatch(self.tokens[rows], self.positions[rows], self.targets[rows], self.loss_mask[rows], behavior,
                           self.advantages[rows], behavior.clone(), seq_ids, attention_mask=attention_mask,
-                          routed_experts=None if self.routing is None else self.routing[rows])
+                          routed_experts=None if self.routing is None else self.routing[rows],
+                          padding=padding if bool(padding.any()) else None)
 
 
 def round_up(n: int, multiple: int) -> int:

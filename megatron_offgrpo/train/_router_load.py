@@ -1,11 +1,12 @@
 """How a MoE policy's routers spread one optimizer step's tokens over the experts: the step's router metrics.
 
 Counted by forward hooks on this rank's routers (megatron's ``TopKRouter`` returns the routing map ``[tokens, E]``)
-only while ``counting()`` is open, so probes and evaluation forwards of the same model do not count. Every position
-a router sees is counted, padding included (the padded layout's pad positions are routed like tokens: packing
-removes them). The load-balancing loss is read from megatron's own per-layer tracker, then cleared. Under sequence
-parallelism each TP rank routes its own part of every row, and its tracked loss is that part's share (megatron
-normalises by the tokens of all TP ranks): both are summed over TP then, where without it one TP rank counts.
+only while ``counting()`` is open, so probes and evaluation forwards of the same model do not count. Pad positions
+are routed like tokens (their outputs are never used) but not counted: the step hands megatron each micro-batch's
+``padding_mask``, which keeps them out of its load-balancing loss too. The load-balancing loss is read from
+megatron's own per-layer tracker, then cleared. Under sequence parallelism each TP rank routes its own part of every
+row, and its tracked loss is that part's share (megatron normalises by the tokens of all TP ranks): both are summed
+over TP then, where without it one TP rank counts.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class RouterLoad:
     def _hook(self, layer: int):
         def count(module, inputs, output) -> None:
             if self._active:
-                routing_map = output[1]
+                routing_map = output[1]  # [positions, E], sequence-major as the router's padding mask [s, b]
+                if len(inputs) > 1 and inputs[1] is not None:
+                    routing_map = routing_map[~inputs[1].reshape(-1)]
                 self._counts[layer] += routing_map.sum(dim=0).to(device="cpu", dtype=torch.float64)
 
         return count

@@ -102,7 +102,7 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
     def forward_step(data_iterator, stage):
         mb = next(data_iterator)
         replay_routing(stage, mb.routed_experts, shard)
-        out = stage(mb.tokens, mb.positions, mb.attention_mask)
+        out = stage(mb.tokens, mb.positions, mb.attention_mask, **_padding_kwargs(stage, mb.padding, shard))
         return out, lambda hidden: loss_closure(mb, hidden)
 
     first = microbatches[0]
@@ -115,6 +115,22 @@ def run_schedule(model, microbatches: Sequence[MicroBatch], loss_closure: Callab
         micro_batch_size=first.tokens.shape[0],
         forward_only=forward_only,
     )
+
+
+def _padding_kwargs(stage: torch.nn.Module, padding: torch.Tensor | None, shard: tuple[int, int]) -> dict:
+    """The ``padding_mask`` argument of a MoE stage's forward (megatron's: True = pad, kept out of the routers'
+    load-balancing loss and token counts), or nothing for a dense stage or a micro-batch without pads.
+
+    Megatron splits the mask along the sequence in the embedding stage only (under sequence parallelism): a later
+    pipeline stage is given this rank's part ``shard`` of the positions already.
+    """
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if padding is None or not stage.config.num_moe_experts:
+        return {}
+    if shard[1] > 1 and not get_attr_wrapped_model(stage, "pre_process"):
+        padding = padding.transpose(0, 1).chunk(shard[1])[shard[0]].transpose(0, 1)
+    return {"padding_mask": padding}
 
 
 def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None,

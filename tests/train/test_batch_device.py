@@ -11,11 +11,13 @@ import torch
 
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.train._batch import MicroBatch, build_microbatches
+from megatron_offgrpo.train._packing import build_packed_microbatches
+from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 from megatron_offgrpo.train._step import run_schedule
 
 DTYPES = {"tokens": torch.long, "positions": torch.long, "targets": torch.long, "loss_mask": torch.bool,
           "behavior_logp": torch.float32, "advantages": torch.float32, "fleet_logp": torch.float32,
-          "seq_ids": torch.long}
+          "seq_ids": torch.long, "padding": torch.bool}
 
 
 def _samples() -> list[Sample]:
@@ -74,3 +76,28 @@ def test_schedule_refuses_a_micro_batch_off_the_model_device():
     with pytest.raises(ValueError,
                        match=r"micro-batch 0 has tensors \{'ref_logp': 'meta'\} off the model's device cpu"):
         run_schedule(None, [mb], lambda m, h: None, forward_only=True, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("build", [build_microbatches, build_packed_microbatches, build_shared_prompt_microbatches])
+def test_padding_marks_exactly_the_positions_no_sample_fills(build):
+    """Every layout marks its pads (MoE routers leave them out of the load-balancing loss and the router metrics):
+    the unmarked positions are each sample's tokens less its last (the shared-prompt layout writes a group's common
+    prompt once), and a micro-batch without pads carries no mask."""
+    groups = [([5, 6, 7], [[9, 9, 9], [9]]), ([8, 8], [[9, 9], [9, 9, 9]])]
+    samples = [Sample(f"p{g}", g, prompt, response, [-0.5] * len(response), 0, "stop", reward=float(j))
+               for g, (prompt, responses) in enumerate(groups) for j, response in enumerate(responses)]
+    microbatches = build(samples, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, dtype=torch.bool), 2,
+                         token_budget=10, seq_multiple=4)
+    filled = sum(int((~mb.padding).sum()) if mb.padding is not None else mb.tokens.numel() for mb in microbatches)
+    # 5 + 3 + 3 + 4 positions; sharing writes each group's prompt (less its last token) once: 2 + 1 fewer
+    assert filled == (15 - 3 if build is build_shared_prompt_microbatches else 15)
+    for mb in microbatches:
+        assert mb.padding is None or bool(mb.padding.any())
+        if mb.padding is not None:
+            assert not mb.loss_mask[mb.padding].any()  # no pad position enters the loss
+
+
+def test_a_micro_batch_without_pads_carries_no_mask():
+    full = [Sample("p0", 0, [5, 6], [9, 9], [-0.5] * 2, 0, "stop", reward=float(i)) for i in range(2)]
+    (mb,) = build_microbatches(full, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool), 2)
+    assert mb.padding is None and mb.tokens.shape == (2, 3)

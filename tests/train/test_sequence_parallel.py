@@ -17,6 +17,7 @@ from tests.train.conftest import metrics, train_proc
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 WORKER = REPO / "tests" / "workers" / "sp_step_worker.py"
+PROMPT_LENGTH, RESPONSE_LENGTHS = 5, (3, 6, 9, 4, 5, 7, 2, 8)  # the worker's samples
 ADAM_EPS_ELEMENTS = 2  # see _assert_same_steps
 
 
@@ -40,8 +41,9 @@ def moe_single(hf_dirs, tmp_path_factory) -> dict:
 
 
 def _assert_same_steps(a: dict, b: dict, weight_tol: float) -> float:
-    """Both steps' loss and metrics (router load aside: pads are routed too, and the rows differ in length) to 1e-5
-    relative, the updated weights to ``weight_tol``; returns the worst weight difference.
+    """Both steps' loss and metrics to 1e-5 relative, the router's tokens per expert exactly (the rows differ in
+    length, but pad positions are not counted), the updated weights to ``weight_tol``; returns the worst weight
+    difference.
 
     Adam's first step is ``lr * g / (|g| + eps)``: for a gradient element within a few eps of 0 (1e-8), a 1e-9
     difference in summation order moves the update by a sizeable part of lr (measured: 1 element of 4,096 moved
@@ -49,8 +51,9 @@ def _assert_same_steps(a: dict, b: dict, weight_tol: float) -> float:
     """
     for sa, sb in zip(a["steps"], b["steps"]):
         for key, value in sa.items():
-            if isinstance(value, float) and not key.startswith("moe_") and math.isfinite(value):
+            if isinstance(value, float) and math.isfinite(value):
                 assert sb[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert sa.get("moe_tokens_per_expert") == sb.get("moe_tokens_per_expert")
     worst = 0.0
     for wa, wb in zip(a["weights"], b["weights"]):
         assert sorted(wa) == sorted(wb)
@@ -61,9 +64,14 @@ def _assert_same_steps(a: dict, b: dict, weight_tol: float) -> float:
     return worst
 
 
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.etp=1"]], ids=["tp2", "tp2-etp1"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.etp=1"],
+                                    ["parallel.tp=2", "parallel.pp=2"]], ids=["tp2", "tp2-etp1", "tp2-pp2"])
 def test_moe_steps_at_tp2_with_sequence_parallelism_equal_single_process(hf_dirs, moe_single, tmp_path, layout):
-    split = _steps(tmp_path, hf_dirs["qwen3_moe"], 2, *layout)
+    """tp2-pp2: the second stage is handed its own part of each row's pad mask (megatron splits it in the first)."""
+    split = _steps(tmp_path, hf_dirs["qwen3_moe"], 2 * (2 if "parallel.pp=2" in layout else 1), *layout)
+    positions = sum(PROMPT_LENGTH + n - 1 for n in RESPONSE_LENGTHS)  # every sample's, pads left out
+    for step in moe_single["steps"]:  # padded, then packed: rows of other lengths, the same count
+        assert sum(step["moe_tokens_per_expert"]) == positions * 2 * 2  # 2 layers, top-2
     worst = _assert_same_steps(moe_single, split, weight_tol=1e-5)
     print(f"{layout}: worst weight difference {worst:.2e}")
 
@@ -83,5 +91,5 @@ def test_moe_trains_end_to_end_at_tp2(tmp_path):
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
         assert math.isfinite(r["loss"]) and not r["skipped"] and r["moe_aux_loss"] > 0
-        # every routed position of every row, top-2, in each of the 2 layers, counted once over the two TP ranks
+        # every sample's position (pads left out), top-2, in each of the 2 layers, counted once over the two TP ranks
         assert len(r["moe_tokens_per_expert"]) == 8 and sum(r["moe_tokens_per_expert"]) % (2 * 2) == 0

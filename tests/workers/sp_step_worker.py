@@ -20,7 +20,7 @@ from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 G = 4
-RESPONSE_LENGTHS = (3, 6, 9, 4, 5, 7, 2, 8)  # longest: a prompt of 5 + 9 - 1 = 13 positions, odd
+PROMPT_LENGTH, RESPONSE_LENGTHS = 5, (3, 6, 9, 4, 5, 7, 2, 8)  # longest: 5 + 9 - 1 = 13 positions, odd
 
 
 def fixed_samples(vocab: int, layers: int, experts: int, top_k: int) -> list[Sample]:
@@ -29,7 +29,8 @@ def fixed_samples(vocab: int, layers: int, experts: int, top_k: int) -> list[Sam
     gen = torch.Generator().manual_seed(7)
     samples = []
     for i, n in enumerate(RESPONSE_LENGTHS):
-        prompt = torch.randint(1, vocab, (5,), generator=gen).tolist() if i % G == 0 else samples[-1].prompt_ids
+        fresh = i % G == 0
+        prompt = torch.randint(1, vocab, (PROMPT_LENGTH,), generator=gen).tolist() if fresh else samples[-1].prompt_ids
         response = torch.randint(1, vocab, (n,), generator=gen).tolist()
         behavior = (-2.0 - torch.rand(n, generator=gen)).tolist()
         sample = Sample(f"p{i // G}", i // G, list(prompt), response, behavior, 0, "stop", reward=float(i % 3 == 0))
@@ -43,8 +44,8 @@ def fixed_samples(vocab: int, layers: int, experts: int, top_k: int) -> list[Sam
 def main() -> None:
     out, hf_dir, *overrides = sys.argv[1:]
     arch = load_arch(hf_dir)
-    moe = ["model.router_replay=true", "model.moe_aux_loss_coef=0"] if arch.is_moe else []
-    # aux loss off: padding rows to a multiple of tp adds pad positions, which the load-balancing loss counts
+    # the load-balancing loss on: rows padded to a multiple of tp add pad positions, which it must leave out
+    moe = ["model.router_replay=true", "model.moe_aux_loss_coef=0.01"] if arch.is_moe else []
     config = load_config(None, [f"model.hf_path={hf_dir}", "model.init=hf", "rollout.engine=transformers",
                                 f"rollout.group_size={G}", "rollout.prompts_per_step=2", "optim.lr=1e-3",
                                 "rollout.behavior_logprobs=recompute", "algo.kl_beta=0.05", "train.deterministic=true",
