@@ -48,7 +48,8 @@ class DistModelCard:
     Attributes:
         hf_config: the HF ``config.json`` of the architecture (with the source model's token ids).
         params_dtype: dtype name of the saved parameters ("float32", "bfloat16"), and of the HF export.
-        layout: {"tp", "pp", "dp", "ep"} of the run that saved it (informational: loading reshards).
+        layout: {"tp", "pp", "dp", "ep", "etp"} of the run that saved it (informational: loading reshards; "ep" and
+            "etp" absent from checkpoints written before MoE support, "etp" from those before ``parallel.etp``).
     """
 
     hf_config: dict
@@ -201,8 +202,9 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
 
             destroy_parallel()
     layout = card.layout
-    logger.info("trainer checkpoint (saved at tp=%s pp=%s dp=%s ep=%s) -> HF in %.2f s: %s", layout.get("tp"),
-                layout.get("pp"), layout.get("dp"), layout.get("ep", 1), time.perf_counter() - start, out)
+    logger.info("trainer checkpoint (saved at tp=%s pp=%s dp=%s ep=%s etp=%s) -> HF in %.2f s: %s", layout.get("tp"),
+                layout.get("pp"), layout.get("dp"), layout.get("ep", 1), layout.get("etp", layout.get("tp")),
+                time.perf_counter() - start, out)
     return out
 
 

@@ -52,6 +52,9 @@ def test_run_exports_and_converted_checkpoint_score_like_the_trainer(tmp_path, l
     probe = json.loads((run / "trainer_probe.json").read_text())
     ckpt = Path(probe["checkpoint"])
     assert ckpt.name == "step_00000002" and (ckpt / "offgrpo_model.json").is_file()
+    tp = 2 if "parallel.tp=2" in layout else 1
+    assert json.loads((ckpt / "offgrpo_model.json").read_text())["layout"] == {"tp": tp, "pp": 2 // tp, "dp": 1,
+                                                                                "ep": 1, "etp": tp}
     out = tmp_path / "converted"
     proc = convert("--ckpt", str(ckpt), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]

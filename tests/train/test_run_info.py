@@ -23,7 +23,7 @@ class _Arch:
     model_type: str = "qwen2"
 
 
-_CTX = SimpleNamespace(world_size=2, tp_size=2, pp_size=1, dp_size=1, device="cpu")
+_CTX = SimpleNamespace(world_size=2, tp_size=2, pp_size=1, dp_size=1, ep_size=1, expert_tp_size=2, device="cpu")
 _CONFIG = SimpleNamespace(to_dict=lambda: {"rollout": {"engine": "auto"}})
 
 
@@ -38,7 +38,8 @@ def test_run_info_records_package_start_host_versions_and_engine(tmp_path, engin
     assert info["rollout_engine"] == name and info["config"] == {"rollout": {"engine": "auto"}}
     assert datetime.fromisoformat(info["started_utc"]).timestamp() == pytest.approx(started)
     assert info["started_utc"].endswith("+00:00") and info["host"] == socket.gethostname()
-    assert info["tp"] == 2 and info["arch"] == {"model_type": "qwen2"}
+    assert (info["tp"], info["pp"], info["dp"], info["ep"], info["etp"]) == (2, 1, 1, 1, 2)
+    assert info["arch"] == {"model_type": "qwen2"}
 
 
 def test_the_vllm_version_is_read_without_importing_it_and_null_when_absent(monkeypatch):
