@@ -56,8 +56,9 @@ demo: setup
 convert-demo: setup
 	$(VENV)/bin/offgrpo convert roundtrip
 
+# the 15 slowest tests are named at the end: the suite's time budget (~30 min on 2 cores) is watched from there
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not multiproc and not slow"
