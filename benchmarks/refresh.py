@@ -141,9 +141,9 @@ def trainer(args: argparse.Namespace) -> None:
     from checkpoint_tools import load_hf_into_stage, open_safetensors_dir, stream_hf_buckets
     from megatron_offgrpo.model import build_gpt_stage, load_arch, transformer_config
     from megatron_offgrpo.rollout import FleetEngine, make_probe_ids, probe_atol, verify_refresh
-    from megatron_offgrpo.runtime import init_parallel, use_huge_pages
+    from megatron_offgrpo.runtime import init_parallel, tune_cpu_memory
 
-    use_huge_pages()  # as `offgrpo train` does
+    tune_cpu_memory()  # as `offgrpo train` does
     init_parallel(1, 1)
     arch = load_arch(args.hf)
     model = build_gpt_stage(arch, transformer_config(arch, 1, 1), True, True)
@@ -192,9 +192,9 @@ def install_cost(args: argparse.Namespace) -> None:
 
     from megatron_offgrpo.transports import read_version_dir
     from megatron_offgrpo.fleet import EXTENSION
-    from megatron_offgrpo.runtime import use_huge_pages
+    from megatron_offgrpo.runtime import tune_cpu_memory
 
-    use_huge_pages()  # as the fleet's servers run
+    tune_cpu_memory()  # as the fleet's servers run
 
     llm = LLM(model=args.hf, dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True,
               worker_extension_cls=EXTENSION)

@@ -18,10 +18,12 @@ Install TRL beside the CPU torch (no CUDA build can come in under the torch cons
 ``--vllm-sampler`` also runs offgrpo with vLLM's own CPU sampler (``OFFGRPO_CPU_SAMPLER=vllm``), for the gain of
 ``fleet._cpu_sampler``'s inverse-CDF draw. ``--bf16-engine`` also runs offgrpo generating in bfloat16 under its fp32
 trainer (``rollout.dtype=bfloat16``, truncated IS at 2 against the rounding), and reports the trainer / engine
-log-prob gap of both offgrpo runs.
+log-prob gap of both offgrpo runs. offgrpo's processes keep freed large buffers in malloc's heap and back them with
+huge pages (``runtime.tune_cpu_memory``); ``--trl-tuned`` also runs TRL with the same settings, to tell that gain
+from the rest. The floors are timed with those settings too (their outputs fault no fresh pages).
 
 Usage: python benchmarks/vs_trl.py [--steps 4] [--prompts 8] [--group 8] [--tokens 64] [--threads 2]
-[--vllm-sampler] [--bf16-engine]
+[--vllm-sampler] [--bf16-engine] [--trl-tuned]
 """
 
 from __future__ import annotations
@@ -133,14 +135,14 @@ def run_ours(args, model_dir: Path, work: Path, env: dict[str, str], name: str =
     return {"steps": steps, "wall_s": wall, "peak_pss_mb": peak}
 
 
-def run_trl(args, model_dir: Path, work: Path, env: dict[str, str]) -> dict:
+def run_trl(args, model_dir: Path, work: Path, env: dict[str, str], name: str = "trl") -> dict:
     prompts = work / "prompts.json"
     prompts.write_text(json.dumps(prompt_texts(model_dir, args.prompts * args.steps)))
-    result = work / "trl.json"
+    result = work / f"{name}.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "_trl_side.py"), str(model_dir), str(prompts), str(result),
            f"--steps={args.steps}", f"--prompts={args.prompts}", f"--group={args.group}", f"--tokens={args.tokens}",
            f"--lr={args.lr}"]
-    wall, peak = run_measured(cmd, env, work / "trl.log")
+    wall, peak = run_measured(cmd, env, work / f"{name}.log")
     return json.loads(result.read_text()) | {"wall_s": wall, "peak_pss_mb": peak}
 
 
@@ -148,6 +150,9 @@ def floors(args) -> tuple[float, float]:
     """(training's three output-layer GEMMs per step, generation's output-layer GEMMs per step), seconds."""
     import torch
 
+    from megatron_offgrpo.runtime import tune_cpu_memory
+
+    tune_cpu_memory()  # the GEMMs' outputs reuse their pages, as in offgrpo's processes: no page faults timed
     torch.set_num_threads(args.threads)
     hidden, vocab = 128, 151936
     n = args.prompts * args.group
@@ -193,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(OFFGRPO_CPU_SAMPLER=vllm) instead of fleet._cpu_sampler's")
     parser.add_argument("--bf16-engine", action="store_true", help="also run offgrpo generating in bfloat16 under "
                         "its fp32 trainer (rollout.dtype=bfloat16, algo.tis_cap=2)")
+    parser.add_argument("--trl-tuned", action="store_true", help="also run TRL with the CPU memory settings offgrpo "
+                        "gives itself (runtime.tune_cpu_memory: huge pages, freed buffers kept by malloc)")
     args = parser.parse_args(argv)
     try:
         import trl
@@ -219,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
             print("offgrpo with a bf16 engine done", flush=True)
         result["trl"] = run_trl(args, model_dir, work, env)
         print("TRL done", flush=True)
+        if args.trl_tuned:
+            from megatron_offgrpo.runtime import tune_cpu_memory
+
+            tuned = dict(env)
+            tune_cpu_memory(tuned)
+            result["trl_tuned"] = run_trl(args, model_dir, work, tuned, "trl_tuned")
+            print("TRL with offgrpo's memory settings done", flush=True)
     train_floor, decode_floor = floors(args)
     print(f"\n{'':8} {'step s':>8} {'gen s':>8} {'rest s':>8} {'compl tok/s':>10} {'wall s':>8} {'peak GB':>8}")
     line, step_ours, tps_ours = side_line("offgrpo", result["ours"])
@@ -229,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         print(side_line("bf16 gen", result["ours_bf16_engine"])[0])
     line, step_trl, tps_trl = side_line("TRL", result["trl"])
     print(line)
+    if "trl_tuned" in result:
+        print(side_line("TRL tuned", result["trl_tuned"])[0])
     mem = result["ours"]["peak_pss_mb"] / result["trl"]["peak_pss_mb"]
     wall = result["trl"]["wall_s"] / result["ours"]["wall_s"]
     print(f"\noffgrpo / TRL: completion tokens/s {tps_ours / tps_trl:.2f}x (goal >= 5x), step time "
@@ -246,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bf16 generation: completion tokens/s {side_line('', result['ours_bf16_engine'])[2] / tps_trl:.2f}x "
               f"TRL's, generation {gen[0] / statistics.median(s['generate_s'] for s in bf16):.2f}x faster than fp32; "
               f"trainer / engine log-prob gap {gap['ours_bf16_engine']:.1e} vs {gap['ours']:.1e} nats per token")
+    if "trl_tuned" in result:
+        tps_tuned = side_line("", result["trl_tuned"])[2]
+        print(f"TRL with offgrpo's memory settings: offgrpo / TRL {tps_ours / tps_tuned:.2f}x the completion tokens/s")
     print(f"floors: training's output-layer GEMMs {train_floor:.2f} s, generation's {decode_floor:.2f} s; "
           f"offgrpo at {(step_ours - gen[0]) / train_floor:.2f}x / {gen[0] / decode_floor:.2f}x of them, "
           f"TRL at {(step_trl - gen[1]) / train_floor:.2f}x / {gen[1] / decode_floor:.2f}x")

@@ -14,7 +14,7 @@ from typing import Callable, NoReturn
 from checkpoint_tools._io import CheckpointError
 from checkpoint_tools._mapping import UnknownTensorError
 from megatron_offgrpo.model import UnsupportedConfigError
-from megatron_offgrpo.runtime import use_huge_pages
+from megatron_offgrpo.runtime import tune_cpu_memory
 
 
 class Parser(argparse.ArgumentParser):
@@ -45,7 +45,7 @@ def fail(message: object) -> NoReturn:
 
 def run_cli(fn: Callable[[], object]) -> None:
     """Run a conversion; user errors print one line naming file/tensor/field and exit 2 (no traceback)."""
-    use_huge_pages()  # a CLI process, before any tensor work: covers the whole conversion
+    tune_cpu_memory()  # a CLI process, before any tensor work: covers the whole conversion
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         fn()

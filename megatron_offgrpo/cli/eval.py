@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from megatron_offgrpo.data import get_reward
     from megatron_offgrpo.model import resolve_model_dir
+    from megatron_offgrpo.runtime import tune_cpu_memory
     from megatron_offgrpo.train import evaluate
     from megatron_offgrpo.train import make_rollout_engine
     from megatron_offgrpo.train import config_or_exit
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
+    tune_cpu_memory()  # as in training: every decode step's logits reuse pages, not fault fresh ones
     engine = make_rollout_engine(config, Path(model), None, positions)
     try:
         result = evaluate(engine, prompts, get_reward(config.data.reward), tokenizer, config.rollout.max_new_tokens,

@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
+    from megatron_offgrpo.runtime import tune_cpu_memory
     from megatron_offgrpo.train import sft
 
+    tune_cpu_memory()  # every step's loss chunks over the vocabulary: pages reused, not faulted
     print(f"warm-up model: {sft(config)}")
 
 

@@ -24,10 +24,10 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
-    from megatron_offgrpo.runtime import use_huge_pages
+    from megatron_offgrpo.runtime import tune_cpu_memory
     from megatron_offgrpo.train import NoLearningSignalError, train
 
-    use_huge_pages()  # every refresh exports (and an in-process engine reloads) the whole model into fresh buffers
+    tune_cpu_memory()  # every step's logits and loss chunks, every refresh's whole model: pages reused, not faulted
     try:
         result = train(config)
     except NoLearningSignalError as exc:  # the task against the policy, not a fault: one line, no traceback

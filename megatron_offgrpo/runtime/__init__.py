@@ -3,7 +3,7 @@
 from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
 from megatron_offgrpo.runtime._device import default_backend, has_cuda, have_te, hide_broken_te, te_status
 from megatron_offgrpo.runtime._distributed import ParallelContext, destroy_parallel, init_parallel
-from megatron_offgrpo.runtime._memory import use_huge_pages
+from megatron_offgrpo.runtime._memory import tune_cpu_memory
 
 __all__ = [
     "ParallelContext",
@@ -15,5 +15,5 @@ __all__ = [
     "hide_broken_te",
     "init_parallel",
     "te_status",
-    "use_huge_pages",
+    "tune_cpu_memory",
 ]

@@ -29,7 +29,7 @@ def tree(hf_models, tmp_path, monkeypatch) -> Path:
     tmp_path/junk is someone's directory of other files."""
     import shutil
 
-    monkeypatch.setattr("checkpoint_tools._cli.use_huge_pages", lambda: None)  # keep the test process's env as is
+    monkeypatch.setattr("checkpoint_tools._cli.tune_cpu_memory", lambda: None)  # keep the test process's env as is
     monkeypatch.chdir(tmp_path)
     shutil.copytree(hf_models["qwen2_untied"], tmp_path / "D" / "hf")  # 4 heads, 2 KV heads, 4 layers, vocab 256
     hf_to_megatron_dir(tmp_path / "D" / "hf", tmp_path / "D" / "mega", tp=2, pp=1)

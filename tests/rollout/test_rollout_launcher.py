@@ -53,13 +53,17 @@ def test_cpu_server_command(tiny_dir):
     assert cores is not None and len(cores) >= 1
 
 
-def test_servers_get_huge_pages_unless_the_user_chose(tiny_dir, monkeypatch):
+def test_servers_get_the_cpu_memory_settings_unless_the_user_chose(tiny_dir, monkeypatch):
     spec = FleetSpec(model_dir=tiny_dir)
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    # a refresh's buffers: 4x faster here
-    assert server_command(spec, 0, 8000, gpus=0)[1]["THP_MEM_ALLOC_ENABLE"] == "1"
+    for name in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    # a refresh's buffers: 4x faster here; a decode step's logits reuse the last step's pages
+    env = server_command(spec, 0, 8000, gpus=0)[1]
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1" and env["MALLOC_MMAP_THRESHOLD_"] == str(256 << 20)
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    assert server_command(spec, 0, 8000, gpus=0)[1]["THP_MEM_ALLOC_ENABLE"] == "0"
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    env = server_command(spec, 0, 8000, gpus=0)[1]
+    assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["MALLOC_TRIM_THRESHOLD_"] == "0"
 
 
 def test_gpu_server_command_places_tp_groups(tiny_dir):
