@@ -3,7 +3,7 @@
 from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
 from megatron_offgrpo.runtime._device import default_backend, has_cuda, have_te, hide_broken_te, te_status
 from megatron_offgrpo.runtime._distributed import ParallelContext, destroy_parallel, init_parallel
-from megatron_offgrpo.runtime._memory import tune_cpu_memory
+from megatron_offgrpo.runtime._memory import release_free_memory, tune_cpu_memory
 
 __all__ = [
     "ParallelContext",
@@ -14,6 +14,7 @@ __all__ = [
     "have_te",
     "hide_broken_te",
     "init_parallel",
+    "release_free_memory",
     "te_status",
     "tune_cpu_memory",
 ]

@@ -15,6 +15,7 @@ from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
+from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
 from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
@@ -79,6 +80,7 @@ class RolloutSide:
         params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_))
         prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
         samples = self.engine.generate(prompts, group_size, params)
+        release_free_memory()  # the decode steps' logits: not kept beside the optimizer step's buffers
         if len(samples) != len(prompts) * group_size:
             raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
         for sample in samples:

@@ -16,7 +16,7 @@ from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_grou
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import QwenArch, load_arch
-from megatron_offgrpo.runtime import ParallelContext, init_parallel
+from megatron_offgrpo.runtime import ParallelContext, init_parallel, release_free_memory
 from megatron_offgrpo.train._batch import (
     MicroBatch,
     build_microbatches,
@@ -92,6 +92,7 @@ class TrainerSide:
                                  global_token_count(samples, valid), global_seq_count(valid), cfg.rollout.temperature)
         if not result.skipped:
             self.policy.scheduler.step(increment=1)
+        release_free_memory()  # the step's loss chunks and grads: not kept beside the next generation's buffers
         routing = self.router_load.metrics(ctx, len(microbatches)) if self.router_load else {}
         return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
                 "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics, **routing}

@@ -51,3 +51,26 @@ def test_the_environment_of_a_child_gets_the_settings_and_a_users_choice_wins():
     settings = tune_cpu_memory(env)
     assert env == settings == {"MALLOC_TRIM_THRESHOLD_": "0", "THP_MEM_ALLOC_ENABLE": "1",
                                "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
+
+
+_RELEASE = """
+import json, torch
+from megatron_offgrpo.runtime import release_free_memory, tune_cpu_memory
+tune_cpu_memory()
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+for _ in range(8):
+    torch.empty(50 << 20, dtype=torch.uint8).fill_(1)  # a phase's buffers, freed at once
+kept = rss_mb()
+release_free_memory()
+print(json.dumps([kept, rss_mb()]))
+"""
+
+
+def test_releasing_at_a_phase_end_hands_the_kept_buffers_back():
+    env = {"PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": "0"}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RELEASE)], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kept, released = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kept - released >= 40, (kept, released)  # the freed 50 MB block left the process
