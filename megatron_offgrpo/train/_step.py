@@ -129,8 +129,14 @@ def _padding_kwargs(stage: torch.nn.Module, padding: torch.Tensor | None, shard:
     if padding is None or not stage.config.num_moe_experts:
         return {}
     if shard[1] > 1 and not get_attr_wrapped_model(stage, "pre_process"):
-        padding = padding.transpose(0, 1).chunk(shard[1])[shard[0]].transpose(0, 1)
+        padding = _sequence_part(padding, shard).transpose(0, 1)
     return {"padding_mask": padding}
+
+
+def _sequence_part(rows: torch.Tensor, shard: tuple[int, int]) -> torch.Tensor:
+    """This rank's part ``shard`` of ``rows`` ``[b, s, ...]`` as megatron's scatter along the sequence cuts it,
+    sequence-major: ``[s/parts, b, ...]``."""
+    return rows.transpose(0, 1).chunk(shard[1])[shard[0]]
 
 
 def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None,
@@ -153,7 +159,7 @@ def replay_routing(stage: torch.nn.Module, routed_experts: torch.Tensor | None,
             replay.clear_router_replay_action()
             continue
         layer = routed_experts[:, :, module.layer_number - 1]  # [b, s, k], global layer numbers are 1-based
-        mine = layer.transpose(0, 1).chunk(shard[1])[shard[0]]  # [s/parts, b, k]: megatron's scatter along s
+        mine = _sequence_part(layer, shard)  # [s/parts, b, k]
         replay.set_target_indices(mine.reshape(-1, layer.shape[-1]).long())
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
