@@ -37,8 +37,9 @@ class ModelConfig:
     """MoE models: weight of megatron's load-balancing loss (None: the HF config's router_aux_loss_coef; 0: off)."""
     router_replay: bool = False
     """MoE models: the engine records the experts each layer routed every token to, and the trainer's forwards replay
-    them (the train/inference routing mismatch removed). Every engine records them: vLLM in eager mode with prefix
-    caching off (a fleet started with ``--record-routing``), so each sample computes its own prompt."""
+    them (the train/inference routing mismatch removed). Every engine records them. vLLM on GPUs returns them itself
+    (a fleet started with ``--record-routing``); vLLM CPU records them in eager mode with prefix caching off (the
+    same flag), so each sample computes its own prompt."""
 
 
 @dataclasses.dataclass

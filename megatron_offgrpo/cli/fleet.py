@@ -68,7 +68,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     start.add_argument(
         "--record-routing",
         action="store_true",
-        help="MoE models with model.router_replay: record the experts each token is routed to (prefix caching off)",
+        help="MoE models with model.router_replay: return the experts each token is routed to (GPU: vLLM's "
+        "--enable-return-routed-experts; CPU: recorded in eager mode, prefix caching off)",
     )
     start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
     start.add_argument(

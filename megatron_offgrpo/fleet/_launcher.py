@@ -55,8 +55,10 @@ class FleetSpec:
             logits after temperature and top-k/top-p, i.e. of the distribution actually sampled from, which is what
             the trainer's importance ratio needs) or "raw_logprobs" (the unscaled model). Prompt (probe) log-probs
             are raw in both modes.
-        record_routing: the servers can record the experts each token is routed to (router replay of MoE models,
-            ``model.router_replay``): prefix caching off, so each request computes its whole prompt itself.
+        record_routing: the servers give the experts each token is routed to (router replay of MoE models,
+            ``model.router_replay``). GPU servers return them with each answer (vLLM's
+            ``--enable-return-routed-experts``; graphs and prefix caching stay on). vLLM CPU cannot, so its workers
+            record them in eager mode with prefix caching off: each request computes its whole prompt itself.
         extra_args: more vLLM CLI arguments. python: interpreter that runs the servers.
     """
 
@@ -219,10 +221,13 @@ def server_command(
         "--logprobs-mode",
         spec.logprobs_mode,
     ]
-    if spec.enforce_eager or spec.record_routing:  # the routing hooks do not run inside graphs
+    hooks = spec.record_routing and not gpus  # vLLM's own routed-experts output needs its GPU model runner
+    if spec.enforce_eager or hooks:  # the routing hooks do not run inside graphs
         argv.append("--enforce-eager")
-    if spec.record_routing:
-        argv.append("--no-enable-prefix-caching")
+    if hooks:
+        argv.append("--no-enable-prefix-caching")  # a cached prompt is computed by another request
+    elif spec.record_routing:
+        argv.append("--enable-return-routed-experts")
     if not any((model / f).is_file() for f in TOKENIZER_FILES):
         argv.append("--skip-tokenizer-init")  # token ids in and out: the fleet never needs text
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")

@@ -99,10 +99,14 @@ class OffgrpoWorkerExtension:
     def offgrpo_routing_begin(self, payload: str = "{}") -> WorkerAnswer:
         """Record the experts every request is routed to from now on (earlier records dropped): router replay.
 
-        Refused when the server could not record them whole: prefix caching on (a cached prompt is computed by
+        A server started with ``--enable-return-routed-experts`` (a GPU fleet's ``--record-routing``) returns them
+        in each answer itself: nothing to record here (``routing_source`` "vllm"). Otherwise the hooks record them
+        ("hooks"), refused when they could not record them whole: prefix caching on (a cached prompt is computed by
         another request), compiled/graph execution (Python hooks do not run there), or pipeline stages (each worker
         would hold some of the layers' routing).
         """
+        if self.vllm_config.aux_output_config.enable_return_routed_experts:
+            return WorkerAnswer(ok=True, version=self._offgrpo_version(), routing_source="vllm")
         runner = self.model_runner
         if runner.cache_config.enable_prefix_caching:
             return WorkerAnswer.failed("router replay: this server caches prompt prefixes, so it cannot record "
@@ -119,7 +123,7 @@ class OffgrpoWorkerExtension:
         except ValueError as exc:
             return WorkerAnswer.failed(str(exc))
         self._offgrpo_routing.begin()
-        return WorkerAnswer(ok=True, version=self._offgrpo_version())
+        return WorkerAnswer(ok=True, version=self._offgrpo_version(), routing_source="hooks")
 
     def offgrpo_routing_take(self, payload: str) -> dict[str, Any]:
         """The recorded routing of the sequences whose ``routing_key``s are ``{"keys": [...]}`` (``RoutingAnswer``

@@ -12,7 +12,7 @@ from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import RoutingAnswer
 from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
-from megatron_offgrpo.rollout._routing import with_routing
+from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
@@ -44,7 +44,8 @@ class FleetEngine:
         """Connect: read every worker's version, label each engine with it, and check the servers agree.
 
         ``record_routing``: MoE models, router replay: every sample carries the experts each layer routed its tokens
-        to (``Sample.routed_experts``), recorded by the servers' workers (started with ``--record-routing``).
+        to (``Sample.routed_experts``), returned by the servers (started with ``--record-routing``): in each answer
+        on GPUs, recorded by their workers on CPU.
 
         Raises:
             ValueError: no servers, or two with one name. FleetError: no server is reachable, or a server cannot
@@ -65,6 +66,7 @@ class FleetEngine:
         self._revive_every_s, self._last_revive = revive_every_s, time.monotonic()
         self._version = self._connect()
         self.record_routing = record_routing
+        self._routing_sources: dict[str, str] = {}  # server -> "vllm" (in its answers) or "hooks" (its workers')
         if record_routing:  # refused now (a server caching prefixes, a dense model), not at the first generation
             self._begin_routing()
 
@@ -154,15 +156,20 @@ class FleetEngine:
         return [sample for group in groups for sample in group]
 
     def _begin_routing(self) -> None:
-        """Every serving worker drops the routing it recorded and records from now on (router replay)."""
+        """Every serving worker drops the routing it recorded and records from now on (router replay); each says
+        where its routing will come from."""
         for name in self.pool.serving():
             server = self.servers[name]
             answer = summarize(server.rpc("offgrpo_routing_begin", {}, server.control_timeout_s))
             if not answer.ok:
                 raise FleetError(f"server {name}: {answer.error}")
+            self._routing_sources[name] = answer.routing_source or "hooks"  # a worker from before the field: hooks
 
     def _with_routing(self, name: str, samples: list[Sample]) -> list[Sample]:
-        """``samples`` (one group from server ``name``) with the routing its worker recorded for them."""
+        """``samples`` (one group from server ``name``) with their routing: from the answer, or claimed from the
+        server's worker."""
+        if self._routing_sources.get(name) == "vllm":
+            return require_routing(samples, name)
         server = self.servers[name]
 
         def take(keys: list[str]) -> RoutingAnswer:

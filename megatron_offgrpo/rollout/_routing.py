@@ -1,7 +1,8 @@
 """Router replay's engine half: the experts each token was routed to, recorded while generating.
 
-``RoutingRecorder`` records them in the transformers engine. vLLM engines record them in their workers
-(``fleet.RoutingAnswer``); ``with_routing`` claims them for the samples.
+``RoutingRecorder`` records them in the transformers engine. On GPUs vLLM returns them with each answer itself
+(``enable_return_routed_experts``, its Model Runner V2; ``require_routing`` checks they came). vLLM CPU cannot, so its
+workers record them (``fleet.RoutingCapture``) and ``with_routing`` claims them for the samples.
 
 In the transformers engine a forward hook on every layer's router (``mlp.gate``, which returns ``(logits, scores,
 top-k indices)`` in transformers 5's Qwen3-MoE) keeps each call's ``[rows x positions, top_k]`` indices.
@@ -82,3 +83,16 @@ def with_routing(samples: list[Sample], take: Callable[[list[str]], RoutingAnswe
         raise BadResponse(f"router replay: {server} has no routing for its samples: {answer.error}")
     return [dataclasses.replace(sample, routed_experts=torch.from_numpy(answer.routing[key].copy()))
             for sample, key in zip(samples, keys)]
+
+
+def require_routing(samples: list[Sample], server: str) -> list[Sample]:
+    """``samples`` from an engine that returns the routing with each answer (vLLM's ``enable_return_routed_experts``),
+    checked to carry it.
+
+    Raises:
+        BadResponse: a sample without its routing (the server runs without the option): the group is generated again.
+    """
+    if any(sample.routed_experts is None for sample in samples):
+        raise BadResponse(f"router replay: {server} answered without routed experts: serve the model with "
+                          "--enable-return-routed-experts (offgrpo fleet start --record-routing on GPUs)")
+    return samples

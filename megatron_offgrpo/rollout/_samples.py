@@ -6,11 +6,18 @@ with the engine's weight-version label at the step each token was produced. A sa
 those spans, never from what the client asked for; a choice whose spans hold two versions (a refresh that did not
 drain) is refused and the group is generated again. The log-probs are what the server's ``--logprobs-mode`` says
 (the launcher sets ``processed_logprobs``: log-softmax(logits / temperature), the distribution sampled from).
+A server started with ``--enable-return-routed-experts`` adds each choice's ``routed_experts`` (router replay).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from typing import Any, TypeVar
+
+import numpy as np
+import torch
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 
@@ -81,6 +88,28 @@ def parse_version(spans: list[dict[str, Any]] | None, where: str) -> int:
         ) from None
 
 
+def routing_tensor(routing: np.ndarray | None) -> torch.Tensor | None:
+    """vLLM's routed experts (uint8, uint16 or int32 by the expert count) as the int16 tensor every engine gives."""
+    return None if routing is None else torch.from_numpy(np.asarray(routing).astype(np.int16))
+
+
+def parse_routed_experts(encoded: str, positions: int, where: str) -> torch.Tensor:
+    """A choice's ``routed_experts`` (a server started with ``--enable-return-routed-experts``: base64 of a ``.npy``
+    array ``[positions, layers, top_k]``, the prompt and every sampled token but the last) as an int16 tensor.
+
+    Raises:
+        BadResponse: not such an array, or one whose positions are not the sample's.
+    """
+    try:
+        routing = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as exc:
+        raise BadResponse(f"{where}: routed_experts is not a base64 .npy array ({exc})") from None
+    if routing.ndim != 3 or routing.dtype.kind not in "iu" or routing.shape[0] != positions:
+        raise BadResponse(f"{where}: routed_experts of shape {list(routing.shape)} ({routing.dtype}) for "
+                          f"{positions} input positions: expected [positions, layers, top_k] integers")
+    return routing_tensor(routing)
+
+
 def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, server: str) -> list[Sample]:
     """The ``n`` samples of one group from one ``/inference/v1/generate`` answer.
 
@@ -101,6 +130,9 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
         finish = choice.get("finish_reason") or ""
         if finish not in ("stop", "length"):
             raise BadResponse(f"{where}: finish_reason {finish!r} (aborted or failed)")
+        routing = choice.get("routed_experts")
+        if routing is not None:
+            routing = parse_routed_experts(routing, len(prompt.prompt_ids) + len(ids) - 1, where)
         samples.append(
             Sample(
                 prompt_id=prompt.prompt_id,
@@ -111,6 +143,7 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
                 policy_version=parse_version(choice.get("weight_versions"), where),
                 finish_reason=finish,
                 server=server,
+                routed_experts=routing,
             )
         )
     if len({s.policy_version for s in samples}) != 1:

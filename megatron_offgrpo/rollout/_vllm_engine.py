@@ -20,8 +20,8 @@ from typing import Any
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import TOKENIZER_FILES, RoutingAnswer, install_cpu_sampler, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
-from megatron_offgrpo.rollout._routing import with_routing
-from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, sampling_body
+from megatron_offgrpo.rollout._routing import require_routing, with_routing
+from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, routing_tensor, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import (
     WORKER_EXTENSION,
@@ -31,6 +31,14 @@ from megatron_offgrpo.transports import (
     version_dir,
     write_version_dir,
 )
+
+
+def _returns_routing() -> bool:
+    """Whether this vLLM returns each request's routed experts itself (``enable_return_routed_experts``): its Model
+    Runner V2 does, on CUDA (or ROCm) with Triton. vLLM CPU runs the V1 runner, which cannot."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
 
 
 def _world_size() -> int:
@@ -64,11 +72,12 @@ class VLLMEngine:
                 under a torch.distributed job of several processes: vLLM would take the job's process group for
                 its own and wait for ranks that never join, so its engine core gets a fresh process of its own.
             record_routing: MoE models only: every sample carries the experts each layer routed its tokens to
-                (``Sample.routed_experts``, router replay), recorded in the worker (``fleet.RoutingCapture``); this
+                (``Sample.routed_experts``, router replay). On a GPU vLLM returns them itself
+                (``enable_return_routed_experts``); on CPU the worker records them (``fleet.RoutingCapture``), which
                 turns prefix caching off (each sample computes its own prompt) and needs eager execution.
 
         Raises:
-            ValueError: ``record_routing`` on a model without routers, or with ``enforce_eager=False``.
+            ValueError: ``record_routing`` on a model without routers, or on CPU with ``enforce_eager=False``.
         """
         if in_process and _world_size() > 1:
             in_process = False
@@ -83,7 +92,9 @@ class VLLMEngine:
         install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
-        if record_routing:
+        if record_routing and _returns_routing():
+            llm_kwargs["enable_return_routed_experts"] = True
+        elif record_routing:
             if not llm_kwargs["enforce_eager"]:
                 raise ValueError("VLLMEngine record_routing=True needs enforce_eager=True (graphs skip the hooks)")
             llm_kwargs["enable_prefix_caching"] = False
@@ -113,11 +124,13 @@ class VLLMEngine:
         self.llm.llm_engine.set_weight_version(str(self._version))
         self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
         self.record_routing = record_routing
+        self._routing_source: str | None = None  # "vllm" (with each completion) or "hooks" (claimed from the worker)
         if record_routing:  # refused now (a dense model, say), not at the first generation
             answer = self._rpc("offgrpo_routing_begin", {})
             if not answer.ok:
                 self.close()
                 raise ValueError(f"VLLMEngine record_routing=True: {answer.error}")
+            self._routing_source = answer.routing_source
 
     def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
         return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
@@ -137,8 +150,9 @@ class VLLMEngine:
 
         if n < 1:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
+        hooks = self._routing_source == "hooks"
         with self._lock:
-            if self.record_routing:
+            if hooks:
                 self._rpc("offgrpo_routing_begin", {})
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
@@ -146,8 +160,10 @@ class VLLMEngine:
                 use_tqdm=False,
             )
             samples = self._samples(prompts, outputs, n)
-            if self.record_routing:
+            if hooks:
                 samples = with_routing(samples, self._take_routing, self.name)
+            elif self.record_routing:
+                samples = require_routing(samples, self.name)
         return samples
 
     def _take_routing(self, keys: list[str]) -> RoutingAnswer:
@@ -174,6 +190,7 @@ class VLLMEngine:
                         parse_version(spans, where),
                         completion.finish_reason,
                         server=self.name,
+                        routed_experts=routing_tensor(completion.routed_experts),
                     )
                 )
             samples.extend(fill_group(group, n))

@@ -22,6 +22,7 @@ _FIELD_TYPES: dict[str, type] = {
     "tied_head_refreshed": bool,
     "moe_repacked": int,
     "sampler": str,
+    "routing_source": str,
 }
 
 
@@ -56,6 +57,9 @@ class WorkerAnswer:
             such layers, 0 when the reload packed them itself.
         sampler: the worker's token sampler (``offgrpo_info``): "offgrpo-inverse-cdf" (``fleet._cpu_sampler``) or
             "vllm".
+        routing_source: where a server's routing for router replay comes from (``offgrpo_routing_begin``):
+            "vllm", each answer's choices carry it (``--enable-return-routed-experts``, GPU), or "hooks", the worker
+            records it and the client claims it by ``routing_key`` (``fleet.RoutingCapture``, CPU).
     """
 
     ok: bool
@@ -71,6 +75,7 @@ class WorkerAnswer:
     tied_head_refreshed: bool | None = None
     moe_repacked: int | None = None
     sampler: str | None = None
+    routing_source: str | None = None
 
     @classmethod
     def failed(cls, error: str, version: int | None = None) -> WorkerAnswer:

