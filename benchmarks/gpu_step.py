@@ -10,9 +10,12 @@ then ``--steps`` timed steps, each between two device synchronisations; medians 
 
 FLOPs of one step (PaLM's MFU convention, stated so the number can be checked):
     6 * N_body * T  +  12 * L * d_q * s * T  +  6 * V * H * T_loss
-N_body = per-layer matmul weights (QKV, output projection, SwiGLU) x L layers; T = positions through the model
-(padded micro-batches); s = positions per sequence; d_q = query heads x head dim; the output layer only sees the
-T_loss response tokens (prompts never reach it). MFU = FLOPs / step time / ``--peak-tflops`` (default 989: the
+N_body = per-layer matmul weights a token meets (QKV, output projection, SwiGLU; for a mixture of experts the router
+and its top-k experts' SwiGLUs, not all of them) x L layers; T = positions through the model (padded micro-batches);
+s = positions per sequence; d_q = query heads x head dim; the output layer only sees the T_loss response tokens
+(prompts never reach it). A Qwen3-MoE config (``--config megatron_offgrpo/assets/qwen3-30b-a3b-config --layers 2``:
+the real layer shapes, 2 of its 48 layers, so one GPU holds them) trains its experts with Transformer Engine's grouped
+GEMM where TE is usable. MFU = FLOPs / step time / ``--peak-tflops`` (default 989: the
 dense BF16 peak of an H100 SXM or H200, per NVIDIA's datasheets; FP8 steps are measured against it too).
 
 Fused loss (default N = 16384): hidden [N, H] in the model's dtype x the model's output layer [V, H], grpo_clip, token
@@ -23,38 +26,33 @@ keeps left out), loss difference and relative gradient difference ||g - g_torch|
 
 Usage:
     python benchmarks/gpu_step.py [--precision bf16|fp8] [--fp8-recipe delayed] [--out runs/gpu-step]
+    python benchmarks/gpu_step.py --config megatron_offgrpo/assets/qwen3-30b-a3b-config --layers 2 [--precision fp8]
     python benchmarks/gpu_step.py --device cpu --tiny      # tiny Qwen2, fp32, 2 steps, torch loss only (tests)
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._gpu_loss import LOSS_COLUMNS, loss_rows, median_seconds, sync  # noqa: E402
+
 ASSETS = REPO / "megatron_offgrpo" / "assets"
 PEAK_TFLOPS = 989.0  # H100 SXM / H200 dense BF16 (NVIDIA datasheets)
-# bf16 operands, fp32 accumulation: METHOD.md's expected range is 1e-3..1e-2 relative; above it is a mismatch
-LOSS_MATCH_RTOL = 1e-2
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
             samples=4, micro_batches=4, loss_tokens=16384, repeats=10)
 TINY = dict(config=ASSETS / "tiny-qwen2", precision="fp32", steps=2, warmup=1, seq=32, prompt=8,
             samples=4, micro_batches=2, loss_tokens=256, repeats=2)
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "loss impl", "tokens/step", "loss tokens/step",
                 "step s (median)", "tokens/s", "TFLOP/s", "MFU", "loss"]
-LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "peak extra MiB", "loss", "loss diff vs torch",
-                "grad rel diff vs torch", "status"]
-LOSS_IMPLS = ("torch", "triton", "liger", "naive")
-LIGER_SEQ = 256  # tokens per sequence of the Liger row (it takes one advantage per sequence)
-LIGER_CHUNK_SEQS = 8  # sequences per Liger chunk: 2048 tokens (1 sequence per chunk ran 5x slower on an H100)
+
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny Qwen2 and small shapes (CPU tests)")
     parser.add_argument("--config", type=Path, help="HF config directory of the shapes (default: Qwen2.5-0.5B)")
+    parser.add_argument("--layers", type=int, help="decoder layers of those shapes (default: the config's)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp8"],
                         help="model.precision (default bf16; --tiny fp32)")
     parser.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise"],
@@ -91,35 +90,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if not 0 < args.prompt < args.seq:
         parser.error(f"--prompt {args.prompt} must lie in (0, --seq {args.seq})")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers} must be >= 1")
     return args
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn, device, warmup: int, repeats: int) -> tuple[float, object]:
-    """Median wall time of ``fn()`` between device synchronisations, after ``warmup`` calls; and its last result."""
-    result = None
-    for _ in range(warmup):
-        result = fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        result = fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def step_flops(arch, positions: int, seq: int, loss_tokens: int) -> float:
     """FLOPs of one training step (forward + backward), by the formula in the module docstring."""
     q, kv, hidden = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * arch.intermediate_size
+    if arch.is_moe:  # the router, then the top-k experts a token is sent to
+        mlp = hidden * arch.num_experts + arch.moe_top_k * 3 * hidden * arch.moe_intermediate_size
+    else:
+        mlp = 3 * hidden * arch.intermediate_size
+    per_layer = hidden * (q + 2 * kv) + q * hidden + mlp
     body = 6 * arch.num_layers * per_layer * positions
     attention = 12 * arch.num_layers * q * seq * positions
     head = 6 * arch.vocab_size * hidden * loss_tokens
@@ -186,7 +169,7 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
         losses.append(result.loss)
         return result
 
-    seconds, _ = _median_seconds(step, ctx.device, args.warmup, args.steps)
+    seconds, _ = median_seconds(step, ctx.device, args.warmup, args.steps)
     timed_losses = list(losses)
     if args.profile:
         _profile(step, ctx.device, args.out / "profile.txt")
@@ -196,14 +179,36 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
     loss_tokens = int(sum(mb.loss_mask.sum() for mb in mbs))
     tflops = step_flops(arch, positions, mbs[0].tokens.shape[1], loss_tokens) / seconds / 1e12
     on_cuda = ctx.device.type == "cuda"
-    row = {"model": args.config.name, "device": _device_name(ctx.device), "precision": args.precision,
-            "layer spec": "transformer-engine" if have_te() else "local",
+    spec = ("transformer-engine" + (", grouped-GEMM experts" if arch.is_moe else "")) if have_te() else "local"
+    row = {"model": _model_name(args, arch), "device": _device_name(ctx.device), "precision": args.precision,
+            "layer spec": spec,
             "loss impl": resolve_impl(args.loss_impl, ctx.device), "tokens/step": positions,
             "loss tokens/step": loss_tokens, "step s (median)": round(seconds, 4),
             "tokens/s": round(positions / seconds, 1), "TFLOP/s": round(tflops, 2),
             "MFU": f"{100 * tflops / args.peak_tflops:.1f}%" if on_cuda else "n/a (CPU)",
             "loss": f"{timed_losses[-1]:.6g}"}
     return row, output_weight(policy.model).detach()
+
+
+def load_shapes(args):
+    """The ``QwenArch`` of ``--config``, cut to ``--layers`` decoder layers when given."""
+    from megatron_offgrpo.model import load_arch
+
+    arch = load_arch(args.config)
+    if args.layers is not None:
+        if args.layers > arch.num_layers:
+            raise SystemExit(f"gpu_step: --layers {args.layers}: {args.config.name} has {arch.num_layers}")
+        arch = dataclasses.replace(arch, num_layers=args.layers)
+    return arch
+
+
+def _model_name(args, arch) -> str:
+    name = args.config.name
+    if args.layers is not None:
+        name += f" ({arch.num_layers} layers)"
+    if arch.is_moe:
+        name += f", {arch.num_experts} experts top-{arch.moe_top_k}"
+    return name
 
 
 def _profile(step, device, path: Path) -> None:
@@ -213,7 +218,7 @@ def _profile(step, device, path: Path) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
-        _sync(device)
+        sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,121 +232,9 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def loss_rows(weight, args, device) -> list[dict]:
-    """Fused loss forward + backward on the same random inputs: our torch path (the reference row), our compiled
-    Triton path, Liger's ``LigerFusedLinearGRPOLoss`` (torch.compile'd chunks) and the naive materialised logits.
-
-    Advantages are constant over each ``LIGER_SEQ``-token sequence (Liger takes one per sequence), so all four compute
-    the same function: grpo_clip (eps 0.2), no KL, token mean."""
-    import torch
-
-    from megatron_offgrpo.algo import ObjectiveParams, reference_loss
-    from megatron_offgrpo.kernels import fused_linear_grpo_loss, resolve_impl
-
-    n, (vocab, hidden_size) = args.loss_tokens, weight.shape
-    if n % LIGER_SEQ:
-        raise SystemExit(f"gpu_step: --loss-tokens {n} is not a multiple of {LIGER_SEQ}")
-    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
-    hidden = torch.randn(n, hidden_size, generator=gen, device=device).to(weight.dtype)
-    targets = torch.randint(0, vocab, (n,), generator=gen, device=device)
-    behavior = -math.log(vocab) + 0.05 * torch.randn(n, generator=gen, device=device)
-    seq_adv = torch.randn(n // LIGER_SEQ, generator=gen, device=device)
-    advantages = seq_adv.repeat_interleave(LIGER_SEQ)
-    mask = torch.ones(n, dtype=torch.bool, device=device)
-    params = ObjectiveParams()
-
-    def ours(impl: str, h, w):
-        loss, _ = fused_linear_grpo_loss(h, w, targets, behavior, advantages, mask, params, impl=impl)
-        return loss
-
-    def naive(h, w):
-        return reference_loss((h @ w.t()).float(), targets, behavior, advantages, mask, params)[0]
-
-    def liger_fn():
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=device.type == "cuda", use_ref_model=False,
-                                           chunk_size=LIGER_CHUNK_SEQS, epsilon_low=0.2, epsilon_high=0.2,
-                                           loss_type="bnpo", temperature=1.0)
-        batch, seq_mask = n // LIGER_SEQ, torch.ones(n // LIGER_SEQ, LIGER_SEQ, dtype=torch.long, device=device)
-
-        def liger(h, w):
-            out = loss_fn(h.view(batch, LIGER_SEQ, hidden_size), w, targets.view(batch, LIGER_SEQ), seq_mask,
-                          seq_adv, old_per_token_logps=behavior.view(batch, LIGER_SEQ))
-            return out[0] if isinstance(out, tuple) else out
-
-        return liger
-
-    def available(name: str):
-        """The loss function of ``name``, or the reason it cannot run here."""
-        if name in ("torch", "triton"):
-            try:
-                resolve_impl(name, device)
-            except ValueError:
-                return "needs CUDA" if device.type != "cuda" else "triton not importable"
-            return functools.partial(ours, name)
-        if name == "liger":
-            try:
-                return liger_fn()
-            except ImportError:
-                return "liger-kernel not installed"
-        return naive
-
-    def forward_backward(fn):
-        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        loss = fn(h, w)
-        loss.backward()
-        return loss.detach(), h.grad, w.grad
-
-    rows, reference = [], None
-    for name in LOSS_IMPLS:
-        row = dict.fromkeys(LOSS_COLUMNS, "-")
-        row.update({"impl": name, "N x V": f"{n} x {vocab}"})
-        fn = available(name)
-        if isinstance(fn, str):
-            row["status"] = fn
-            rows.append(row)
-            continue
-        seconds, outputs = _median_seconds(functools.partial(forward_backward, fn), device, 2, args.repeats)
-        # the comparison's upcasts happen once, outside the timed calls
-        loss, grad_h, grad_w = outputs[0].double(), outputs[1].float(), outputs[2].float()
-        del outputs
-        if device.type == "cuda":
-            row["peak extra MiB"] = _peak_extra_mib(functools.partial(forward_backward, fn), device)
-        row.update({"fwd+bwd ms (median)": round(1e3 * seconds, 3), "loss": f"{float(loss):.6g}", "status": "ok"})
-        if reference is None:
-            reference = (loss, grad_h, grad_w)
-        else:
-            loss_diff = abs(float(loss - reference[0])) / max(abs(float(reference[0])), 1e-12)
-            grad_diff = max(float((g - r).norm() / r.norm().clamp_min(1e-30))
-                            for g, r in zip((grad_h, grad_w), reference[1:]))
-            row.update({"loss diff vs torch": f"{loss_diff:.2e}", "grad rel diff vs torch": f"{grad_diff:.2e}",
-                        "status": "ok" if max(loss_diff, grad_diff) <= LOSS_MATCH_RTOL else "MISMATCH"})
-        rows.append(row)
-        del grad_h, grad_w
-    return rows
-
-
-def _peak_extra_mib(run, device) -> int:
-    """Peak CUDA memory of one ``run()`` above what was allocated before it (the gradients it makes included)."""
-    import torch
-
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    outputs = run()
-    torch.cuda.synchronize(device)
-    del outputs
-    return round((torch.cuda.max_memory_allocated(device) - base) / 2**20)
-
-
-def markdown(columns: list[str], rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def report(args, step: dict, losses: list[dict], environment: dict) -> str:
+    from benchmarks._tables import markdown
+
     return "\n".join([
         f"## GPU step: {step['model']} shapes, random weights, {step['precision']}, {environment['device']}",
         f"torch {environment['torch']}, megatron-core {environment['megatron_core']}, Transformer Engine: "
@@ -364,12 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import megatron.core
 
-    from megatron_offgrpo.model import load_arch
     from megatron_offgrpo.runtime import destroy_parallel, init_parallel, te_status
 
     ctx = init_parallel(1, 1, args.seed)
     try:
-        arch = load_arch(args.config)
+        arch = load_shapes(args)
         try:
             step, weight = train_row(args, ctx, arch)
         except ValueError as exc:  # e.g. --precision fp8 without Transformer Engine

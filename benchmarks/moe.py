@@ -144,6 +144,8 @@ def launch(args, name: str, model_dir: Path, result: Path) -> dict:
 
 def report(args, runs: dict[str, list[dict]]) -> dict:
     """Print the table and the ratios; the JSON result."""
+    from benchmarks._tables import markdown
+
     rows, medians = [], {}
     for name, launches in runs.items():
         first = launches[0]
@@ -164,10 +166,7 @@ def report(args, runs: dict[str, list[dict]]) -> dict:
           f"{args.samples} samples ({args.samples // args.group_size} prompts x {args.group_size}), "
           f"{first['loss_tokens']} loss tokens per step; {args.steps} timed steps and exports x {args.rounds} "
           f"launches of each layout (alternating)")
-    columns = list(rows[0])
-    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    print(markdown(list(rows[0]), rows))
     for pair, ratio in ratios.items():
         print(f"{pair}: step {ratio['step']:.2f}x, refresh export {ratio['refresh']:.2f}x the time")
     return {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "ratios": ratios,

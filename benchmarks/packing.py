@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 
 def lengths(args) -> list[tuple[int, int]]:
@@ -66,6 +67,8 @@ def samples_of(shape: list[tuple[int, int]], vocab: int, group_size: int, seed: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks._tables import markdown
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the random Qwen2")
     parser.add_argument("--layers", type=int, default=8, help="transformer layers")
@@ -143,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.samples} samples ({len(samples) // args.group_size} prompts x {args.group_size}), {real} real "
           f"tokens; response tokens median {responses[len(responses) // 2]}, max {responses[-1]}; "
           f"{args.repeats} timed steps of each")
-    columns = list(rows[0])
-    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    print(markdown(list(rows[0]), rows))
     for pair, ratio in ratios.items():
         print(f"{pair}: {ratio['tokens/s']:.2f}x the tokens/s, {ratio['positions']:.2f}x the positions")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,45 @@ def test_flop_count_by_hand():
     assert _module().step_flops(arch, positions=256, seq=32, loss_tokens=200) == body + attention + head
 
 
+def test_flop_count_of_a_moe_counts_the_experts_a_token_meets():
+    arch = load_arch(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen3-moe")
+    # tiny Qwen3-MoE: L=2, H=128, d_q = d_kv = 128, 8 experts of I=64, top-2: per layer QKV 49152, O 16384,
+    # router 128*8 = 1024, two experts' SwiGLUs 2*3*128*64 = 49152 -> 115712 (not all eight experts' 196608)
+    body = 6 * 2 * 115712 * 256
+    attention = 12 * 2 * 128 * 32 * 256
+    head = 6 * 151936 * 128 * 200
+    assert _module().step_flops(arch, positions=256, seq=32, loss_tokens=200) == body + attention + head
+
+
+def test_cpu_mode_trains_a_moe_cut_to_fewer_layers(tmp_path):
+    proc = _run(tmp_path, "--config", str(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen3-moe"), "--layers", "1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (_, (step,)), _ = _tables(proc.stdout)
+    assert step["model"] == "tiny-qwen3-moe (1 layers), 8 experts top-2" and step["layer spec"] == "local"
+    assert math.isfinite(float(step["loss"])) and float(step["tokens/s"]) > 0
+    proc = _run(tmp_path, "--config", str(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen3-moe"), "--layers", "3")
+    assert proc.returncode != 0 and "--layers 3: tiny-qwen3-moe has 2" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_mode_trains_qwen3_moe_layers(tmp_path):
+    """Qwen3-30B-A3B's real layer shapes (2 of its 48 layers, 128 experts top-8) trained on the GPU: with Transformer
+    Engine its experts run as one grouped GEMM, without it the local spec's experts."""
+    import torch
+
+    from megatron_offgrpo.runtime import have_te
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = REPO / "megatron_offgrpo" / "assets" / "qwen3-30b-a3b-config"
+    proc = _run(tmp_path, "--config", str(config), "--layers", "2", "--precision", "bf16", device="cuda")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (_, (step,)), _ = _tables(proc.stdout)
+    assert step["model"] == "qwen3-30b-a3b-config (2 layers), 128 experts top-8"
+    assert step["layer spec"] == ("transformer-engine, grouped-GEMM experts" if have_te() else "local")
+    assert math.isfinite(float(step["loss"])) and step["MFU"].endswith("%")
+
+
 def test_every_flag_is_documented():
     import re
 
