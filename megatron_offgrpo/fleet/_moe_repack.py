@@ -16,7 +16,8 @@ the layer (never pack twice); neither -> a layout this module does not know, fai
 Checked before a reload (nothing is loaded when it refuses): vLLM pads ``moe_intermediate_size`` up to a multiple of
 the kernel's alignment (32) when the model's is not one, and its reload then fails midway copying the unpadded
 weights back (measured, moe_intermediate_size 48: "size of tensor a (128) must match ... b (96)": a dirty worker);
-expert- or tensor-parallel vLLM workers hold a slice of the experts that the expert-0 comparison does not map.
+expert-parallel vLLM workers hold some of the experts, which the expert-0 comparison does not map (tensor-parallel
+workers hold a slice of every expert: the comparison cuts the checkpoint's expert 0 the way the loader does).
 Layers run by another kernel (zentorch keeps checkpoint layout; GPU backends convert on every load) are left alone.
 
 This module imports vLLM lazily (only a vLLM worker calls it) and no megatron code.
@@ -75,20 +76,28 @@ def reload_refusal(model: torch.nn.Module) -> str | None:
                 f"{experts._intermediate_alignment()}), which an in-place refresh cannot reload: use a model whose "
                 "moe_intermediate_size is a multiple of 32"
             )
-        if module.local_num_experts != module.global_num_experts or module.w13_weight.shape[1] != 2 * size:
-            return f"layer {index}: expert- or tensor-parallel vLLM MoE workers are not supported by the CPU repack"
+        if module.local_num_experts != module.global_num_experts:
+            return f"layer {index}: expert-parallel vLLM MoE workers are not supported by the CPU repack"
+        if getattr(config, "tp_shard_with_padding", False) or module.w13_weight.shape[1] != 2 * size:
+            return f"layer {index}: this worker's slice of the experts is padded: the CPU repack cannot map it"
     return None
 
 
-def _raw_expert0(layer: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Expert 0's checkpoint tensors as the loader stacked them: w13 = [gate; up], w2 = down (served dtype)."""
+def _raw_expert0(
+    layer: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, config: Any
+) -> tuple[torch.Tensor, ...]:
+    """Expert 0's checkpoint tensors as the loader stacked them on this worker: w13 = [gate; up], w2 = down (served
+    dtype), each cut to this tensor-parallel rank's slice of the intermediate size (``config``: the layer's
+    ``FusedMoEConfig``; its rows of gate and up, its columns of down, as vLLM's weight loader cuts them)."""
     prefix = f"model.layers.{layer}.mlp.experts.0."
     try:
         gate, up, down = (tensors[f"{prefix}{kind}_proj.weight"] for kind in ("gate", "up", "down"))
     except KeyError as exc:
         missing = exc.args[0]
         raise MoeLayoutError(f"layer {layer}: the refresh has no {missing}: cannot check the expert layout") from None
-    return torch.cat([gate, up]).to(dtype), down.to(dtype)
+    part = config.intermediate_size_per_partition
+    cut = slice(config.tp_rank * part, (config.tp_rank + 1) * part)
+    return torch.cat([gate[cut], up[cut]]).to(dtype), down[:, cut].to(dtype)
 
 
 def repack_after_reload(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
@@ -104,7 +113,7 @@ def repack_after_reload(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     repacked = 0
     for index, module, experts in cpu_moe_layers(model):
         w13, w2 = module.w13_weight, module.w2_weight
-        raw13, raw2 = _raw_expert0(index, tensors, w13.dtype)
+        raw13, raw2 = _raw_expert0(index, tensors, w13.dtype, experts.moe_config)
         if torch.equal(w13[0], raw13) and torch.equal(w2[0], raw2):
             with torch.no_grad():  # into the parameters' own storage, as vLLM updates do (kernels keep references)
                 w13.data.copy_(cpu_prepack_moe_weight(w13.data, experts.isa))

@@ -53,6 +53,15 @@ def test_cpu_server_command(tiny_dir):
     assert cores is not None and len(cores) >= 1
 
 
+def test_cpu_server_with_tp_runs_a_worker_process_per_rank(tiny_dir):
+    argv, env, cores = server_command(FleetSpec(model_dir=tiny_dir, num_servers=1, tp=2, cpu_bind="none"), 0, 8000,
+                                      gpus=0)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "mp"
+    assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))  # the server's cores, split
+    FleetSpec(model_dir=tiny_dir, num_servers=1, tp=2).validate(gpus=0)  # accepted on CPU
+
+
 def test_servers_get_the_cpu_memory_settings_unless_the_user_chose(tiny_dir, monkeypatch):
     spec = FleetSpec(model_dir=tiny_dir)
     for name in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):

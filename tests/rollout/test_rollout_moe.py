@@ -1,6 +1,6 @@
 """Qwen3-MoE served by vLLM CPU and refreshed in place: the reload bug the worker extension repairs (its experts stay
-unpacked, ``fleet._moe_repack``) on the in-process engine, and a one-server fleet refreshed through every transport,
-the probe verified against a fp32 HF forward after each refresh."""
+unpacked, ``fleet._moe_repack``) on the in-process engine, and a fleet of one tensor-parallel (TP2) server refreshed
+through every transport, the probe verified against a fp32 HF forward after each refresh."""
 
 from __future__ import annotations
 
@@ -62,12 +62,13 @@ def test_in_process_reload_needs_the_repack(tmp_path):
 def moe_fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-fleet")
     model_dir = save_hf_model(dict(TINY_MOE), root / "tiny-moe", seed=13)
-    spec = FleetSpec(model_dir=model_dir, num_servers=1, token=TOKEN, dtype="float32", max_model_len=512,
+    # tp=2: two worker processes, each holding half of every expert (the production recipe's fleet serves MoE at TP2)
+    spec = FleetSpec(model_dir=model_dir, num_servers=1, tp=2, token=TOKEN, dtype="float32", max_model_len=512,
                      record_routing=True)
     start = time.perf_counter()
     try:
         start_fleet(spec, root / "state", wait=True, timeout_s=400)
-        print(f"\nMoE fleet of 1 started in {time.perf_counter() - start:.1f} s")
+        print(f"\nMoE fleet of 1 TP2 server started in {time.perf_counter() - start:.1f} s")
         yield model_dir, root / "state"
     finally:
         stop_fleet(root / "state" / "fleet.json")
@@ -124,5 +125,7 @@ def test_fleet_refreshes_moe_through_every_transport(moe_fleet, tmp_path):
     client = next(iter(engine.servers.values()))
     nxt = version + 1
     path, _ = write_version_dir(version_dir(tmp_path / "direct", nxt), as_buckets(perturbed(base, 9)), nxt)
-    answer = client.rpc("offgrpo_load_dir", {"path": str(path), "version": nxt}, 60)[0]
-    assert answer["ok"] and answer["moe_repacked"] == TINY_MOE["num_hidden_layers"], answer
+    answers = client.rpc("offgrpo_load_dir", {"path": str(path), "version": nxt}, 60)
+    assert len(answers) == 2, answers  # one per tensor-parallel worker, each repacking its slice of the experts
+    for answer in answers:
+        assert answer["ok"] and answer["moe_repacked"] == TINY_MOE["num_hidden_layers"], answer
