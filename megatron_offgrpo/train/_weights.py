@@ -100,9 +100,7 @@ def hf_extra_dirs(source_dir: Path) -> list[Path]:
 def model_card(model, arch: QwenArch, ctx: ParallelContext, source_dir: Path) -> DistModelCard:
     """What a checkpoint of this run needs to be exported without the recipe (``checkpoint_tools``' format)."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return DistModelCard(source_hf_config(arch, source_dir), dtype,
-                         {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size, "ep": ctx.ep_size,
-                          "etp": ctx.expert_tp_size})
+    return DistModelCard(source_hf_config(arch, source_dir), dtype, ctx.layout())
 
 
 def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source_dir: Path) -> Path | None:

@@ -12,9 +12,11 @@ from datetime import datetime
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_offgrpo import build_info
 from megatron_offgrpo.rollout import FleetEngine, TransformersEngine
+from megatron_offgrpo.runtime import ParallelContext
 from megatron_offgrpo.train import _run_info
 
 
@@ -23,7 +25,8 @@ class _Arch:
     model_type: str = "qwen2"
 
 
-_CTX = SimpleNamespace(world_size=2, tp_size=2, pp_size=1, dp_size=1, ep_size=1, expert_tp_size=2, device="cpu")
+_CTX = ParallelContext(rank=0, world_size=2, tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
+                       tp_group=None, pp_group=None, dp_group=None, device=torch.device("cpu"), expert_tp_size=2)
 _CONFIG = SimpleNamespace(to_dict=lambda: {"rollout": {"engine": "auto"}})
 
 
