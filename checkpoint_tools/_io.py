@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_offgrpo.runtime import process_alive
 from checkpoint_tools._safetensors_stream import (
     CODE_DTYPES,
     SafetensorsFormatError,
@@ -100,20 +101,6 @@ def _owner_tag() -> str:
     return f"{os.getpid()}-{zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF:08x}"
 
 
-def _pid_running(pid: int) -> bool:
-    """True while ``pid`` is a live process here (a zombie counts as dead: it never writes again)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def sweep_stale_siblings(out: Path) -> list[Path]:
     """Remove ``.NAME.tmp-*`` (and, once ``out`` exists, ``.NAME.old-*``) siblings of ``out`` left by killed writers.
 
@@ -127,7 +114,7 @@ def sweep_stale_siblings(out: Path) -> list[Path]:
     for kind in kinds:
         for path in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
             match = _STALE.fullmatch(path.name[len(out.name) + len(kind) + 3:])
-            if not match or not path.is_dir() or match["host"] not in (None, host) or _pid_running(int(match["pid"])):
+            if not match or not path.is_dir() or match["host"] not in (None, host) or process_alive(int(match["pid"])):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             logger.info("removed %s: left by a killed conversion (pid %s is no longer running)", path, match["pid"])

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._state import ServerRecord, fleet_token, load_state
+from megatron_offgrpo.runtime import process_alive
 
 
 def server_healthy(url: str, timeout: float = 5.0) -> bool:
@@ -30,18 +31,9 @@ def server_version_label(url: str, token: str | None, timeout: float) -> str:
     return str(call_json("GET", url + "/weight_info", None, token, timeout)["weight_version"])
 
 
-def _process_state(pid: int) -> str | None:
-    """The state letter of ``/proc/PID/stat`` (``R``, ``S``, ``Z`` for a zombie ...); None when there is no such
-    process. The letter follows the command name's closing parenthesis (the name itself may hold spaces)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return None
-
-
 def pid_runs_server(server: ServerRecord) -> bool:
     """True when ``pid`` is alive and still runs the vLLM server on this port (not a recycled pid)."""
-    if _process_state(server.pid) in (None, "Z"):
+    if not process_alive(server.pid):
         return False
     try:
         cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
@@ -64,12 +56,8 @@ def _group_is_ours(server: ServerRecord) -> bool:
     Either the leader still runs our command line (or is our unreaped zombie), or the leader is gone: then no
     process can have been given its id while members of its group remain, so the group is our orphans.
     """
-    state = _process_state(server.pid)
-    if state is None:
-        return True  # no such process: only our orphans can hold the group id
-    if state == "Z":
-        return True  # our server, exited and not yet reaped
-    return pid_runs_server(server)
+    # no such process (only our orphans can hold the group id), or our server exited and not yet reaped
+    return not process_alive(server.pid) or pid_runs_server(server)
 
 
 def stop_fleet(state_file: str | Path, grace_s: float = 20.0) -> list[str]:

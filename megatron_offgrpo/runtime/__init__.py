@@ -4,6 +4,7 @@ from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
 from megatron_offgrpo.runtime._device import default_backend, has_cuda, have_te, hide_broken_te, te_status
 from megatron_offgrpo.runtime._distributed import ParallelContext, destroy_parallel, init_parallel
 from megatron_offgrpo.runtime._memory import release_free_memory, tune_cpu_memory
+from megatron_offgrpo.runtime._processes import process_alive
 
 __all__ = [
     "ParallelContext",
@@ -14,6 +15,7 @@ __all__ = [
     "have_te",
     "hide_broken_te",
     "init_parallel",
+    "process_alive",
     "release_free_memory",
     "te_status",
     "tune_cpu_memory",
