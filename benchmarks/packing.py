@@ -91,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_group_advantages
     from megatron_offgrpo.config import ModelConfig, OptimConfig
     from megatron_offgrpo.model import load_arch
-    from megatron_offgrpo.runtime import destroy_parallel, init_parallel
+    from megatron_offgrpo.runtime import destroy_parallel, init_parallel, tune_cpu_memory
     from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
     from megatron_offgrpo.train._packing import build_packed_microbatches
     from megatron_offgrpo.train._policy import build_policy
     from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
     from megatron_offgrpo.train._step import policy_step
+
+    tune_cpu_memory()  # as `offgrpo train` does: a step's large buffers reuse their pages
 
     config = json.loads((REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2" / "config.json").read_text())
     config.update(hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=3 * args.hidden,
