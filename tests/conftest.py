@@ -10,6 +10,8 @@ import pytest
 # Tests run on the CPU build; keep each process to one thread so multi-process tests do not oversubscribe 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+pytest_plugins = ["tests._budget"]  # the suite's time budget: heavy files first, the wall time printed and checked
+
 VARIANTS = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True)]
 
 

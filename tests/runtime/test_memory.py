@@ -42,8 +42,9 @@ def test_freed_large_buffers_are_reused_not_faulted_again():
     plain, tuned = _faults("plain"), _faults("tuned")
     # glibc maps each 64 MiB block fresh and unmaps it on free: every page of every pass faults
     assert plain >= 7 * pages, plain
-    # kept on the heap: the settled passes reuse the pages (measured: 0 faults)
-    assert tuned <= pages // 8, tuned
+    # kept on the heap: the settled passes reuse the pages (measured: 0 faults on a quiet machine; under load one
+    # pass in eight was seen to fault afresh, 16384 pages, so the bound is one pass: still 7x below the plain case)
+    assert tuned <= pages, tuned
 
 
 def test_the_environment_of_a_child_gets_the_settings_and_a_users_choice_wins():

@@ -1,0 +1,87 @@
+"""The suite's time budget, checked by the suite itself (a pytest plugin loaded by tests/conftest.py).
+
+CI runs the whole suite on a clean clone of a 2-core machine before anything lands, so its wall time is a cost every
+change pays. This plugin:
+- runs the heaviest files first (the documented commands, ``make demo``, the end-to-end runs): with pytest-xdist's
+  ``--dist loadfile`` (``make test``) a file is one unit of work, and a long file handed out last would leave one
+  worker running alone at the end;
+- prints, at the end, the session's wall time against its budget and the files that cost most;
+- names every test that took over ``SLOW_UNMARKED_S`` without the ``slow`` or ``multiproc`` mark (``make test-fast``
+  skips only marked tests, so an unmarked slow test silently slows everyone's quick loop);
+- with ``OFFGRPO_SUITE_LIMIT_S`` set (``make test`` sets it), fails the session when its wall time is over that
+  limit, so the suite cannot creep past CI's patience unnoticed. Its default in the Makefile leaves room for the
+  tens of percent these machines drift between runs; the target printed is the one to keep.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import pytest
+
+TARGET_S = 30 * 60  # what the suite should take on the 2-core CI machine
+SLOW_UNMARKED_S = 60.0
+TOP_FILES = 8
+# Files run first, heaviest first (measured on the 2-core machine: the documented commands ~15 min, the demo ~5 min).
+HEAVY_FIRST = ("tests/test_docs_commands.py", "tests/test_demo.py", "tests/train/test_e2e.py",
+               "tests/rollout/test_rollout_fleet.py")
+
+
+def _file_rank(nodeid: str) -> int:
+    path = nodeid.split("::", 1)[0]
+    return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
+class SuiteBudget:
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.per_file: dict[str, float] = defaultdict(float)
+        self.slow_unmarked: list[tuple[str, float]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.per_file[report.nodeid.split("::", 1)[0]] += report.duration
+        if report.when == "call" and report.duration > SLOW_UNMARKED_S and not (
+                {"slow", "multiproc"} & set(report.keywords)):
+            self.slow_unmarked.append((report.nodeid, report.duration))
+
+    def over_limit(self) -> tuple[float, float] | None:
+        limit = os.environ.get("OFFGRPO_SUITE_LIMIT_S")
+        wall = time.monotonic() - self.start
+        return (wall, float(limit)) if limit and wall > float(limit) else None
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        wall = time.monotonic() - self.start
+        tr = terminalreporter
+        tr.section("suite time budget")
+        tr.write_line(f"wall time {wall / 60:.1f} min (target {TARGET_S / 60:.0f} min on the 2-core CI machine"
+                      + (f", limit {float(os.environ['OFFGRPO_SUITE_LIMIT_S']) / 60:.0f} min)"
+                         if os.environ.get("OFFGRPO_SUITE_LIMIT_S") else ")"))
+        top = sorted(self.per_file.items(), key=lambda kv: -kv[1])[:TOP_FILES]
+        tr.write_line("costliest files (summed test time, setup and teardown included):")
+        for path, seconds in top:
+            tr.write_line(f"  {seconds / 60:6.1f} min  {path}")
+        for nodeid, seconds in self.slow_unmarked:
+            tr.write_line(f"not marked slow or multiproc but took {seconds:.0f} s: {nodeid}")
+        if (over := self.over_limit()) is not None:
+            tr.write_line(f"error: the suite took {over[0] / 60:.1f} min, over OFFGRPO_SUITE_LIMIT_S "
+                          f"({over[1] / 60:.0f} min): see the costliest files above", red=True)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.over_limit() is not None and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # in every process that collects (each xdist worker must agree on the order); a stable sort keeps the order
+    # inside a file, which the documented commands depend on
+    items.sort(key=lambda item: _file_rank(item.nodeid))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # one instance, in the process that reports (the xdist controller, or the only process)
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SuiteBudget(), "offgrpo-suite-budget")
