@@ -11,7 +11,7 @@ import torch
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.train._checkpoint import changed_keys, resume_schedule, sweep_partial_checkpoints
 from megatron_offgrpo.train._metrics import MetricsLog
-from megatron_offgrpo.train._preflight import claim_run_dir
+from megatron_offgrpo.train._run_dir import LOCK_FILE, claim_run_dir
 from tests.helpers import REPO
 
 RECIPE = REPO / "configs" / "tiny-cpu.yaml"
@@ -37,9 +37,10 @@ def test_a_new_run_refuses_an_earlier_runs_directory(tmp_path, capsys):
 
 def test_overwrite_moves_the_earlier_run_aside(tmp_path):
     _earlier_run(tmp_path / "run")
-    claim_run_dir(load_config(RECIPE, [f"train.out_dir={tmp_path / 'run'}", "train.overwrite=true"]))
+    lock = claim_run_dir(load_config(RECIPE, [f"train.out_dir={tmp_path / 'run'}", "train.overwrite=true"]))
     [aside] = tmp_path.glob("run.replaced-*")
-    assert not (tmp_path / "run").exists() and len((aside / "metrics.jsonl").read_text().splitlines()) == 3
+    assert len((aside / "metrics.jsonl").read_text().splitlines()) == 3
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_FILE] and lock.fd is not None  # new, locked
 
 
 def test_resume_drops_the_steps_it_redoes_and_continues_the_clock(tmp_path):
