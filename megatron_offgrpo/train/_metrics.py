@@ -209,7 +209,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float))  # bools included: ``skipped``
 
 
-def numbered_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+def numbered_records(path: Path, warn_torn: bool = True) -> list[tuple[int, dict[str, Any]]]:
     """The records of a JSON-lines file with their 1-based line numbers, in order (blank lines skipped). Only a
     run's last write can be torn (killed, or a full disk, while writing it): an unreadable last line is skipped with
     a warning naming file and line (``cut_torn_tail`` removes it before a resume appends).
@@ -227,7 +227,9 @@ def numbered_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == last:
-                logger.warning("%s:%d: a torn last record (the run stopped while writing it): skipped", path, number)
+                if warn_torn:
+                    logger.warning("%s:%d: a torn last record (the run stopped while writing it): skipped", path,
+                                   number)
                 break
             raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg}, column {exc.colno})") from None
         if not isinstance(record, dict):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.train._metrics import SAMPLES_FILE, cut_torn_tail, read_jsonl
+from megatron_offgrpo.train._metrics import SAMPLES_FILE, cut_torn_tail, numbered_records
 
 LOCK_FILE = ".offgrpo.lock"
 NAME_MAX = 255  # bytes of one path component on every filesystem a run is likely to write (ext4, xfs, NFS, Lustre)
@@ -171,18 +171,21 @@ def _model_inside(config: Config, run_dir: Path) -> Path | None:
 
 
 def _check_records(run_dir: Path) -> None:
-    """A resume continues ``metrics.jsonl`` and ``samples.jsonl``: a torn last line (a kill or a full disk during
-    its write) is cut off, saying so; a bad record elsewhere is refused naming file and line."""
+    """A resume continues ``metrics.jsonl`` and ``samples.jsonl``: a bad record before the last is refused, naming
+    file and line (exit 2, before anything is written). The last line may be torn (``_cut_torn_tails``)."""
     for name in ("metrics.jsonl", SAMPLES_FILE):
-        path = run_dir / name
-        if not path.is_file():
-            continue
-        try:
-            line = cut_torn_tail(path)
-            read_jsonl(path)
-        except ValueError as exc:
-            _refuse(f"{exc}: repair or remove that line, or start a new run")
-        if line is not None:
+        if (path := run_dir / name).is_file():
+            try:
+                numbered_records(path, warn_torn=False)
+            except ValueError as exc:
+                _refuse(f"{exc}: repair or remove that line, or start a new run")
+
+
+def _cut_torn_tails(run_dir: Path) -> None:
+    """Cut a torn last line (a kill or a full disk during its write) off the records a resume continues, saying
+    so: the resumed run logs that step again. Rank 0, holding the lock."""
+    for name in ("metrics.jsonl", SAMPLES_FILE):
+        if (path := run_dir / name).is_file() and (line := cut_torn_tail(path)) is not None:
             print(f"WARNING: {path}:{line}: a torn last record (the run stopped while writing it) was cut off; the "
                   "resumed run logs that step again", file=sys.stderr)
 
@@ -203,9 +206,13 @@ def claim_run_dir(config: Config, command: str = "train") -> RunLock | None:
         _refuse("train.resume=true: offgrpo sft has no resume (a warm-up is short: run it again, with "
                 "train.overwrite=true to move this one aside)")
     run_dir, rank0 = Path(t.out_dir), int(os.environ.get("RANK", "0")) == 0
-    lock = RunLock.acquire(run_dir, command) if rank0 else None  # first: a live run is never moved nor joined
+    # First the lock, where a run took one: a live run is never joined nor moved aside. A directory without a lock
+    # file is locked only once it passed every check below: a refusal leaves it as it was.
+    lock = RunLock.acquire(run_dir, command) if rank0 and (run_dir / LOCK_FILE).is_file() else None
     if not rank0:
         check_lock(run_dir)
+    if t.resume:
+        _check_records(run_dir)
     found = None if t.resume else earlier_run(run_dir)
     if found is not None and not t.overwrite:
         if lock is not None:
@@ -220,13 +227,17 @@ def claim_run_dir(config: Config, command: str = "train") -> RunLock | None:
                 lock.release()
             _refuse(f"train.overwrite=true: model.hf_path={model} lies inside train.out_dir={run_dir}, which would "
                     "be moved aside with it: copy the model out first, or choose another train.out_dir")
-        if lock is not None:  # rank 0, holding the earlier run's lock while it moves
-            aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-            run_dir.rename(aside)
+        if rank0:  # holding the earlier run's lock while it moves
+            old = lock or RunLock.acquire(run_dir, command)
+            real = run_dir.resolve()  # "runs/x/.." has no name to suffix; path_error refused "/" and the cwd
+            aside = real.with_name(f"{real.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            real.rename(aside)
             print(f"train.overwrite: the earlier run in {run_dir} was moved to {aside}", file=sys.stderr)
-            old, lock = lock, RunLock.acquire(run_dir, command)
+            lock = RunLock.acquire(run_dir, command)
             old.release()
+    if rank0 and lock is None:
+        lock = RunLock.acquire(run_dir, command)
     if lock is not None and t.resume:
-        _check_records(run_dir)
+        _cut_torn_tails(run_dir)
     return lock
 
