@@ -14,10 +14,10 @@ from pathlib import Path
 
 def _out_error(out: Path) -> str | None:
     """Why the JSON result cannot be written to ``out``, or None."""
+    if long := next((part for part in out.parts if len(part.encode()) > 255), None):  # first: stat() would raise
+        return f"the name {long[:40]}... is {len(long.encode())} bytes, over the 255 a file name may have"
     if out.is_dir():
         return f"is a directory: name the file to write, e.g. --out {out / 'eval.json'}"
-    if long := next((part for part in out.parts if len(part.encode()) > 255), None):
-        return f"the name {long[:40]}... is {len(long.encode())} bytes, over the 255 a file name may have"
     parent = out.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
