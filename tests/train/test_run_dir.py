@@ -294,3 +294,74 @@ def test_a_full_disk_names_the_file_being_written(site, tmp_path, monkeypatch):
         f"error: {target}: no space left on device (errno {errno.ENOSPC}): free space there, then continue with "
         "--resume from the newest complete checkpoint")
     assert no_space_line(OSError(errno.EACCES, "Permission denied"), str(tmp_path)) is None
+
+
+# --- real runs (one process, the tiny model): an interrupted export is written again, a full disk is one line ---
+
+def _cli_train(out, *overrides: str, prelude: str = "", timeout: float = 600):
+    """``offgrpo train`` on the tiny model in a fresh process; ``prelude``: Python run first (a fault injected at a
+    write site)."""
+    import subprocess
+    import sys
+
+    from tests.train.conftest import TINY, train_env
+
+    code = f"{prelude}\nfrom megatron_offgrpo.cli import main\nmain()"
+    return subprocess.run([sys.executable, "-c", code, "train", *TINY, f"train.out_dir={out}", *overrides], cwd=REPO,
+                          env=train_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_resume_writes_the_export_a_kill_interrupted(tmp_path):
+    """The state a ``kill -9`` during step 1's periodic export leaves (its checkpoint complete, ``exports/step_1``
+    only as the writer's temporary sibling, a torn metrics line, no final ``hf/``) is resumed: the export is written
+    again, the temporaries are swept, the torn line is cut off; each said in one line."""
+    import shutil
+
+    from checkpoint_tools._io import _owner_tag
+
+    run = tmp_path / "run"
+    first = _cli_train(run, "train.steps=2", "train.save_every=1", "train.export_every=1")
+    assert first.returncode == 0, first.stderr[-4000:]
+    reference = (run / "exports" / "step_00000001" / "model.safetensors").read_bytes()
+    shutil.rmtree(run / "checkpoints" / "step_00000002")
+    shutil.rmtree(run / "hf")
+    tag = f"{_dead_pid()}-{_owner_tag().split('-')[1]}-0badc0de"
+    (run / "exports" / "step_00000001").rename(run / "exports" / f".step_00000001.tmp-{tag}")
+    (run / f".hf.tmp-{tag}").mkdir()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "wall_s": 9.')
+    resumed = _cli_train(run, "train.steps=2", "train.save_every=1", "train.export_every=1", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    err = resumed.stderr
+    assert f"WARNING: {run / 'metrics.jsonl'}:3: a torn last record (the run stopped while writing it) was cut off" in err
+    assert f"removed {run / 'exports'}/.step_00000001.tmp-{tag}, left by an HF export that was interrupted" in err
+    assert f"resume: {run / 'exports' / 'step_00000001'} was not written (the run stopped during it): writing it now" \
+        in err
+    assert (run / "exports" / "step_00000001" / "model.safetensors").read_bytes() == reference  # the same weights
+    assert (run / "hf" / "config.json").is_file()
+    assert not list(run.glob(".hf.tmp-*")) and not list((run / "exports").glob(".*"))
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_only_its_tmp(tmp_path):
+    """ENOSPC injected where rank 0 writes the checkpoint's model card (a real write site of the save): exit 1, one
+    line naming the checkpoint being written and "no space left"; the step stays ``step_N.tmp``, never complete."""
+    run = tmp_path / "run"
+    prelude = ("import errno, megatron_offgrpo.train._checkpoint as c\n"
+               "def full(*a, **k):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+               "c.write_model_card = full")
+    proc = _cli_train(run, "train.steps=1", "train.save_every=1", prelude=prelude)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert last == (f"error: {run / 'checkpoints' / 'step_00000001.tmp'}: no space left on device (errno 28): free "
+                    "space there, then continue with --resume from the newest complete checkpoint")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001.tmp"] and not (run / "hf").exists()
