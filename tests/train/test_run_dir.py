@@ -342,7 +342,8 @@ def test_a_resume_writes_the_export_a_kill_interrupted(tmp_path):
     resumed = _cli_train(run, "train.steps=2", "train.save_every=1", "train.export_every=1", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     err = resumed.stderr
-    assert f"WARNING: {run / 'metrics.jsonl'}:3: a torn last record (the run stopped while writing it) was cut off" in err
+    assert f"WARNING: {run / 'metrics.jsonl'}:3: a torn last record (the run stopped while writing it) was cut " \
+        "off" in err
     assert f"removed {run / 'exports'}/.step_00000001.tmp-{tag}, left by an HF export that was interrupted" in err
     assert f"resume: {run / 'exports' / 'step_00000001'} was not written (the run stopped during it): writing it now" \
         in err
