@@ -366,3 +366,25 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_only_its_tmp(tmp
     assert last == (f"error: {run / 'checkpoints' / 'step_00000001.tmp'}: no space left on device (errno 28): free "
                     "space there, then continue with --resume from the newest complete checkpoint")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001.tmp"] and not (run / "hf").exists()
+
+
+@pytest.mark.multiproc
+def test_under_torchrun_a_locked_run_dir_is_refused_on_every_rank(tmp_path):
+    """Two ranks started by torchrun into a directory another run holds: each prints the one line and exits 2 before
+    any process group exists (seconds: nothing is imported past the preflight)."""
+    import subprocess
+
+    from tests.train.conftest import train_cmd, train_env
+
+    run = tmp_path / "run"
+    holder = _hold_lock_in_subprocess(run)
+    try:
+        proc = subprocess.run(train_cmd(2, run, "train.resume=true"), cwd=REPO, env=train_env(), capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    line = f"error: train.out_dir={run} is locked by a run in progress (pid {holder.pid} on "
+    assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-4000:]
+    assert "megatron_offgrpo/" not in proc.stderr  # no traceback of ours (torchrun prints its own summary)
+    assert [p.name for p in run.iterdir()] == [LOCK_FILE]
