@@ -48,7 +48,7 @@ endif
 # comparison, then the report of both (plots in runs/tiny-cpu/report.png). A second `make demo` moves the first's
 # runs aside (train.overwrite=true: runs/tiny-cpu.replaced-TIMESTAMP), deleting nothing.
 demo: setup
-	$(VENV)/bin/offgrpo sft --config configs/tiny-cpu-sft.yaml
+	$(VENV)/bin/offgrpo sft --config configs/tiny-cpu-sft.yaml train.overwrite=true
 	$(VENV)/bin/offgrpo train --config configs/tiny-cpu.yaml train.overwrite=true
 	$(VENV)/bin/offgrpo train --config configs/tiny-cpu.yaml train.overwrite=true rollout.refresh_every=1 train.out_dir=runs/tiny-cpu-v1
 	$(VENV)/bin/offgrpo report runs/tiny-cpu runs/tiny-cpu-v1

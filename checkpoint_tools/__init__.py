@@ -24,6 +24,7 @@ from checkpoint_tools._io import (
     atomic_output_dir,
     open_safetensors_dir,
     read_manifest,
+    sweep_stale_siblings,
     tensor_record,
     write_manifest,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "open_safetensors_dir",
     "read_manifest",
     "read_model_card",
+    "sweep_stale_siblings",
     "rebucket",
     "reshard_dir",
     "stream_hf_buckets",

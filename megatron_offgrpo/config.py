@@ -279,7 +279,8 @@ class TrainConfig:
     steps: int = 100
     """Optimizer steps."""
     out_dir: str = "runs/default"
-    """Run directory: config, metrics (JSONL, TensorBoard), checkpoints, plots."""
+    """Run directory: config, metrics (JSONL, TensorBoard), checkpoints, plots. Locked while a run writes it (a
+    second run into it is refused); not empty, not a file nor under one."""
     save_every: int = 50
     """Checkpoint every N steps (0: only at the end)."""
     export_every: int = 0
@@ -294,8 +295,9 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in out_dir (step 0, saying so, when there is none)."""
     overwrite: bool = False
-    """A new run (no resume) into an out_dir that holds an earlier run: false refuses; true first moves the earlier
-    run aside to OUT_DIR.replaced-TIMESTAMP (nothing is deleted)."""
+    """A new run (no resume; offgrpo sft too) into an out_dir that holds an earlier run: false refuses; true first
+    moves the earlier run aside to OUT_DIR.replaced-TIMESTAMP (nothing is deleted). Refused for an out_dir that
+    holds the working directory, the checkout or model.hf_path."""
     deterministic: bool = False
     """Deterministic algorithms (CPU: bit-reproducible resume)."""
     max_nonfinite_steps: int = 3

@@ -83,10 +83,11 @@ RULES: tuple[Rule, ...] = (
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
     Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
     Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),
-    Rule(rf"^{_SFT}", "run-shortened", "200 warm-up steps take ~3 min; 2 steps still write the HF model",
-         append=("train.steps=2",), provides="sft"),
+    Rule(rf"^{_SFT}", "run-shortened", "200 warm-up steps take ~3 min; 2 steps still write the HF model; README "
+         "and the recipe header both warm up into runs/tiny-cpu-sft, so the second replaces the first as a user's "
+         "train.overwrite=true would", append=("train.steps=2", "train.overwrite=true"), provides="sft"),
     Rule(r"^offgrpo sft --config configs/tiny-moe-cpu-sft\.yaml", "run-shortened", "the MoE warm-up; 2 steps still "
-         "write the HF model", append=("train.steps=2",), provides="moe-sft"),
+         "write the HF model", append=("train.steps=2", "train.overwrite=true"), provides="moe-sft"),
     Rule(rf"^torchrun .*-m megatron_offgrpo\.train {_MOE}", "run-shortened", "2 processes at ep=2, 2 steps",
          append=_SHORT_RL, needs=("moe-sft",), multiproc=True, forbid=_VLLM),
     Rule(rf"^offgrpo train {_MOE}", "run-shortened", "one process at ep=1, 2 steps", append=_SHORT_RL,

@@ -147,3 +147,81 @@ def test_packed_rows_with_transformer_engine_are_one_line(tmp_path, capsys, monk
     code, err = _run(["train", "--config", TINY, f"train.out_dir={out}", *layout], capsys)
     assert code == 2 and f"{' and '.join(layout)} need the local layer spec" in err, err
     assert len(err.splitlines()) == 2 and not out.exists()
+
+
+# --- output paths and run records of the other commands (issue 35) ---
+
+def _metrics_run(tmp_path, *lines: str):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    return run
+
+
+GOOD = '{"step": 0, "wall_s": 1.0, "reward_mean": 0.5}'
+REPORT_CASES = [  # (records, what the one line must say)
+    ([GOOD, '{"wall_s": 2.0, "reward_mean": 0.5}'], "metrics.jsonl:2: the record has no step"),
+    ([GOOD, '{"step": "one", "wall_s": 2.0}'], "metrics.jsonl:2: the record step='one' is not a step number"),
+    ([GOOD, '{"step": 1.5, "wall_s": 2.0}'], "metrics.jsonl:2: the record step=1.5 is not a step number"),
+    ([GOOD, '{"step": 1, "wall_s": "late"}'], "metrics.jsonl:2: wall_s='late' is not a number"),
+    (['{"step": 0, "wall_s": 1.0', GOOD], "metrics.jsonl:1: not a JSON record (Expecting ',' delimiter, column 26)"),
+    (["[]", GOOD], "metrics.jsonl:1: a JSON list, not a record"),
+]
+
+
+@pytest.mark.parametrize("records, message", REPORT_CASES, ids=[c[1].split(": ", 1)[1][:30] for c in REPORT_CASES])
+def test_report_names_the_file_and_line_of_a_bad_record(records, message, tmp_path, capsys):
+    run = _metrics_run(tmp_path, *records)
+    code, err = _run(["report", str(run)], capsys)
+    assert code == 2 and err.startswith(f"error: {run / message}") and len(err.splitlines()) == 1, err
+    assert not (run / "report.png").exists()
+
+
+def test_report_skips_a_torn_last_line_and_a_non_numeric_metric_saying_where(tmp_path, capsys, caplog):
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path, GOOD, '{"step": 1, "wall_s": 2.0, "reward_mean": "high"}')
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "wa')  # a run killed while writing its step 2
+    code, _ = _run(["report", str(run)], capsys)
+    assert code == 0 and (run / "report.png").is_file()
+    assert f"{run}/metrics.jsonl:2: reward_mean='high': not a number, skipped" in caplog.text
+    assert f"{run}/metrics.jsonl:3: a torn last record (the run stopped while writing it): skipped" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["directory", "missing-dir", "under-a-file", "long-name"])
+def test_eval_out_is_checked_before_the_evaluation(case, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a-file").write_text("x")
+    out, message = {
+        "directory": (tmp_path, f"is a directory: name the file to write, e.g. --out {tmp_path / 'eval.json'}"),
+        "missing-dir": (tmp_path / "nope" / "r.json", f"its directory {tmp_path / 'nope'} does not exist: create it"),
+        "under-a-file": (tmp_path / "a-file" / "r.json", f"its directory {tmp_path / 'a-file'} "),
+        "long-name": (tmp_path / ("y" * 300 + ".json"), "bytes, over the 255 a file name may have"),
+    }[case]
+    import megatron_offgrpo.train as train_room
+
+    monkeypatch.setattr(train_room, "evaluate", lambda *a, **k: pytest.fail("evaluated before --out was checked"),
+                        raising=False)
+    code, err = _run(["eval", "--config", TINY, "--out", str(out)], capsys)
+    assert code == 2 and err.startswith(f"error: --out {out}: ") and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("case", ["a-file", "under-a-file", "read-only"])
+def test_recipes_into_an_unwritable_place_is_one_line(case, tmp_path, capsys):
+    import os
+
+    (tmp_path / "a-file").write_text("x")
+    if case == "read-only":
+        if os.geteuid() == 0:  # root writes through any mode bits: a place the kernel refuses (sysfs) instead
+            dest = __import__("pathlib").Path("/sys/offgrpo-recipes")
+        else:
+            (tmp_path / "ro").mkdir(mode=0o500)
+            dest = tmp_path / "ro" / "recipes"
+        message = f"error: {dest}: "
+    else:
+        dest = tmp_path / "a-file" / ("sub" if case == "under-a-file" else "")
+        dest = dest if case == "under-a-file" else tmp_path / "a-file"
+        message = (f"error: {dest}: Not a directory: " if case == "under-a-file"
+                   else f"error: {dest} is a file: DIR is where configs/ and launch/ go")
+    code, err = _run(["recipes", str(dest)], capsys)
+    assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert (tmp_path / "a-file").read_text() == "x"

@@ -12,6 +12,19 @@ import sys
 from pathlib import Path
 
 
+def _out_error(out: Path) -> str | None:
+    """Why the JSON result cannot be written to ``out``, or None."""
+    if long := next((part for part in out.parts if len(part.encode()) > 255), None):  # first: stat() would raise
+        return f"the name {long[:40]}... is {len(long.encode())} bytes, over the 255 a file name may have"
+    if out.is_dir():
+        return f"is a directory: name the file to write, e.g. --out {out / 'eval.json'}"
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        return f"its directory {parent} {what}: create it first, or choose another --out"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point (one process; no megatron model is built)."""
     parser = argparse.ArgumentParser(prog="offgrpo eval", description=__doc__.splitlines()[0])
@@ -26,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
+    if args.out is not None and (error := _out_error(Path(args.out))):  # before minutes of evaluation
+        print(f"error: --out {args.out}: {error}", file=sys.stderr)
+        sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from megatron_offgrpo.data import get_reward
     from megatron_offgrpo.model import resolve_model_dir

@@ -33,12 +33,17 @@ def copy_recipes(dest: Path, force: bool = False) -> list[Path]:
     returns the files written. Existing files are replaced only with ``force``.
 
     Raises:
-        FileNotFoundError: no recipes are installed. FileExistsError: a file would be replaced without ``force``.
+        FileNotFoundError: no recipes are installed. FileExistsError: ``dest`` is a file, or a file would be
+            replaced without ``force``. OSError: ``dest`` cannot be created or written (before any copy
+            when it cannot be created).
     """
     root = recipes_root()
     if root is None:
         raise FileNotFoundError(f"no configs/ and launch/ next to {PACKAGE_DIR} nor in it: reinstall megatron-offgrpo")
     files = _files(root)
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(f"{dest} is a file: DIR is where configs/ and launch/ go; name a directory")
+    dest.mkdir(parents=True, exist_ok=True)  # before any copy: a read-only place, or one under a file, fails here
     if not force and (taken := [f for f in files if (dest / f).exists()]):
         raise FileExistsError(f"{dest / taken[0]} exists ({len(taken)} of the {len(files)} files do): "
                               "--force replaces them")
@@ -58,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         written = copy_recipes(Path(args.dest), args.force)
     except (FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:  # read-only, no permission, under a file: the path and the system's reason
+        print(f"error: {exc.filename or args.dest}: {exc.strerror or exc}: choose a directory you can write",
+              file=sys.stderr)
         sys.exit(2)
     print(f"{len(written)} files into {args.dest}: " + ", ".join(f"{args.dest}/{part}/" for part in PARTS))
 

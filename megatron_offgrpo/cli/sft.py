@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,9 +15,10 @@ def main(argv: list[str] | None = None) -> None:
                         "(they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train import config_or_exit
+    from megatron_offgrpo.train import claim_run_dir, config_or_exit, no_space_line
 
     config = config_or_exit(args.config, args.overrides, tracking=True)
+    lock = claim_run_dir(config, command="sft")  # offgrpo train's rules: never over an earlier run, one writer
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
@@ -24,7 +26,15 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train import sft
 
     tune_cpu_memory()  # every step's loss chunks over the vocabulary: pages reused, not faulted
-    print(f"warm-up model: {sft(config)}")
+    try:
+        print(f"warm-up model: {sft(config)}")
+    except OSError as exc:  # a full disk: one line naming the path (exit 1); any other OSError as it is
+        if (line := no_space_line(exc, config.train.out_dir)) is None:
+            raise
+        sys.exit(line)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ def main(argv: list[str] | None = None) -> None:
                         "the console (they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train import claim_run_dir, config_or_exit
+    from megatron_offgrpo.train import claim_run_dir, config_or_exit, no_space_line
 
     config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []),
                             tracking=True)
-    claim_run_dir(config)
+    lock = claim_run_dir(config)  # held (rank 0) until this process ends: one writer per run directory
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
@@ -32,6 +32,13 @@ def main(argv: list[str] | None = None) -> None:
         result = train(config)
     except NoLearningSignalError as exc:  # the task against the policy, not a fault: one line, no traceback
         sys.exit(f"error: {exc}")
+    except OSError as exc:  # a full disk: one line naming the path (exit 1); any other OSError as it is
+        if (line := no_space_line(exc, config.train.out_dir)) is None:
+            raise
+        sys.exit(line)
+    finally:
+        if lock is not None:
+            lock.release()
     if result.summary is not None:  # the logging rank's: once per job, not once per torchrun rank
         print(result.summary)
 

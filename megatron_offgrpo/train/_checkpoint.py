@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, write_model_card
+from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, sweep_stale_siblings, write_model_card
+from megatron_offgrpo.train._disk import writing
 
 logger = logging.getLogger(__name__)
 STATE = "trainer_state.json"
@@ -51,6 +52,19 @@ def sweep_partial_checkpoints(run_dir: str | Path) -> list[Path]:
     for path in swept:
         shutil.rmtree(path, ignore_errors=True)
         logger.warning("removed %s, left by a checkpoint save that was interrupted", path)
+    return swept
+
+
+def sweep_partial_exports(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary directories a killed HF export left (``exports/.step_N.tmp-PID-...``, ``.hf.tmp-...``:
+    ``checkpoint_tools.atomic_output_dir``'s, of a process no longer running), saying so; returns them. A resume
+    writes the interrupted export again (``train.loop``). Only the run's rank 0 calls it, before any export."""
+    run_dir = Path(run_dir)
+    finals = {run_dir / "hf"} | {tmp.parent / tmp.name[1:].split(".tmp-")[0]
+                                 for tmp in (run_dir / "exports").glob(".step_*.tmp-*")}
+    swept = [path for final in sorted(finals) for path in sweep_stale_siblings(final)]
+    for path in swept:
+        logger.warning("removed %s, left by an HF export that was interrupted", path)
     return swept
 
 
@@ -97,15 +111,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
+    with writing(tmp):  # a full disk leaves step_N.tmp, named in the error: never a complete-looking step
+        dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
+        torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        write_model_card(tmp, card, extra_dirs)
-        (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
-        fd = os.open(tmp, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        with writing(tmp):
+            write_model_card(tmp, card, extra_dirs)
+            (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+            fd = os.open(tmp, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
+from megatron_offgrpo.train._disk import writing
 from megatron_offgrpo.train._trackers import SampleRow, Tracker, make_trackers
 
 logger = logging.getLogger(__name__)
@@ -113,12 +114,13 @@ class MetricsLog:
             self._hparams = None
         values = {key: plain_scalar(value) for key, value in values.items()}
         record = {"step": step, "wall_s": round(time.time() - self._start, 3), **values}
-        self._file.write(json.dumps(record, default=float) + "\n")
+        with writing(self.path):
+            self._file.write(json.dumps(record, default=float) + "\n")
         self._fan_out("log_metrics", step, self._scalars(record),
                       {"response_len_hist": [len(s.response_ids) for s in samples]} if samples else {})
         if samples and self._samples_every and step % self._samples_every == 0:
             rows = completion_rows(samples, self._tokenizer, step)
-            with open(self.samples_path, "a") as f:
+            with writing(self.samples_path), open(self.samples_path, "a") as f:
                 f.writelines(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows)
             self._fan_out("log_samples", step, rows)
         done = step + 1
@@ -176,21 +178,93 @@ def open_metrics_log(config: Config, tokenizer, progress: Callable[[dict[str, An
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All step records of a run (the last record wins for a step logged twice, e.g. around a resume)."""
+    """All step records of a run (the last record wins for a step logged twice, e.g. around a resume).
+
+    Raises:
+        FileNotFoundError: no ``metrics.jsonl`` there. ValueError: a record that is not JSON (a torn last line is
+            skipped, ``read_jsonl``), without an integer ``step`` >= 0 or with a non-numeric ``wall_s``, naming
+            file and line. Any other metric whose value is not a number (nor a list of numbers) is dropped from its
+            record with a warning naming file, line and key: the report of the rest can still be drawn.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
-    by_step = {record["step"]: record for record in read_jsonl(path)}
+    by_step = {}
+    for line, record in numbered_records(path):
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            what = "has no step" if "step" not in record else f"step={step!r} is not a step number (an integer >= 0)"
+            raise ValueError(f"{path}:{line}: the record {what}")
+        if not _is_number(record.get("wall_s", 0.0)):
+            raise ValueError(f"{path}:{line}: wall_s={record['wall_s']!r} is not a number")
+        if bad := [key for key, value in record.items() if not (_is_number(value) or value is None
+                                                                 or _is_number_list(value))]:
+            shown = ", ".join(f"{key}={record.pop(key)!r}" for key in bad)
+            logger.warning("%s:%d: %s: not a number, skipped", path, line, shown)
+        by_step[step] = record
     return [by_step[k] for k in sorted(by_step)]
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float))  # bools included: ``skipped``
+
+
+def numbered_records(path: Path, warn_torn: bool = True) -> list[tuple[int, dict[str, Any]]]:
+    """The records of a JSON-lines file with their 1-based line numbers, in order (blank lines skipped). Only a
+    run's last write can be torn (killed, or a full disk, while writing it): an unreadable last line is skipped with
+    a warning naming file and line (``cut_torn_tail`` removes it before a resume appends).
+
+    Raises:
+        ValueError: any other line that is not a JSON object, naming file and line.
+    """
+    lines = path.read_text(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == last:
+                if warn_torn:
+                    logger.warning("%s:%d: a torn last record (the run stopped while writing it): skipped", path,
+                                   number)
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: a JSON {type(record).__name__}, not a record")
+        out.append((number, record))
+    return out
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file, in order (blank lines skipped)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a JSON-lines file, in order (``numbered_records`` without the line numbers)."""
+    return [record for _, record in numbered_records(path)]
+
+
+def cut_torn_tail(path: Path) -> int | None:
+    """Cut an unreadable last line (a torn last write) off ``path``; returns its 1-based line number, or None when
+    the last line reads. Lines before it are not checked here (``numbered_records`` names a bad one)."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    if not last:
+        return None
+    try:
+        json.loads(lines[last - 1])
+        return None
+    except json.JSONDecodeError:
+        pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines[:last - 1]))
+    tmp.replace(path)
+    return last
 
 
 def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
     """Replace ``path`` by ``records``, one JSON line each (atomic)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
+    with writing(tmp):
+        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
     tmp.replace(path)

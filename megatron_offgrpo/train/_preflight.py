@@ -4,10 +4,7 @@ and exits 2, having written nothing."""
 
 from __future__ import annotations
 
-import os
 import sys
-import time
-from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
 from megatron_offgrpo.model import load_arch
@@ -77,31 +74,3 @@ def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | No
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     return config
-
-
-def earlier_run(run_dir: Path) -> str | None:
-    """What shows that ``run_dir`` holds an earlier run (its metrics or checkpoints), or None."""
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size:
-        return "metrics.jsonl"
-    if any((run_dir / "checkpoints").glob("step_*")):
-        return "checkpoints/"
-    return None
-
-
-def claim_run_dir(config: Config) -> None:
-    """A new run (no ``train.resume``) never writes into an earlier run's directory: refuse (exit 2), or with
-    ``train.overwrite`` move the earlier run aside first. Called by every rank before any of them starts: only
-    rank 0 moves, and every rank sees the same directory until then."""
-    run_dir = Path(config.train.out_dir)
-    found = None if config.train.resume else earlier_run(run_dir)
-    if found is None:
-        return
-    if not config.train.overwrite:
-        print(f"error: train.out_dir={run_dir} holds an earlier run ({found}): resume it with --resume, choose another "
-              "train.out_dir, or pass train.overwrite=true to move it aside", file=sys.stderr)
-        sys.exit(2)
-    if int(os.environ.get("RANK", "0")) == 0:
-        aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.rename(aside)
-        print(f"train.overwrite: the earlier run in {run_dir} was moved to {aside}", file=sys.stderr)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.model import resolve_model_dir
-from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints
+from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints, sweep_partial_exports
 from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log
 from megatron_offgrpo.train._rollout_side import RolloutSide
 from megatron_offgrpo.train._run_info import write_run_info
@@ -28,6 +28,7 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
         sweep_partial_checkpoints(run_dir)
+        sweep_partial_exports(run_dir)
     v0 = trainer.export_hf(run_dir / "weights" / "v0")
     if not rank0:
         return trainer, None, None

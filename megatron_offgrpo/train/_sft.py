@@ -95,9 +95,9 @@ def sft(config: Config) -> Path:
 
 
 def _open_log(config: Config, ctx: ParallelContext, arch: QwenArch, tokenizer, started: float) -> MetricsLog:
-    """Rank 0's metrics log of the warm-up, and its ``run_info.json``. A warm-up has no resume: run again into the
-    same ``train.out_dir`` it replaces the earlier one's records (as it replaces ``hf/``), and starts new tracker
-    runs."""
+    """Rank 0's metrics log of the warm-up, and its ``run_info.json``. A warm-up has no resume: ``offgrpo sft``
+    follows ``offgrpo train``'s run-directory rules (``train._run_dir.claim_run_dir``), so it starts in a directory
+    without an earlier run's records (one moved aside by ``train.overwrite``), and starts new tracker runs."""
     run_dir = Path(config.train.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_info(run_dir, config, ctx, arch, started)

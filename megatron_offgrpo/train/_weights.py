@@ -20,6 +20,7 @@ from checkpoint_tools import DistModelCard, stream_hf_buckets, write_hf
 from megatron_offgrpo.data import ASSETS
 from megatron_offgrpo.model import QwenArch, hf_config_dict
 from megatron_offgrpo.runtime import ParallelContext
+from megatron_offgrpo.train._disk import writing
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -117,5 +118,6 @@ def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source
         return None
     dtype = next(model.parameters()).dtype
     pairs = (pair for bucket in buckets for pair in bucket)
-    return write_hf(out, arch, source_hf_config(arch, source_dir), pairs, lambda _: dtype, hf_extra_dirs(source_dir),
-                    overwrite=True)
+    with writing(out):  # a full disk: the error names the export (its temporary sibling is removed)
+        return write_hf(out, arch, source_hf_config(arch, source_dir), pairs, lambda _: dtype,
+                        hf_extra_dirs(source_dir), overwrite=True)

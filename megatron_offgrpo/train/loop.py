@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from megatron_offgrpo.config import Config
+from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint
 from megatron_offgrpo.train._metrics import MetricsLog
@@ -105,6 +105,9 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
                        "now (save_every a multiple of v keeps a resumed run identical)", step,
                        cfg.rollout.refresh_every)
     refresh(trainer, rollout, step)
+    if (out := _export_dir(cfg.train, step)) is not None and not out.is_dir():  # the kill came during this export
+        logger.warning("resume: %s was not written (the run stopped during it): writing it now", out)
+        trainer.export_hf(out)
     return step, step
 
 
@@ -159,7 +162,13 @@ def _persist(trainer: TrainerSide, rollout: RolloutSide | None, done: int, versi
     cfg = trainer.config.train
     if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
         trainer.save(done, {"version": version, **(rollout.state_dict() if rollout is not None else {})})
+    if (out := _export_dir(cfg, done)) is not None and trainer.export_hf(out) is not None:
+        logger.info("policy exported to %s", out)
+
+
+def _export_dir(cfg: TrainConfig, done: int) -> Path | None:
+    """Where the periodic HF export after ``done`` steps goes (``train.export_every``), or None when none is due
+    (the last step's export is ``out_dir/hf``)."""
     if cfg.export_every and done % cfg.export_every == 0 and done < cfg.steps:
-        out = Path(cfg.out_dir) / "exports" / f"step_{done:08d}"
-        if trainer.export_hf(out) is not None:
-            logger.info("policy exported to %s", out)
+        return Path(cfg.out_dir) / "exports" / f"step_{done:08d}"
+    return None
