@@ -211,7 +211,7 @@ def load_records(
     """
     if source not in ("auto", "local", "hub"):
         raise ValueError(f"data.source={source!r}: expected 'auto', 'local' or 'hub'")
-    if name == "arithmetic":
+    if name == "arithmetic" and path is None:
         return arithmetic_records(kwargs.get("count", 2000), kwargs.get("seed", 0), kwargs.get("max_operand", 20),
                                   held_out=split != "train")
     keys = {k: kwargs[k] for k in ("question_key", "answer_key") if k in kwargs}

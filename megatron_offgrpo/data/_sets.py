@@ -63,11 +63,12 @@ def load_datasets(name: str, split: str = "train", eval_split: str = "test", sou
         ValueError, FileNotFoundError: from the readers, naming the file and line.
     """
     keys = {k: kwargs[k] for k in ("question_key", "answer_key") if k in kwargs}
-    if name == "arithmetic" and eval_path is None:
+    from_file = path is not None and source != "hub"  # a file replaces any named dataset, the arithmetic task too
+    if name == "arithmetic" and not from_file and eval_path is None:
         train, evaluation = load_records(name, split, **kwargs), load_records(name, eval_split, **kwargs)
         side = "held-out" if eval_split != "train" else "training"
         return DataSets(train, evaluation, f"the arithmetic task's {side} questions")
-    if path is not None and source != "hub" and name != "arithmetic":
+    if from_file:
         records = load_local(path, **keys)
         if eval_path is None:
             train, evaluation = split_held_out(records, f"data.path={path}")
