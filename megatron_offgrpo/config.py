@@ -79,8 +79,9 @@ class DataConfig:
     source: str = "auto"
     """"auto" | "local" | "hub"."""
     path: str | None = None
-    """Local JSONL/JSON/Parquet overriding the bundled copy (or the arithmetic task). Without data.eval_path, a fifth of its distinct questions
-    (by a hash of the question) is held out for evaluation and never trained on (the start log says so)."""
+    """Local JSONL/JSON/Parquet overriding the bundled copy (or the arithmetic task). Without data.eval_path, a fifth
+    of its distinct questions (by a hash of the question) is held out for evaluation and never trained on (the start
+    log says so)."""
     eval_path: str | None = None
     """Local JSONL/JSON/Parquet file to evaluate on (`offgrpo eval` and periodic evaluation), instead of
     data.eval_split or data.path's held-out slice. Questions it shares with the training data are counted
