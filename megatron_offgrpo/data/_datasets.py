@@ -84,7 +84,7 @@ def _json_int(digits: str) -> int | str:
 def _decode(raw: bytes, path: Path, line: int) -> str:
     """One line (or a whole ``.json``) as text; binary bytes name the file, the line and the byte's column."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig" if line <= 1 else "utf-8")  # a byte-order mark (Windows editors) is no data
     except UnicodeDecodeError as exc:
         if line == 0:  # a whole .json: the line of the bad byte
             line, column = raw.count(b"\n", 0, exc.start) + 1, exc.start - raw.rfind(b"\n", 0, exc.start)
