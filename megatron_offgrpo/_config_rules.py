@@ -72,8 +72,9 @@ def collect_errors(config: Any) -> list[str]:
         errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0 (or null: the precision's default)")
     errors.extend(_optim_errors(config))
     errors.extend(_parallel_errors(config.parallel))
-    if config.data.max_operand < 0:
-        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 0")
+    if config.data.max_operand < (1 if config.data.name == "arithmetic" else 0):
+        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 1 (the arithmetic task holds a fifth of "
+                      "its (max_operand + 1)^2 questions out for evaluation: one question cannot be split)")
     if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
         errors.append(f"model.moe_aux_loss_coef={config.model.moe_aux_loss_coef}: must be >= 0 (0: no load-balancing "
                       "loss; null: the HF config's router_aux_loss_coef)")

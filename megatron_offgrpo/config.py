@@ -72,13 +72,20 @@ class DataConfig:
     name: str = "gsm8k"
     """"gsm8k", "arithmetic", or a hub dataset id."""
     split: str = "train"
-    """Training split."""
+    """Training split (arithmetic: "train" is its training questions, any other split its held-out ones)."""
     eval_split: str = "test"
-    """Split used by `offgrpo eval` and periodic evaluation."""
+    """Split used by `offgrpo eval` and periodic evaluation (arithmetic: the held-out fifth of the questions, chosen by
+    a hash of the question, which training never sees). Ignored with data.path or data.eval_path."""
     source: str = "auto"
     """"auto" | "local" | "hub"."""
     path: str | None = None
-    """Local JSONL/JSON/Parquet overriding the bundled copy."""
+    """Local JSONL/JSON/Parquet overriding the bundled copy (or the arithmetic task). Without data.eval_path, a fifth
+    of its distinct questions (by a hash of the question) is held out for evaluation and never trained on (the start
+    log says so)."""
+    eval_path: str | None = None
+    """Local JSONL/JSON/Parquet file to evaluate on (`offgrpo eval` and periodic evaluation), instead of
+    data.eval_split or data.path's held-out slice. Questions it shares with the training data are counted
+    (run_info.json's data.eval_overlap) and warned about."""
     question_key: str = "question"
     """Row key of the question."""
     answer_key: str = "answer"
@@ -86,9 +93,9 @@ class DataConfig:
     count: int = 2000
     """Number of synthetic records (arithmetic only)."""
     max_operand: int = 20
-    """Largest operand (arithmetic only)."""
+    """Largest operand (arithmetic only): (max_operand + 1)^2 distinct questions, a fifth of them held out (>= 1)."""
     max_prompt_tokens: int = 512
-    """Prompts longer than this are an error."""
+    """Prompts longer than this are an error (checked before the run starts, naming the file and line)."""
     prompt_format: str = "chat"
     """"chat": the tokenizer's chat template; "plain": system prompt, question and instruction as plain lines, no
     special tokens (base models)."""

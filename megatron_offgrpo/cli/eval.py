@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train import evaluate
     from megatron_offgrpo.train import make_rollout_engine
     from megatron_offgrpo.train import config_or_exit
-    from megatron_offgrpo.train import load_prompts, load_tokenizer
+    from megatron_offgrpo.train import build_prompts, load_data, load_tokenizer, log_data
 
     # the flags are config keys too: validated with the recipe (an unknown engine, --prompts 0: one line, exit 2)
     flags = [f"rollout.engine={args.engine}"] * (args.engine is not None) + [f"train.eval_prompts={args.prompts}"] * (
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_exit(args.config, [*args.overrides, *flags], args.model)
     model = resolve_model_dir(args.model or config.model.hf_path)
     tokenizer = load_tokenizer(model)
-    prompts = load_prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
+    data = load_data(config)
+    prompts = build_prompts(config, tokenizer, data.eval[: config.train.eval_prompts])
+    report = log_data(config, data)
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
     tune_cpu_memory()  # as in training: every decode step's logits reuse pages, not fault fresh ones
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                           seed=config.parallel.seed)
     finally:
         engine.close()
-    result.update(model=str(model), split=config.data.eval_split, dataset=config.data.name)
+    result.update(model=str(model), split=config.data.eval_split, dataset=config.data.name,
+                  eval_source=report["eval_source"], eval_overlap=report["eval_overlap"])
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

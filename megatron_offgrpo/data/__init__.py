@@ -1,8 +1,11 @@
 """Data: prompt/sample types, prompt datasets, chat templates and verifiable rewards."""
 
 from megatron_offgrpo.data._datasets import ASSETS, QARecord, arithmetic_records, load_hub, load_local, load_records
+from megatron_offgrpo.data._heldout import HELD_OUT_FRACTION, held_out_questions
 from megatron_offgrpo.data._prompts import DEFAULT_INSTRUCTION, PromptStream, build_prompt
 from megatron_offgrpo.data._rewards import (
+    MAX_ANSWER_DIGITS,
+    answer_error,
     extract_answer,
     get_reward,
     math_exact_reward,
@@ -10,20 +13,27 @@ from megatron_offgrpo.data._rewards import (
     normalize_number,
     register_reward,
 )
+from megatron_offgrpo.data._sets import DataSets, load_datasets
 from megatron_offgrpo.data._types import Prompt, Sample, SamplingParams
 
 __all__ = [
     "ASSETS",
     "DEFAULT_INSTRUCTION",
+    "HELD_OUT_FRACTION",
+    "MAX_ANSWER_DIGITS",
+    "DataSets",
     "Prompt",
     "PromptStream",
     "QARecord",
     "Sample",
     "SamplingParams",
+    "answer_error",
     "arithmetic_records",
     "build_prompt",
     "extract_answer",
     "get_reward",
+    "held_out_questions",
+    "load_datasets",
     "load_hub",
     "load_local",
     "load_records",

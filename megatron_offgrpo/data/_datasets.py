@@ -14,45 +14,57 @@ import random
 from pathlib import Path
 from typing import Sequence
 
+from megatron_offgrpo.data._heldout import held_out_questions, ordered_by_hash
+
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED = {("gsm8k", "train"): ASSETS / "gsm8k" / "train.jsonl", ("gsm8k", "test"): ASSETS / "gsm8k" / "test.jsonl"}
 HUB_IDS = {"gsm8k": ("openai/gsm8k", "main")}
 
 
+MAX_JSON_INT_DIGITS = 4300
+"""Python's own limit on int(str) (sys.get_int_max_str_digits): json.loads raises a bare ValueError past it, so a
+longer integer cell is kept as its digit string and the answer check (data._rewards.answer_error) names the row."""
+
+
 @dataclasses.dataclass(frozen=True)
 class QARecord:
-    """One dataset row. Attributes: record_id (stable, e.g. "gsm8k/train/17"), question, answer (ground truth)."""
+    """One dataset row. Attributes: record_id (stable, e.g. "gsm8k/train/17"), question, answer (ground truth), where
+    (the row's place for error lines: "FILE:LINE" for JSONL, "FILE row i" otherwise; not part of equality)."""
 
     record_id: str
     question: str
     answer: str
+    where: str = dataclasses.field(default="", compare=False)
 
 
 def _text(value: object, where: str, key: str) -> str:
-    """A question/answer cell as text. Numbers (answers stored as ints) convert; a null, an empty or a non-text cell
-    is refused here, naming the row: as a string ('None', '') it would fail at the first scoring, naming nothing."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return str(value)
+    """A question/answer cell as text. Numbers (answers stored as ints) convert; a null, an empty, a non-finite or a
+    non-text cell is refused here, naming the row: as a string ('None', '', 'inf') it would fail at the first scoring,
+    naming nothing."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isfinite(value):
+            return str(value)
+        raise ValueError(f"{where}: {key!r} is {value!r}, not a finite number")
     if isinstance(value, str) and value.strip():
         return value
     shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
     raise ValueError(f"{where}: {key!r} is {shown}; expected a non-empty string or a number")
 
 
-def _from_rows(rows: Sequence[dict], prefix: str, question_key: str, answer_key: str, source: str) -> list[QARecord]:
-    """Records named ``prefix/i``; errors name ``source`` (the file or hub id) and the row index ``i``."""
+def _from_rows(rows: Sequence[object], wheres: Sequence[str], prefix: str, question_key: str,
+               answer_key: str) -> list[QARecord]:
+    """Records named ``prefix/i``; errors name the row by ``wheres[i]`` (its file and line, or hub id and index)."""
     records = []
-    for i, row in enumerate(rows):
-        where = f"{source} row {i}"
+    for i, (row, where) in enumerate(zip(rows, wheres)):
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object with the question and answer, got {type(row).__name__}")
-        if question_key not in row or answer_key not in row:
-            raise ValueError(
-                f"{where} has keys {sorted(row)}; expected {question_key!r} and {answer_key!r} "
-                f"(set data.question_key / data.answer_key)"
-            )
+        missing = [key for key in (question_key, answer_key) if key not in row]
+        if missing:
+            setting = "data.question_key" if missing[0] == question_key else "data.answer_key"
+            raise ValueError(f"{where}: no {missing[0]!r} key (the row has {sorted(row)[:8]}): fix the row or set "
+                             f"{setting}")
         records.append(QARecord(f"{prefix}/{i}", _text(row[question_key], where, question_key),
-                                _text(row[answer_key], where, answer_key)))
+                                _text(row[answer_key], where, answer_key), where))
     return records
 
 
@@ -65,26 +77,73 @@ def _in_package(path: Path) -> Path:
     return bundled if bundled.exists() else path
 
 
+def _json_int(digits: str) -> int | str:
+    return int(digits) if len(digits.lstrip("-")) <= MAX_JSON_INT_DIGITS else digits
+
+
+def _decode(raw: bytes, path: Path, line: int) -> str:
+    """One line (or a whole ``.json``) as text; binary bytes name the file, the line and the byte's column."""
+    try:
+        return raw.decode("utf-8-sig" if line <= 1 else "utf-8")  # a byte-order mark (Windows editors) is no data
+    except UnicodeDecodeError as exc:
+        if line == 0:  # a whole .json: the line of the bad byte
+            line, column = raw.count(b"\n", 0, exc.start) + 1, exc.start - raw.rfind(b"\n", 0, exc.start)
+        else:
+            column = exc.start + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column}): a binary "
+                         "file? datasets are JSONL, JSON or Parquet") from None
+
+
+def _jsonl_rows(path: Path) -> tuple[list[object], list[str]]:
+    rows, wheres = [], []
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        line = _decode(raw, path, n)
+        if line.strip():
+            try:
+                rows.append(json.loads(line, parse_int=_json_int))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc}): a line cut short? fix or remove it") from None
+            wheres.append(f"{path}:{n}")
+    return rows, wheres
+
+
+def _json_rows(path: Path) -> tuple[list[object], list[str]]:
+    try:
+        rows = json.loads(_decode(path.read_bytes(), path, 0), parse_int=_json_int)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc}): a file cut short?") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: expected a JSON list of rows, got {type(rows).__name__} (or use JSONL)")
+    return rows, [f"{path} row {i}" for i in range(len(rows))]
+
+
+def _parquet_rows(path: Path) -> tuple[list[object], list[str]]:
+    import datasets
+
+    try:
+        rows = list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors have no common base; each is an unreadable file here
+        raise ValueError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+    return rows, [f"{path} row {i}" for i in range(len(rows))]
+
+
 def load_local(path: str | Path, question_key: str = "question", answer_key: str = "answer") -> list[QARecord]:
-    """Records from a local ``.jsonl`` / ``.json`` / ``.parquet`` file (``megatron_offgrpo/assets/...``: bundled)."""
+    """Records from a local ``.jsonl`` / ``.json`` / ``.parquet`` file (``megatron_offgrpo/assets/...``: bundled).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: a directory, an empty file, a line that is not JSON or not UTF-8,
+            a row without the question or answer key or with an empty or non-finite cell (each naming file and line).
+    """
     path = _in_package(Path(path))
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not a dataset file: give a .jsonl, .json or .parquet file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: dataset file not found")
-    if path.suffix == ".parquet":
-        import datasets
-
-        rows = datasets.load_dataset("parquet", data_files=str(path), split="train")
-    elif path.suffix == ".json":
-        rows = json.loads(path.read_text())
-    else:
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({exc})") from None
-    return _from_rows(rows, path.stem, question_key, answer_key, str(path))
+    reader = {".parquet": _parquet_rows, ".json": _json_rows}.get(path.suffix, _jsonl_rows)
+    rows, wheres = reader(path)
+    if not rows:
+        raise ValueError(f"{path}: an empty dataset (no rows): give a file with at least one question")
+    return _from_rows(rows, wheres, path.stem, question_key, answer_key)
 
 
 def load_hub(name: str, split: str, question_key: str = "question", answer_key: str = "answer") -> list[QARecord]:
@@ -93,16 +152,45 @@ def load_hub(name: str, split: str, question_key: str = "question", answer_key: 
 
     repo, config = HUB_IDS.get(name, (name, None))
     rows = datasets.load_dataset(repo, config, split=split)
-    return _from_rows(rows, f"{name}/{split}", question_key, answer_key, f"hub dataset {repo} split {split}")
+    wheres = [f"hub dataset {repo} split {split} row {i}" for i in range(len(rows))]
+    return _from_rows(rows, wheres, f"{name}/{split}", question_key, answer_key)
 
 
-def arithmetic_records(count: int, seed: int, max_operand: int = 20) -> list[QARecord]:
-    """A synthetic task with verifiable answers: "What is a + b?" with the sum as the answer (``#### N``)."""
+def arithmetic_questions(max_operand: int) -> list[tuple[int, int]]:
+    """Every (a, b) of the synthetic task, 0 <= a, b <= ``max_operand``: (max_operand + 1)^2 distinct questions."""
+    return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def _question(a: int, b: int) -> str:
+    return f"What is {a} + {b}?"
+
+
+def arithmetic_records(count: int, seed: int, max_operand: int = 20, held_out: bool = False) -> list[QARecord]:
+    """A synthetic task with verifiable answers: "What is a + b?" with the sum as the answer (``#### N``).
+
+    The questions are split once by a hash of their text (``_heldout``: a fifth held out, at least one): the training
+    side is ``count`` draws (seeded) from the other questions; the held-out side (``held_out``) is each held-out
+    question once, in hash order, whatever ``count`` and ``seed``. The two never share a question.
+
+    Raises:
+        ValueError: ``max_operand`` < 1 (one question cannot be split).
+    """
+    pairs = arithmetic_questions(max_operand)
+    try:
+        held = held_out_questions(_question(a, b) for a, b in pairs)
+    except ValueError as exc:
+        raise ValueError(f"data.max_operand={max_operand}: the arithmetic task has {exc}; use max_operand >= 1"
+                         ) from None
+    if held_out:
+        sums = {_question(a, b): a + b for a, b in pairs}
+        return [QARecord(f"arith/held-out/{i}", q, f"#### {sums[q]}", f"arithmetic held-out question {i}")
+                for i, q in enumerate(ordered_by_hash(held))]
+    train = [(a, b) for a, b in pairs if _question(a, b) not in held]
     rng = random.Random(seed)
     records = []
     for i in range(count):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        records.append(QARecord(f"arith/{seed}/{i}", f"What is {a} + {b}?", f"#### {a + b}"))
+        a, b = rng.choice(train)
+        records.append(QARecord(f"arith/{seed}/{i}", _question(a, b), f"#### {a + b}", f"arithmetic record {i}"))
     return records
 
 
@@ -112,18 +200,20 @@ def load_records(
     """Load a prompt dataset.
 
     Args:
-        name: "gsm8k", "arithmetic", or a hub dataset id. split: "train" / "test".
+        name: "gsm8k", "arithmetic", or a hub dataset id. split: "train" / "test" (arithmetic: "train" is the
+            training questions, any other split the held-out ones).
         source: "local" (bundled or ``path``), "hub" (``datasets.load_dataset``), "auto" (``path`` if given, then
             the bundled copy, then the hub).
-        path: a local file overriding the bundled copy.
+        path: a local file overriding the bundled copy: all its rows, whatever ``split`` (``load_datasets`` holds some
+            out for evaluation).
         kwargs: ``question_key`` / ``answer_key`` for local and hub rows; ``count``/``seed``/``max_operand`` for
             "arithmetic".
     """
     if source not in ("auto", "local", "hub"):
         raise ValueError(f"data.source={source!r}: expected 'auto', 'local' or 'hub'")
-    if name == "arithmetic":
-        seed = kwargs.get("seed", 0) + (0 if split == "train" else 10_000)
-        return arithmetic_records(kwargs.get("count", 2000), seed, kwargs.get("max_operand", 20))
+    if name == "arithmetic" and path is None:
+        return arithmetic_records(kwargs.get("count", 2000), kwargs.get("seed", 0), kwargs.get("max_operand", 20),
+                                  held_out=split != "train")
     keys = {k: kwargs[k] for k in ("question_key", "answer_key") if k in kwargs}
     if path is not None and source != "hub":
         return load_local(path, **keys)

@@ -17,6 +17,10 @@ _NUMBER = r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\$?\s*\.\d+"
 _HASH_ANSWER = re.compile(r"####\s*(" + _NUMBER + r")")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*\**\s*(" + _NUMBER + r")", re.IGNORECASE)
 _ANY_NUMBER = re.compile(_NUMBER)
+_NOT_FINITE = re.compile(r"\d\s*[eE][+-]?\d|\b(?:inf(?:inity)?|nan)\b", re.IGNORECASE)
+MAX_ANSWER_DIGITS = 100
+"""The longest ground truth the math rewards accept: no completion of a sane length writes a longer number, and
+past Python's 4300-digit limit (sys.get_int_max_str_digits) int() raises in whoever reads it."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -103,6 +107,23 @@ def extract_answer(text: str) -> str | None:
                 return number
     numbers = _ANY_NUMBER.findall(text)
     return normalize_number(numbers[-1]) if numbers else None
+
+
+def answer_error(answer: str) -> str | None:
+    """Why the ground truth ``answer`` cannot be scored by the math rewards (no number, not finite: "inf", "nan",
+    "1e999", whose digits the reward would read as 1; or more than ``MAX_ANSWER_DIGITS`` digits); None when it can.
+    Only the final answer is read: the text after the last ``####`` when there is one (GSM8K's worked solutions)."""
+    final = answer.rsplit("####", 1)[-1]
+    shown = repr(final.strip()) if len(final.strip()) <= 40 else f"{final.strip()[:20]!r}..."
+    if _NOT_FINITE.search(final):
+        return f"the answer {shown} is not a finite number"
+    number = extract_answer(answer)
+    if number is None:
+        return f"the answer {shown} holds no number"
+    digits = sum(c.isdigit() for c in number)
+    if digits > MAX_ANSWER_DIGITS:
+        return f"the answer has {digits} digits (at most {MAX_ANSWER_DIGITS})"
+    return None
 
 
 @register_reward("math_exact")

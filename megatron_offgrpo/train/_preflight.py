@@ -1,5 +1,6 @@
 """Every check that can run before a process group, a model or an engine exists: the recipe, the overrides, and what
-they ask of the model (its config read from ``model.hf_path``). A command that fails here prints one line per error
+they ask of the model (its config read from ``model.hf_path``), and the data (every row the run will read). A command
+that fails here prints one line per error
 and exits 2, having written nothing."""
 
 from __future__ import annotations
@@ -61,10 +62,44 @@ def tracker_errors(config: Config) -> list[str]:
     return missing_trackers(config.train.loggers)
 
 
+MATH_REWARDS = ("math_exact", "math_strict")  # the rewards that read a number from the ground truth
+
+
+def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
+    """What is wrong with the recipe's data, each naming the file and line (or row): the files cannot be read (cut
+    short, binary, empty, a directory), a row lacks a key, a ground truth the math rewards cannot score (no number, not
+    finite, over ``MAX_ANSWER_DIGITS`` digits), a prompt over ``data.max_prompt_tokens`` (the model's tokenizer, read
+    once: ``model_dir``'s, default ``model.hf_path``'s). Every training record and the evaluation records a run uses
+    are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
+    from megatron_offgrpo.data import answer_error
+    from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, used_records
+
+    try:
+        data = load_data(config)
+    except (ValueError, FileNotFoundError) as exc:
+        return [str(exc)]
+    records = used_records(config, data, "train") + used_records(config, data, "eval")
+    if config.data.reward in MATH_REWARDS:
+        for record in records:
+            problem = answer_error(record.answer)
+            if problem is not None:
+                return [f"{record.where}: {problem}: fix or remove the row (data.reward={config.data.reward} compares "
+                        "numbers)"]
+    tokenizer = load_tokenizer(model_dir or config.model.hf_path)
+    if config.data.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+        return [f"data.prompt_format=chat: the tokenizer of {model_dir or config.model.hf_path} has no chat_template: "
+                "use a chat/instruct tokenizer (e.g. Qwen2.5's) or data.prompt_format=plain"]
+    try:
+        build_prompts(config, tokenizer, records)  # the run reuses the ids (``_prompts.prompt_ids``)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
+
+
 def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None,
                    tracking: bool = False) -> Config:
     """The validated config of a command line, or (bad recipe, key, value or model; with ``tracking``, a tracker of
-    ``train.loggers`` that is not installed) its errors on stderr and exit 2."""
+    ``train.loggers`` that is not installed; then bad data: ``data_errors``) its errors on stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
         errors = model_errors(config, model_dir) + layout_errors(config) + (tracker_errors(config) if tracking else [])
@@ -72,5 +107,10 @@ def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | No
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    errors = data_errors(config, model_dir)
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    if errors:
         sys.exit(2)
     return config

@@ -2,25 +2,96 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import weakref
+from pathlib import Path
+
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.data import ASSETS, Prompt, build_prompt, load_records
+from megatron_offgrpo.data import ASSETS, DataSets, Prompt, QARecord, build_prompt, load_datasets
 from megatron_offgrpo.model import resolve_model_dir
+
+logger = logging.getLogger(__name__)
+ROLES = ("train", "eval")
 
 
 def load_tokenizer(hf_path: str):
     """The model directory's tokenizer, or the bundled Qwen2.5 tokenizer when the directory has none (``hf_path``:
-    anything ``resolve_model_dir`` accepts)."""
+    anything ``resolve_model_dir`` accepts). Read once per process and directory: the data check before the run
+    (``_preflight.data_errors``) and the run itself share it."""
+    return _tokenizer_of(resolve_model_dir(hf_path).resolve())
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_of(model_dir: Path):
     import transformers
 
-    model_dir = resolve_model_dir(hf_path)
     has_own = (model_dir / "tokenizer_config.json").exists()
     return transformers.AutoTokenizer.from_pretrained(model_dir if has_own else ASSETS / "qwen2-tokenizer")
 
 
-def load_prompts(config: Config, tokenizer, split: str) -> list[Prompt]:
-    """The prompts of ``split`` of the recipe's dataset, built as the engine sees them."""
+# tokenizer -> {(system prompt, instruction, format, question): prompt ids}: each distinct question is tokenised
+# once per process, whether the data check or the run asks first (GSM8K's 7473 chat prompts take seconds)
+_PROMPT_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def load_data(config: Config) -> DataSets:
+    """The recipe's training and evaluation records (``data.load_datasets``: held out by construction)."""
     d = config.data
-    records = load_records(d.name, split, d.source, d.path, question_key=d.question_key, answer_key=d.answer_key,
-                           count=d.count, seed=config.parallel.seed, max_operand=d.max_operand)
-    return [build_prompt(r, tokenizer, d.system_prompt, d.instruction, d.max_prompt_tokens, d.prompt_format)
-            for r in records]
+    return load_datasets(d.name, d.split, d.eval_split, d.source, d.path, d.eval_path, question_key=d.question_key,
+                         answer_key=d.answer_key, count=d.count, seed=config.parallel.seed, max_operand=d.max_operand)
+
+
+def used_records(config: Config, data: DataSets, role: str) -> list[QARecord]:
+    """The records a run uses in ``role``: every training record, or the first ``train.eval_prompts`` of the
+    evaluation set."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: expected one of {list(ROLES)}")
+    return data.train if role == "train" else data.eval[: config.train.eval_prompts]
+
+
+def prompt_ids(config: Config, tokenizer, record: QARecord) -> tuple[int, ...]:
+    """The token ids of ``record``'s prompt (chat template or plain text), whatever their length; cached."""
+    d = config.data
+    cache = _PROMPT_IDS.setdefault(tokenizer, {})
+    key = (d.system_prompt, d.instruction, d.prompt_format, record.question)
+    if key not in cache:
+        cache[key] = build_prompt(record, tokenizer, d.system_prompt, d.instruction, None, d.prompt_format).prompt_ids
+    return cache[key]
+
+
+def build_prompts(config: Config, tokenizer, records: list[QARecord]) -> list[Prompt]:
+    """``records`` built as the engine sees them (chat template or plain text).
+
+    Raises:
+        ValueError: a prompt longer than ``data.max_prompt_tokens``, naming its row.
+    """
+    prompts = []
+    for record in records:
+        ids = prompt_ids(config, tokenizer, record)
+        if len(ids) > config.data.max_prompt_tokens:
+            raise ValueError(f"{record.where or record.record_id}: the prompt has {len(ids)} tokens > "
+                             f"data.max_prompt_tokens={config.data.max_prompt_tokens}: shorten or remove the row, or "
+                             "raise data.max_prompt_tokens")
+        prompts.append(Prompt(record.record_id, ids, record.question, record.answer))
+    return prompts
+
+
+def load_prompts(config: Config, tokenizer, role: str) -> list[Prompt]:
+    """The prompts of ``role`` ("train": the training stream's; "eval": the first ``train.eval_prompts`` of the
+    evaluation set) of the recipe's dataset."""
+    return build_prompts(config, tokenizer, used_records(config, load_data(config), role))
+
+
+def log_data(config: Config, data: DataSets) -> dict[str, int | str]:
+    """One start line with both set sizes and where evaluation reads from, one warning line when evaluation shares
+    questions with training; returns the report (``run_info.json``'s ``data``)."""
+    report = data.report(config.train.eval_prompts)
+    logger.info("data: %d training prompts (%d distinct questions); evaluation on %d prompts (%d questions) from %s",
+                report["train_size"], report["train_questions"], report["eval_size"], report["eval_questions"],
+                report["eval_source"])
+    if report["eval_overlap"]:
+        logger.warning("data: %d of the %d evaluation prompts ask a question the run trains on: their accuracy is "
+                       "not held-out accuracy (set data.eval_split or data.eval_path to other questions)",
+                       report["eval_overlap"], report["eval_size"])
+    return report

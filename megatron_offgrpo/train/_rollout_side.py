@@ -17,7 +17,7 @@ from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
-from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
+from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
 from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
 from megatron_offgrpo.train.builders import sampling_params, serving_dtype, verify_tolerance
 from megatron_offgrpo.transports import Buckets
@@ -35,6 +35,7 @@ class RolloutSide:
     tokenizer: object
     reward_fn: Callable[[str, str | None], float]
     eval_prompts: list[Prompt]
+    data_report: dict[str, int | str]  # both set sizes, where evaluation reads from, their overlap (run_info.json)
     # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     _pending: tuple[int, concurrent.futures.Future] | None = None
@@ -47,11 +48,13 @@ class RolloutSide:
             run_dir: a disk refresh writes its versions under it. max_positions: the model's context length.
         """
         tokenizer = load_tokenizer(config.model.hf_path)
-        stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
-        eval_prompts = (load_prompts(config, tokenizer, config.data.eval_split)[: config.train.eval_prompts]
+        data = load_data(config)
+        stream = PromptStream(build_prompts(config, tokenizer, data.train), config.parallel.seed)
+        eval_prompts = (build_prompts(config, tokenizer, used_records(config, data, "eval"))
                         if config.train.eval_every else [])
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
-        side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts)
+        side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts,
+                   log_data(config, data))
         if config.rollout.overlap:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         return side

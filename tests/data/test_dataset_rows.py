@@ -25,7 +25,7 @@ def _jsonl(path, rows):
 ])
 def test_null_empty_or_non_text_cell_names_file_row_and_key(tmp_path, bad, key, shown):
     path = _jsonl(tmp_path / "d.jsonl", [{"question": "2+2?", "answer": "#### 4"}, bad])
-    expected = f"^{re.escape(str(path))} row 1: '{key}' is {shown}; expected a non-empty string or a number$"
+    expected = f"^{re.escape(str(path))}:2: '{key}' is {shown}; expected a non-empty string or a number$"  # file:line
     with pytest.raises(ValueError, match=expected):
         load_local(path)
 

@@ -46,7 +46,7 @@ def test_local_jsonl_with_custom_keys_and_bad_rows(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"q": "1+1?", "a": "#### 2"}) + "\n")
     assert load_local(path, question_key="q", answer_key="a")[0].answer == "#### 2"
-    with pytest.raises(ValueError, match="expected 'question' and 'answer'"):
+    with pytest.raises(ValueError, match="d.jsonl:1: no 'question' key \\(the row has \\['a', 'q'\\]\\)"):
         load_local(path)
     path.write_text("{not json\n")
     with pytest.raises(ValueError, match="d.jsonl:1: not valid JSON"):

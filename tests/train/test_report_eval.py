@@ -74,6 +74,7 @@ def test_eval_cli_scores_a_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["eval_prompts"] == 3 and result["dataset"] == "arithmetic" and 0 <= result["eval_accuracy"] <= 1
+    assert result["eval_overlap"] == 0 and result["eval_source"] == "the arithmetic task's held-out questions"
     assert 1 <= result["eval_response_len"] <= 4
 
 
@@ -115,6 +116,9 @@ def test_train_evaluates_before_the_first_update_and_the_trained_policy_at_the_e
     assert [r.get("eval_start_version") for r in records] == [0, None, None]
     # after steps 1 and 2 the engine still serves version 0 (v=2 refreshes before step 3); after step 3: version 3
     assert [r["eval_version"] for r in records] == [0, 0, 3] and all(r["eval_prompts"] == 3 for r in records)
+    # held out: the 3 prompts evaluated are of the arithmetic task's held-out questions, none trained on
+    data = json.loads((run / "run_info.json").read_text())["data"]
+    assert (data["eval_size"], data["eval_overlap"], data["train_size"]) == (3, 0, 2000), data
     assert "eval_start_pass@2" in records[0] and all({"eval_pass@1", "eval_pass@2", "eval_avg@2"} <= set(r)
                                                      for r in records)
     from megatron_offgrpo.cli.report import summary

@@ -1,0 +1,37 @@
+"""Which questions are held out for evaluation: a fixed hash of the question text, never the seed or the row order.
+
+The same question is held out in every run, seed and recipe that holds the same set of questions (a warm-up and the
+RL run after it agree without sharing state), and a question that a file repeats lands on one side only: training and
+evaluation are disjoint by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+HELD_OUT_FRACTION = 0.2
+"""The share of distinct questions held out when a source has no evaluation set of its own (rounded, at least one)."""
+
+
+def _rank(question: str) -> bytes:
+    return hashlib.sha256(question.strip().encode("utf-8")).digest()
+
+
+def held_out_questions(questions: Iterable[str], fraction: float = HELD_OUT_FRACTION) -> set[str]:
+    """The held-out share of the distinct ``questions``: those whose SHA-256 ranks lowest, ``round(n x fraction)``
+    of them and at least one (stripped text).
+
+    Raises:
+        ValueError: fewer than two distinct questions (nothing would be left to train on, or to evaluate).
+    """
+    distinct = sorted({q.strip() for q in questions}, key=_rank)
+    if len(distinct) < 2:
+        raise ValueError(f"{len(distinct)} distinct question(s): cannot hold some out for evaluation and train on "
+                         "the rest")
+    return set(distinct[: max(1, round(len(distinct) * fraction))])
+
+
+def ordered_by_hash(questions: Iterable[str]) -> list[str]:
+    """``questions`` in their hash order (the evaluation order of a held-out set: no seed, no row order)."""
+    return sorted(questions, key=_rank)
