@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,10 +23,16 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import sft
+    from megatron_offgrpo.train import RunStopped, sft
 
     tune_cpu_memory()  # every step's loss chunks over the vocabulary: pages reused, not faulted
-    print(f"warm-up model: {sft(config)}")
+    try:
+        out = sft(config)
+    except RunStopped as exc:  # SIGTERM / SIGINT: one line per job (rank 0), 143 / 130 from every rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(exc, file=sys.stderr)
+        sys.exit(exc.exit_code)
+    print(f"warm-up model: {out}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import megatron-core (5-7 s), and logging is set up before it is imported.
 _EXPORTS = {
     "train": "megatron_offgrpo.train.loop",
     "TrainResult": "megatron_offgrpo.train.loop",
+    "RunStopped": "megatron_offgrpo.train._stop",
     "sft": "megatron_offgrpo.train._sft",
     "evaluate": "megatron_offgrpo.train._eval",
     "config_or_exit": "megatron_offgrpo.train._preflight",
