@@ -18,6 +18,7 @@ _EXPORTS = {
     "load_tokenizer": "megatron_offgrpo.train._prompts",
     "read_metrics": "megatron_offgrpo.train._metrics",
     "NoLearningSignalError": "megatron_offgrpo.train._sampling",
+    "EngineDiedError": "megatron_offgrpo.rollout",  # what the commands catch: a dead engine, one line on every rank
     "RunSummary": "megatron_offgrpo.train._summary",
     "run_summary": "megatron_offgrpo.train._summary",
     "format_summary": "megatron_offgrpo.train._summary",

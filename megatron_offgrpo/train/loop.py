@@ -17,13 +17,14 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
+from megatron_offgrpo.rollout import EngineDiedError
 from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from megatron_offgrpo.train._summary import format_summary, write_summary
-from megatron_offgrpo.train._sync import refresh, share_samples, verify
+from megatron_offgrpo.train._sync import on_rank0_shared, refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,11 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     batch = None
     if rollout is not None:
         start = time.perf_counter()
-        batch = rollout.batch(step)  # with overlap: only the wait is on the critical path
+        try:
+            batch = rollout.batch(step)  # with overlap: only the wait is on the critical path
+        except EngineDiedError as exc:
+            share_samples(exc)  # the other ranks wait for the samples: they raise it too
+            raise
         times["time_generate_s"] = time.perf_counter() - start
     if due and overlap:
         times["time_sync_s"], version = refresh(trainer, rollout, step), step
@@ -161,8 +166,13 @@ def _eval_due(config: Config, done: int) -> bool:
 
 def _evaluate(rollout: RolloutSide | None, version: int, prefix: str = "eval_") -> dict:
     """Greedy accuracy of the engine's weights on the eval prompts, tagged with their version (rank 0; {} elsewhere
-    or without ``train.eval_every``)."""
-    result = rollout.evaluate() if rollout is not None else {}
+    or without ``train.eval_every``). Collective: a failure on rank 0 (a dead engine) is raised on every rank."""
+    result = {}
+
+    def run() -> None:
+        result.update(rollout.evaluate())
+
+    on_rank0_shared(rollout, run, "evaluation")
     if not result:
         return {}
     return {f"{prefix}{key[len('eval_'):]}": value for key, value in result.items()} | {f"{prefix}version": version}
