@@ -3,11 +3,13 @@ one line and exit 143 / 130, and ``--resume`` continues to the uninterrupted run
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -76,7 +78,8 @@ def test_the_stop_line_and_exit_code(sig, code):
     assert stopped.exit_code == code
     assert str(stopped) == (f"stopped by {sig.name} at step 3: checkpoint written to runs/x/checkpoints/step_00000003; "
                             "resume with --resume")
-    assert str(RunStopped(sig, 0, None)) == f"stopped by {sig.name} at step 0: nothing trained yet, no checkpoint written"
+    assert str(RunStopped(sig, 0, None)) == (f"stopped by {sig.name} at step 0: nothing trained yet, no checkpoint "
+                                             "written")
 
 
 def test_a_signal_only_sets_the_flag_and_the_handlers_come_back():
@@ -105,3 +108,45 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line():
         "SIGINT: stopping after step 5 with a checkpoint (Ctrl-C again to stop at once)",
         "error: stopped at once by a second SIGINT during step 5: no checkpoint of it; --resume continues from the "
         "last complete one"]
+
+
+@pytest.mark.multiproc
+def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 only: rank 0 (never signalled) stops after the same step, the checkpoint is whole, and a
+    2-rank --resume continues from it to the end."""
+    from tests.train.conftest import train_cmd
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(2, out, *RUN), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step was logged"
+        time.sleep(0.02)
+    [rank1] = [pid for pid in _workers(proc.pid) if "\0RANK=1\0" in _environ(pid)]
+    os.kill(rank1, signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    steps = len(metrics(out))
+    ckpt = out / "checkpoints" / f"step_{steps:08d}"
+    line = f"stopped by SIGTERM at step {steps}: checkpoint written to {ckpt}; resume with --resume"
+    assert err.count(line) == 1 and "exitcode  : 143" in err, err[-4000:]  # once per job; both ranks exit 143
+    assert (ckpt / "trainer_state.json").exists() and not list((out / "checkpoints").glob("*.tmp"))
+    from tests.train.conftest import run_train
+
+    records = run_train(2, out, *RUN, "train.resume=true")
+    assert [r["step"] for r in records] == list(range(4))
+
+
+def _workers(torchrun_pid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == torchrun_pid:
+                pids.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def _environ(pid: int) -> str:
+    return "\0" + Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
