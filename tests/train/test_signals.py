@@ -150,3 +150,24 @@ def _workers(torchrun_pid: int) -> list[int]:
 
 def _environ(pid: int) -> str:
     return "\0" + Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+
+
+def test_a_signal_stops_a_warm_up_without_a_valid_looking_model(tmp_path):
+    """``offgrpo sft`` has no checkpoints: it stops at the step boundary, one line, and writes no ``hf/`` (half a
+    warm-up would pass for a finished one); its records up to the stop are kept."""
+    out = tmp_path / "sft"
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_offgrpo.cli", "sft", "--config",
+                             str(REPO / "configs" / "tiny-cpu-sft.yaml"), f"train.out_dir={out}", "train.steps=200"],
+                            cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_restore_sigint)
+    deadline = time.time() + 600
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.time() < deadline, "the warm-up ended before its first step was logged"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    steps = len(metrics(out))
+    assert proc.returncode == 143 and "Traceback" not in err, err[-4000:]
+    assert err.strip().splitlines()[-1] == (f"stopped by SIGTERM at step {steps}: a warm-up has no checkpoints, "
+                                            f"{out}/hf not written: run it again")
+    assert 1 <= steps < 200 and not (out / "hf").exists()
