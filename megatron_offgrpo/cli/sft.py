@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -23,11 +24,15 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import sft
+    from megatron_offgrpo.train import RunStopped, sft
 
     tune_cpu_memory()  # every step's loss chunks over the vocabulary: pages reused, not faulted
     try:
-        print(f"warm-up model: {sft(config)}")
+        out = sft(config)
+    except RunStopped as exc:  # SIGTERM / SIGINT: one line per job (rank 0), 143 / 130 from every rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(exc, file=sys.stderr)
+        sys.exit(exc.exit_code)
     except OSError as exc:  # a full disk: one line naming the path (exit 1); any other OSError as it is
         if (line := no_space_line(exc, config.train.out_dir)) is None:
             raise
@@ -35,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if lock is not None:
             lock.release()
+    print(f"warm-up model: {out}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,13 +26,17 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import NoLearningSignalError, train
+    from megatron_offgrpo.train import EngineDiedError, NoLearningSignalError, RunStopped, train
 
     tune_cpu_memory()  # every step's logits and loss chunks, every refresh's whole model: pages reused, not faulted
     try:
         result = train(config)
-    except NoLearningSignalError as exc:  # the task against the policy, not a fault: one line, no traceback
+    except (NoLearningSignalError, EngineDiedError) as exc:  # known causes: one line (a dead engine: on every rank)
         sys.exit(f"error: {exc}")
+    except RunStopped as exc:  # SIGTERM / SIGINT, checkpointed: one line per job (rank 0), 143 / 130 from every rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(exc, file=sys.stderr)
+        sys.exit(exc.exit_code)
     except OSError as exc:  # a full disk: one line naming the path (exit 1); any other OSError as it is
         if (line := no_space_line(exc, config.train.out_dir)) is None:
             raise

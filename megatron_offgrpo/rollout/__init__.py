@@ -7,7 +7,7 @@ the trainer's probe log-probs. Nothing here imports megatron: the rollout side r
 """
 
 from megatron_offgrpo.rollout._dispatch import RetryPolicy
-from megatron_offgrpo.rollout._errors import FleetError, RefreshError, RefreshVerificationError
+from megatron_offgrpo.rollout._errors import EngineDiedError, FleetError, RefreshError, RefreshVerificationError
 from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
@@ -17,6 +17,7 @@ from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshRepo
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 
 __all__ = [
+    "EngineDiedError",
     "PROBE_ATOL",
     "FleetEngine",
     "FleetError",

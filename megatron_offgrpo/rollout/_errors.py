@@ -63,3 +63,20 @@ class RefreshVerificationError(RuntimeError):
             f"missing or mis-resharded tensor, or a refresh that did not happen); stop the run and check the export "
             f"(checkpoint_tools mapping, PP/TP reshard) of version {version}.{(' ' + detail) if detail else ''}"
         )
+
+
+class EngineDiedError(RuntimeError):
+    """A process of the engine (vLLM's engine core, run in a process of its own under torchrun) died while the
+    trainer waited on it: vLLM would wait for its answer forever. The message is the one line every rank prints.
+
+    Attributes:
+        pid: the dead process. reason: how it ended ("killed by SIGKILL", "exit code 1").
+    """
+
+    def __init__(self, pid: int, reason: str) -> None:
+        self.pid, self.reason = pid, reason
+        super().__init__(f"the vLLM engine process (pid {pid}) died: {reason}; the run stops here (--resume continues "
+                         "from its last checkpoint)")
+
+    def __reduce__(self):  # pickled whole: rank 0 broadcasts it, and every rank raises the same error
+        return type(self), (self.pid, self.reason)

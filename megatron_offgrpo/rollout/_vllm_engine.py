@@ -3,7 +3,9 @@
 The engine runs the same worker extension as the fleet's servers, so refreshes are checked the same way. Buckets
 are handed to the worker in memory when the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 the default this class sets: it also starts in seconds instead of ~30 s on CPU); with a separate engine process
-they go through a temporary version directory.
+they go through a temporary version directory. Every call into a separate engine process waits only while that
+process lives (``_liveness``): a killed engine core ends the call with ``EngineDiedError`` within a fraction of a
+second, where vLLM alone would wait forever.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import TOKENIZER_FILES, RoutingAnswer, install_cpu_sampler, kv_cache_bytes
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
+from megatron_offgrpo.rollout._liveness import call_while_alive
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, routing_tensor, sampling_body
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
@@ -39,6 +42,18 @@ def _returns_routing() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()
+
+
+def _engine_processes(llm) -> list:
+    """The engine-core processes vLLM started for ``llm`` ([] when the engine core runs in this process). vLLM's
+    client keeps them as ``multiprocessing`` processes under ``engine_core.resources.engine_manager``; a vLLM that
+    keeps them elsewhere gets no watch (a warning says so) rather than a failure."""
+    manager = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None), "engine_manager", None)
+    processes = list(getattr(manager, "processes", None) or [])
+    if not processes:
+        logging.getLogger(__name__).warning("vLLM's engine-core processes not found: a dead engine core will not be "
+                                            "noticed (this vLLM keeps them elsewhere)")
+    return processes
 
 
 def _world_size() -> int:
@@ -114,6 +129,7 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION,
             **llm_kwargs,
         )
+        self.processes = [] if self.in_process else _engine_processes(self.llm)  # watched during every call
         self._lock = threading.Lock()
         info = self._rpc("offgrpo_info", {})
         if not info.ok or info.version is None:
@@ -133,7 +149,11 @@ class VLLMEngine:
             self._routing_source = answer.routing_source
 
     def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
-        return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
+        return summarize(self._call(self.llm.collective_rpc, method, kwargs={"payload": json.dumps(kwargs)}))
+
+    def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the engine, ended by ``EngineDiedError`` if the engine's process dies."""
+        return call_while_alive(self.processes, lambda: fn(*args, **kwargs))
 
     def version(self) -> int:
         """The version the engine holds."""
@@ -154,7 +174,8 @@ class VLLMEngine:
         with self._lock:
             if hooks:
                 self._rpc("offgrpo_routing_begin", {})
-            outputs = self.llm.generate(
+            outputs = self._call(
+                self.llm.generate,
                 [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
                 [self._params(params, n, i) for i in range(len(prompts))],
                 use_tqdm=False,
@@ -168,7 +189,8 @@ class VLLMEngine:
 
     def _take_routing(self, keys: list[str]) -> RoutingAnswer:
         payload = json.dumps({"keys": keys})
-        return RoutingAnswer.from_wire(self.llm.collective_rpc("offgrpo_routing_take", kwargs={"payload": payload})[0])
+        return RoutingAnswer.from_wire(self._call(self.llm.collective_rpc, "offgrpo_routing_take",
+                                                  kwargs={"payload": payload})[0])
 
     def _samples(self, prompts: list[Prompt], outputs: list[Any], n: int) -> list[Sample]:
         samples = []
@@ -221,8 +243,8 @@ class VLLMEngine:
                 answer, transport = self._rpc("offgrpo_load_dir", {"path": str(path), "version": int(version)}), "disk"
             if not answer.ok:
                 raise RefreshError(int(version), {self.name: str(answer.error)})
-            self.llm.reset_prefix_cache()
-            self.llm.llm_engine.set_weight_version(str(int(version)))
+            self._call(self.llm.reset_prefix_cache)
+            self._call(self.llm.llm_engine.set_weight_version, str(int(version)))
             self._version = int(version)
             detail = {f"{phase}_s": seconds for phase, seconds in answer.seconds.items()}
             return RefreshReport(
@@ -241,7 +263,8 @@ class VLLMEngine:
 
         params = VllmParams(n=1, max_tokens=1, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
         with self._lock:
-            output = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+            output = self._call(self.llm.generate, [TokensPrompt(prompt_token_ids=list(token_ids))], params,
+                                use_tqdm=False)[0]
         values = [float(output.prompt_logprobs[t][token_ids[t]].logprob) for t in range(1, len(token_ids))]
         spans = [{"version": s.version} for s in output.outputs[0].weight_versions or []]
         return {self.name: ProbeResult(parse_version(spans, "probe"), values)}

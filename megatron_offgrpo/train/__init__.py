@@ -7,6 +7,7 @@ import megatron-core (5-7 s), and logging is set up before it is imported.
 _EXPORTS = {
     "train": "megatron_offgrpo.train.loop",
     "TrainResult": "megatron_offgrpo.train.loop",
+    "RunStopped": "megatron_offgrpo.train._stop",
     "sft": "megatron_offgrpo.train._sft",
     "evaluate": "megatron_offgrpo.train._eval",
     "config_or_exit": "megatron_offgrpo.train._preflight",
@@ -21,6 +22,7 @@ _EXPORTS = {
     "load_tokenizer": "megatron_offgrpo.train._prompts",
     "read_metrics": "megatron_offgrpo.train._metrics",
     "NoLearningSignalError": "megatron_offgrpo.train._sampling",
+    "EngineDiedError": "megatron_offgrpo.rollout",  # what the commands catch: a dead engine, one line on every rank
     "RunSummary": "megatron_offgrpo.train._summary",
     "run_summary": "megatron_offgrpo.train._summary",
     "format_summary": "megatron_offgrpo.train._summary",

@@ -3,7 +3,10 @@
 Layout: each micro-batch is ``[b, s]`` batch-first (megatron transposes inside), right-padded, with the same
 ``b`` and ``s`` for every micro-batch of the step so the pipeline schedule's fixed-shape p2p works. Position ``t``
 predicts token ``t + 1``; ``loss_mask[t]`` is True where token ``t + 1`` is a response token of a valid sample.
-Groups (all G samples of a prompt) are dealt to DP ranks round-robin, so every rank sees whole groups.
+Groups (all G samples of a prompt) are dealt to DP ranks round-robin, so every rank sees whole groups. A step whose
+group count is not a multiple of DP deals them unevenly (3 groups over 2 ranks: 2 and 1; 1 group: 1 and 0): every
+rank still gets the same micro-batch shapes and count, the short ranks' extra rows pads outside the loss, and the
+loss normalisers are the step's global counts, so the gradient is the whole batch's.
 """
 
 from __future__ import annotations
@@ -138,10 +141,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _layout(samples: Sequence[Sample], dp_size: int, token_budget: int, seq_multiple: int) -> tuple[int, int, int]:
-    """(positions s, samples per micro-batch b, micro-batches per rank), identical on every rank."""
+def _layout(samples: Sequence[Sample], group_size: int, dp_size: int, token_budget: int,
+            seq_multiple: int) -> tuple[int, int, int]:
+    """(positions s, samples per micro-batch b, micro-batches per rank), identical on every rank: room for the most
+    groups a rank is dealt (``deal_groups``), whole groups, so uneven dealing never overflows a rank's rows."""
     seq_len = round_up(max(len(s.prompt_ids) + len(s.response_ids) for s in samples) - 1, seq_multiple)
-    per_rank = math.ceil(len(samples) / dp_size)
+    per_rank = math.ceil(len(samples) // group_size / dp_size) * group_size
     per_micro = max(1, min(per_rank, token_budget // max(seq_len, 1)))
     return seq_len, per_micro, math.ceil(per_rank / per_micro)
 
@@ -181,7 +186,7 @@ def build_microbatches(
             row over the TP ranks: ``train._step.sequence_shard``); the extra positions are pads.
     """
     check_step(samples, advantages, group_size)
-    seq_len, per_micro, count = _layout(samples, dp_size, token_budget, seq_multiple)
+    seq_len, per_micro, count = _layout(samples, group_size, dp_size, token_budget, seq_multiple)
     rows = StepRows.zeros(count * per_micro, seq_len, samples)
     for row, index in enumerate(deal_groups(samples, group_size, dp_rank, dp_size)):
         rows.put(row, 0, samples[index], bool(sample_valid[index]), float(advantages[index]))

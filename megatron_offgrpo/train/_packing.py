@@ -109,6 +109,7 @@ def build_packed_microbatches(
     group_tokens = [sum(length[g * group_size:(g + 1) * group_size]) for g in range(len(samples) // group_size)]
     mine = [g * group_size + j for g in balance_groups(group_tokens, dp_size)[dp_rank] for j in range(group_size)]
     packs = [[mine[i] for i in pack] for pack in pack_lengths([length[i] for i in mine], s)]
+    packs = packs or [[]]  # a rank dealt no group (fewer groups than DP ranks): one pad row, in no loss
     per_micro = max(1, min(len(packs), token_budget // s))
     packs += [[]] * (-len(packs) % per_micro)  # empty rows: every micro-batch has the same shape (pipeline p2p)
     rows = StepRows.zeros(len(packs), s, samples)

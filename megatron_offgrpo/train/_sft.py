@@ -2,7 +2,8 @@
 
 Cross-entropy on the reference answer is the GPG objective with every advantage = 1 (loss ``-logp``, token mean),
 so the warm-up reuses ``policy_step`` and the fused kernel unchanged. The result is written as a HF directory
-(``train.out_dir/hf``) that an RL recipe starts from (``model.init=hf``).
+(``train.out_dir/hf``) that an RL recipe starts from (``model.init=hf``). A warm-up has no checkpoints: SIGTERM /
+SIGINT stop it at the next step boundary without writing ``hf/`` (a half warm-up would look like a finished one).
 
     offgrpo sft --config configs/tiny-cpu-sft.yaml [key=value ...]
 """
@@ -28,6 +29,7 @@ from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data
 from megatron_offgrpo.train._run_info import write_run_info
 from megatron_offgrpo.train._step import policy_step, sequence_shard
+from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from megatron_offgrpo.train._weights import export_hf_dir
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,16 @@ def teacher_batch(prompts: list[Prompt], tokenizer, teacher: random.Random, off_
 
 
 def sft(config: Config) -> Path:
-    """Warm up the model of ``config`` for ``train.steps`` steps; returns the HF directory written."""
+    """Warm up the model of ``config`` for ``train.steps`` steps; returns the HF directory written.
+
+    Raises:
+        RunStopped: SIGTERM or SIGINT (any rank): stopped at the next step boundary, every rank at the same one.
+    """
+    with StopRequest() as stop:
+        return _sft(config, stop)
+
+
+def _sft(config: Config, stop: StopRequest) -> Path:
     started = time.time()
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed, ep=config.parallel.ep,
                         etp=config.parallel.etp)
@@ -71,6 +82,12 @@ def sft(config: Config) -> Path:
     teacher = random.Random(config.parallel.seed + 1)
     log = _open_log(config, ctx, arch, tokenizer, started, log_data(config, data)) if ctx.rank == 0 else None
     for step in range(config.train.steps):
+        stop.step = step
+        if signum := stop.agreed(ctx.device):
+            if log is not None:
+                log.close()
+            raise RunStopped(signum, step, None,
+                             f"a warm-up has no checkpoints, {config.train.out_dir}/hf not written: run it again")
         start = time.perf_counter()
         samples = teacher_batch(stream.next_batch(batch), tokenizer, teacher, config.sft.off_by_one_fraction)
         ones = torch.ones(len(samples), dtype=torch.float64)

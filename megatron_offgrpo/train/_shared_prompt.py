@@ -96,6 +96,7 @@ def build_shared_prompt_microbatches(
     balanced = balance_groups([sum(seg.length for seg in group) for group in groups], dp_size)[dp_rank]
     mine = [seg for g in balanced for seg in groups[g]]
     packs = [[mine[i] for i in pack] for pack in pack_lengths([seg.length for seg in mine], s)]
+    packs = packs or [[]]  # a rank dealt no group (fewer groups than DP ranks): one pad row, in no loss
     per_micro = max(1, min(len(packs), token_budget // s))
     packs += [[]] * (-len(packs) % per_micro)  # empty rows: every micro-batch has the same shape (pipeline p2p)
     rows = StepRows.zeros(len(packs), s, samples)

@@ -11,17 +11,20 @@ from typing import Callable
 import torch.distributed as dist
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.rollout import make_probe_ids
+from megatron_offgrpo.rollout import EngineDiedError, make_probe_ids
 from megatron_offgrpo.train._rollout_side import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
 
 
-def share_samples(samples: list[Sample] | None) -> list[Sample]:
-    """Rank 0's samples on every rank (every rank needs them: all stages build the same micro-batches)."""
+def share_samples(samples: list[Sample] | EngineDiedError | None) -> list[Sample]:
+    """Rank 0's samples on every rank (every rank needs them: all stages build the same micro-batches). Rank 0 sends
+    an ``EngineDiedError`` instead when its engine died generating them: every rank raises it (they wait here)."""
     box = [samples]
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], EngineDiedError):
+        raise box[0]
     return box[0]
 
 
@@ -42,7 +45,7 @@ def refresh(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> 
     if rollout is None:
         for _ in buckets:
             pass
-    _on_rank0_shared(rollout, install, f"refresh to version {version} failed")
+    on_rank0_shared(rollout, install, f"refresh to version {version} failed")
     verify(trainer, rollout, version)
     trainer.weights_pushed()
     return time.perf_counter() - start
@@ -56,23 +59,26 @@ def verify(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> N
     """
     probe = make_probe_ids(trainer.arch.vocab_size)
     expected = trainer.probe_logprobs(probe)
-    _on_rank0_shared(rollout, lambda: rollout.verify(probe, expected, version),
+    on_rank0_shared(rollout, lambda: rollout.verify(probe, expected, version),
                      f"engine at version {version} failed verification")
 
 
-def _on_rank0_shared(rollout: RolloutSide | None, action: Callable[[], None], failure: str) -> None:
+def on_rank0_shared(rollout: RolloutSide | None, action: Callable[[], None], failure: str) -> None:
     """Run ``action`` on rank 0 and share its outcome: rank 0 re-raises its own error, the other ranks raise
-    ``RuntimeError(failure + reason)``; without this they would hang in the next collective."""
+    ``RuntimeError(failure + reason)`` (a dead engine: the same ``EngineDiedError``, whose one line every rank
+    prints); without this they would hang in the next collective."""
     status = [None]
     if rollout is not None:
         try:
             action()
         except Exception as exc:
-            status = [f"{type(exc).__name__}: {exc}"]
+            status = [exc if isinstance(exc, EngineDiedError) else f"{type(exc).__name__}: {exc}"]
             raise
         finally:
             dist.broadcast_object_list(status, src=0)
         return
     dist.broadcast_object_list(status, src=0)
+    if isinstance(status[0], EngineDiedError):
+        raise status[0]
     if status[0] is not None:
         raise RuntimeError(f"{failure} on rank 0: {status[0]}")

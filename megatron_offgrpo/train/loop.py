@@ -2,7 +2,8 @@
 and weight buckets: every v steps the engine gets the current weights (verified on a probe), every step it
 generates and scores a batch, the trainer learns from it. At the end the trained policy is written as a HF
 directory (``out_dir/hf``; ``out_dir/exports/step_N`` every ``train.export_every``) and the run's summary
-(``out_dir/summary.json``). No formulas here.
+(``out_dir/summary.json``). SIGTERM / SIGINT stop it at the next step boundary with a checkpoint (``RunStopped``).
+No formulas here.
 
     torchrun --nproc_per_node N -m megatron_offgrpo.train --config configs/tiny-cpu.yaml [key=value ...]
 """
@@ -16,12 +17,14 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
+from megatron_offgrpo.rollout import EngineDiedError
 from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
+from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from megatron_offgrpo.train._summary import format_summary, write_summary
-from megatron_offgrpo.train._sync import refresh, share_samples, verify
+from megatron_offgrpo.train._sync import on_rank0_shared, refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
@@ -42,13 +45,26 @@ class TrainResult:
 
 
 def train(config: Config) -> TrainResult:
-    """Run (or resume) a training job. Collective over all torchrun ranks."""
+    """Run (or resume) a training job. Collective over all torchrun ranks.
+
+    Raises:
+        RunStopped: SIGTERM or SIGINT arrived (on any rank): the run stopped at the next step boundary, every rank
+            at the same one, after checkpointing it.
+    """
+    with StopRequest() as stop:
+        return _train(config, stop)
+
+
+def _train(config: Config, stop: StopRequest) -> TrainResult:
     trainer, rollout, log = setup(config)
     steps, run_dir = config.train.steps, Path(config.train.out_dir)
     start, version = _start(trainer, rollout, log)  # the engine serves `version`, verified
     first_eval = _evaluate(rollout, version, "eval_start_") if start == 0 else {}  # what the run improves on
     nonfinite = 0
     for step in range(start, steps):
+        stop.step = step
+        if signum := stop.agreed(trainer.ctx.device):  # the boundary after step - 1: every rank agrees
+            raise _stopped(trainer, rollout, log, signum, step, version, start)
         times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
         samples, version, sampling = _rollout(trainer, rollout, step, version, times)
         metrics = sample_metrics(samples, step, _staleness_bound(config)) | sampling  # raises on stale samples
@@ -127,7 +143,11 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     batch = None
     if rollout is not None:
         start = time.perf_counter()
-        batch = rollout.batch(step)  # with overlap: only the wait is on the critical path
+        try:
+            batch = rollout.batch(step)  # with overlap: only the wait is on the critical path
+        except EngineDiedError as exc:
+            share_samples(exc)  # the other ranks wait for the samples: they raise it too
+            raise
         times["time_generate_s"] = time.perf_counter() - start
     if due and overlap:
         times["time_sync_s"], version = refresh(trainer, rollout, step), step
@@ -149,8 +169,13 @@ def _eval_due(config: Config, done: int) -> bool:
 
 def _evaluate(rollout: RolloutSide | None, version: int, prefix: str = "eval_") -> dict:
     """Greedy accuracy of the engine's weights on the eval prompts, tagged with their version (rank 0; {} elsewhere
-    or without ``train.eval_every``)."""
-    result = rollout.evaluate() if rollout is not None else {}
+    or without ``train.eval_every``). Collective: a failure on rank 0 (a dead engine) is raised on every rank."""
+    result = {}
+
+    def run() -> None:
+        result.update(rollout.evaluate())
+
+    on_rank0_shared(rollout, run, "evaluation")
     if not result:
         return {}
     return {f"{prefix}{key[len('eval_'):]}": value for key, value in result.items()} | {f"{prefix}version": version}
@@ -160,8 +185,8 @@ def _persist(trainer: TrainerSide, rollout: RolloutSide | None, done: int, versi
     """After ``done`` steps: the checkpoint (every ``train.save_every``, and the last) and the periodic HF export
     (every ``train.export_every`` before the last, whose export is ``out_dir/hf``). Collective."""
     cfg = trainer.config.train
-    if (cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps:
-        trainer.save(done, {"version": version, **(rollout.state_dict() if rollout is not None else {})})
+    if _save_due(cfg, done):
+        _save(trainer, rollout, done, version)
     if (out := _export_dir(cfg, done)) is not None and trainer.export_hf(out) is not None:
         logger.info("policy exported to %s", out)
 
@@ -172,3 +197,27 @@ def _export_dir(cfg: TrainConfig, done: int) -> Path | None:
     if cfg.export_every and done % cfg.export_every == 0 and done < cfg.steps:
         return Path(cfg.out_dir) / "exports" / f"step_{done:08d}"
     return None
+
+
+def _save_due(cfg: TrainConfig, done: int) -> bool:
+    """Whether ``_persist`` checkpoints after ``done`` steps: every ``train.save_every``, and the last."""
+    return bool(cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps
+
+
+def _save(trainer: TrainerSide, rollout: RolloutSide | None, done: int, version: int) -> None:
+    trainer.save(done, {"version": version, **(rollout.state_dict() if rollout is not None else {})})
+
+
+def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, signum: int, done: int,
+             version: int, start: int) -> RunStopped:
+    """Checkpoint after ``done`` steps unless one is there (the periodic save just wrote it, or the run resumed from
+    it and has not stepped since), close the engine and the log; the ``RunStopped`` to raise. Collective: the
+    decision is the same arithmetic on every rank, never a look at the disk that a rank could see differently."""
+    run_dir = Path(trainer.config.train.out_dir)
+    if done > start and not _save_due(trainer.config.train, done):
+        _save(trainer, rollout, done, version)
+    if rollout is not None:
+        rollout.close()
+        log.close()
+    checkpoint = latest_checkpoint(run_dir) if done > 0 else None
+    return RunStopped(signum, done, None if checkpoint is None else str(checkpoint))

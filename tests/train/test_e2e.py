@@ -123,6 +123,25 @@ def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path,
     assert "MATCH dp=2" in proc.stdout and f"packed={layout == 'packed'}" in proc.stdout
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_groups_dealt_unevenly_over_dp_give_the_whole_batchs_gradient(tmp_path, layout):
+    """rollout.prompts_per_step=3 over DP 2 (groups dealt 2 and 1): the step's gradient is still the whole batch's
+    (was an IndexError at step 0). One group over DP 2 (1 and none) has no reward variance in this task: its
+    dealing is tests/train/test_packing.py's, its run the next test's."""
+    from tests.helpers import run_torchrun
+
+    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2,
+                        [str(tmp_path), "token_mean", layout, "rollout.prompts_per_step=3"])
+    assert "MATCH dp=2 groups=3" in proc.stdout and f"packed={layout == 'packed'}" in proc.stdout
+
+
+@pytest.mark.parametrize("prompts", [3, 1])
+def test_a_dp2_run_with_prompts_not_a_multiple_of_dp_trains(tmp_path, prompts):
+    """The issue's command (torchrun DP 2, rollout.prompts_per_step=3; 1: a rank with no group) runs every step."""
+    records = run_train(2, tmp_path, f"rollout.prompts_per_step={prompts}", "train.steps=2")
+    assert [r["step"] for r in records] == [0, 1] and all(math.isfinite(r["loss"]) for r in records)
+
+
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
                                     ["parallel.pp=2"], [], ["algo.aggregation=seq_mean_token_mean"]],
                          ids=["tp2", "tp2-sp", "pp2", "dp2", "dp2-seq-mean"])

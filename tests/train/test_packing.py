@@ -4,11 +4,13 @@ block-diagonal causal mask, and packed micro-batches that hold exactly the padde
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.train._batch import build_microbatches
 from megatron_offgrpo.train._packing import balance_groups, block_causal_mask, build_packed_microbatches, pack_lengths
+from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 
 
 def test_groups_are_balanced_by_tokens():
@@ -66,3 +68,27 @@ def test_packed_microbatches_hold_the_padded_tokens_without_padding_inside():
     for mb in packed:  # positions restart at 0 per sequence
         for k in mb.seq_ids[mb.tokens != 0].unique().tolist():
             assert mb.positions[mb.seq_ids == k].tolist() == list(range(int((mb.seq_ids == k).sum())))
+
+
+@pytest.mark.parametrize("groups", [3, 1])
+@pytest.mark.parametrize("build", [build_microbatches, build_packed_microbatches, build_shared_prompt_microbatches],
+                         ids=["padded", "packed", "shared-prompt"])
+def test_groups_not_a_multiple_of_dp_are_dealt_unevenly_and_none_is_lost(build, groups):
+    """3 groups over DP 2: 2 and 1; 1 group: 1 and none (the empty rank trains a pad row, outside the loss). Every
+    loss token lands on exactly one rank (the gradient test: test_e2e's uneven case); the padded layout keeps one
+    shape and count on every rank."""
+    samples = _samples([(3, 2), (3, 3), (5, 1), (5, 4), (2, 9), (2, 3)][:2 * groups])
+    adv = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.25, -0.25][:2 * groups])
+    valid = torch.ones(2 * groups, dtype=torch.bool)
+    whole = build(samples, adv, valid, 2, token_budget=100)
+    ranks = [build(samples, adv, valid, 2, rank, 2, token_budget=100) for rank in (0, 1)]
+    assert all(len(mbs) >= 1 for mbs in ranks)
+    assert sorted(_loss_tokens(ranks[0]) + _loss_tokens(ranks[1])) == sorted(_loss_tokens(whole))
+    assert [len(_loss_tokens(mbs)) > 0 for mbs in ranks] == [True, groups > 1]
+    if build is build_microbatches:
+        assert [[mb.tokens.shape for mb in mbs] for mbs in ranks][0] == [mb.tokens.shape for mb in ranks[1]]
+
+
+def _loss_tokens(mbs):
+    return [(int(t), float(a), float(b)) for mb in mbs for t, a, b, m in
+            zip(mb.flat("targets"), mb.flat("advantages"), mb.flat("behavior_logp"), mb.flat("loss_mask")) if m]

@@ -1,6 +1,7 @@
 """torchrun worker: the trainer's gradient (micro-batches x DP ranks, fused kernel, megatron DDP) equals the
 gradient of ``algo.reference_loss`` over the whole step on materialised logits (one process, plain autograd), with
-padded micro-batches or packed ones (argv[3] = "packed": several sequences per row, block-diagonal causal mask)."""
+padded micro-batches or packed ones (argv[3] = "packed": several sequences per row, block-diagonal causal mask).
+Further arguments are config overrides (``rollout.prompts_per_step=3``: groups dealt unevenly over DP 2)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def reference_grads(trainer, samples, adv, params) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out_dir, aggregation = sys.argv[1], sys.argv[2]
-    packed = sys.argv[3:] == ["packed"]
-    config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregation}"])
+    packed, overrides = sys.argv[3:4] == ["packed"], sys.argv[4:]
+    config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregation}", *overrides])
     trainer, rollout, log = setup(config)
     samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -48,8 +49,10 @@ def main() -> None:
     ctx = trainer.ctx
     build = build_packed_microbatches if packed else build_microbatches
     mbs = build(samples, adv.advantages, adv.sample_valid, G, ctx.dp_rank, ctx.dp_size, token_budget=120)
-    assert len(mbs) >= 2, f"want several micro-batches per rank, got {len(mbs)}"
-    if packed:
+    groups = config.rollout.prompts_per_step
+    if groups % ctx.dp_size == 0 or ctx.dp_rank == 0:  # uneven: the other rank's one group may fit one pack
+        assert len(mbs) >= 2, f"want several micro-batches per rank, got {len(mbs)}"
+    if packed and (groups % ctx.dp_size == 0 or ctx.dp_rank == 0):
         rows = [int(mb.seq_ids.max()) for mb in mbs]  # sequences per pack (+ the pad tail's id)
         assert max(rows) >= 2, f"want packs of several sequences, got {rows}"
     backward_pass(trainer.policy.ddp, ctx, mbs, trainer.objective, global_token_count(samples, adv.sample_valid),
@@ -60,7 +63,8 @@ def main() -> None:
         err = (param.main_grad - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
         worst = max(worst, err)
         assert err < 1e-5, f"{name}: relative grad error {err:.3g}"
-    print(f"MATCH dp={ctx.dp_size} micro-batches={len(mbs)} packed={packed} worst relative error {worst:.2e}")
+    print(f"MATCH dp={ctx.dp_size} groups={groups} micro-batches={len(mbs)} packed={packed} "
+          f"worst relative error {worst:.2e}")
     if rollout is not None:
         rollout.close()
         log.close()
