@@ -45,6 +45,8 @@ class Run:
         chunk_size: tokens per chunk (>= 1).
         impl: ``"torch"`` or ``"triton"`` (already resolved from ``"auto"``).
         entropy: also compute the per-token entropy.
+        stats_dtype: dtype of the softmax statistics when wider than the default (float64: the log-softmax of the
+            logits exact to the logits' own rounding, torch path only), else None.
     """
 
     hidden: torch.Tensor
@@ -54,11 +56,12 @@ class Run:
     chunk_size: int
     impl: str
     entropy: bool
+    stats_dtype: Optional[torch.dtype] = None
 
     @property
     def acc_dtype(self) -> torch.dtype:
         """Dtype of the softmax statistics, the loss and the weight-gradient accumulator (>= float32)."""
-        return torch.promote_types(self.weight.dtype, torch.float32)
+        return self.stats_dtype or torch.promote_types(self.weight.dtype, torch.float32)
 
     @property
     def scales(self) -> tuple[float, float]:
