@@ -94,17 +94,53 @@ def parse_override(text: str) -> dict[str, Any]:
     return out
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping names one key twice; carries the key and both lines (1-based) for ``read_recipe``'s message."""
+
+    def __init__(self, key: Any, line: int, first_line: int) -> None:
+        super().__init__(f"duplicated key {key!r}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses a key given twice in one mapping, at any depth.
+
+    Plain ``safe_load`` keeps the last value silently: a trailing ``train: {steps: 3}`` replaced a recipe's whole
+    ``train`` section (its ``out_dir`` fell back to the default). Keys brought in by a YAML merge (``<<: *base``) may
+    still be overridden: that is what a merge is for, and the check runs before merges are flattened.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, line, seen[key])
+            except TypeError:  # an unhashable key: the base class reports it with its own message
+                continue
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """The sections of the YAML recipe at ``path`` (an empty file: none).
 
     Raises:
-        FileNotFoundError: no such file. ConfigError: not YAML, or not a mapping of sections.
+        FileNotFoundError: no such file. ConfigError: not YAML, a key given twice in one mapping, or not a mapping
+            of sections.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config recipe {path} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass: as safe
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: line {exc.line}: key {exc.key!r} is given twice (first at line "
+                          f"{exc.first_line}); the later one would silently replace the first: merge them") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

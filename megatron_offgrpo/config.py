@@ -163,9 +163,10 @@ class RolloutConfig:
     oversample: float = 1.0
     """Each dynamic_sampling round asks for ceil(missing groups x oversample) prompts (>= 1)."""
     verify_tolerance: float | None = None
-    """Max |fleet - trainer| log-prob on the probe after a refresh. None: the default of the precision the check runs
-    at (``rollout.PROBE_ATOL`` of rollout.dtype: 1e-4 for float32, 5e-2 for bfloat16); a fleet started with --dtype
-    bfloat16 under an fp32 trainer needs 5e-2 here."""
+    """Max |fleet - trainer| log-prob on the probe after a refresh. None: serving float32, the bound derived from the
+    model (``rollout.probe_bound``: the fp32 rounding of a log-softmax over the vocabulary plus the output layer's
+    dot products at the weights' logit scale; 9.6e-3 for the warm-up model); bfloat16, ``rollout.PROBE_ATOL``'s 5e-2;
+    a fleet started with --dtype bfloat16 under an fp32 trainer needs 5e-2 here."""
 
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences

@@ -80,6 +80,50 @@ def test_a_broken_recipe_is_one_line(text, message, tmp_path, capsys):
     assert code == 2 and message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
 
 
+_BASE = ("model: {hf_path: megatron_offgrpo/assets/tiny-qwen2, init: random}\n"
+         "train: {steps: 2, out_dir: OUT}\n")
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+@pytest.mark.parametrize("tail, line, key, first", [
+    ("train: {steps: 3}\n", 3, "train", 2),  # a trailing section would replace the first one whole
+    ("rollout: {group_size: 4}\nrollout: {group_size: 8}\n", 4, "rollout", 3),
+    ("rollout: {group_size: 4, max_new_tokens: 8, group_size: 2}\n", 3, "group_size", 3),  # in a flow mapping
+    ("optim:\n  lr: 1.0e-3\n  clip_grad: 1.0\n  lr: 2.0e-3\n", 6, "lr", 4),  # in a block mapping
+    ("data: {name: arithmetic}\n\"data\": {count: 4}\n", 4, "data", 3),  # quoting does not make a new key
+], ids=["section", "section-again", "flow-key", "block-key", "quoted"])
+def test_a_duplicated_key_is_one_line_naming_file_line_and_key(command, tail, line, key, first, tmp_path, capsys):
+    out = tmp_path / "run"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_BASE.replace("OUT", str(out)) + tail)
+    code, err = _run([command, "--config", str(recipe)], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1].strip() == (
+        f"error: {recipe}: line {line}: key {key!r} is given twice (first at line {first}); "
+        "the later one would silently replace the first: merge them"), err
+    assert len(err.splitlines()) == 1 and not out.exists()  # refused before any run directory
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("a: {b: {c: 1, c: 2}}\n", "line 1: key 'c' is given twice"),  # any depth
+    ("a:\n  b:\n    - {c: 1}\n    - {d: 1, d: 2}\n", "line 4: key 'd' is given twice"),  # inside a list
+    ("1: x\n'1': y\n", {1: "x", "1": "y"}),  # an int and a string are two keys
+    # an explicit key may override what a YAML merge brought in (that is what a merge is for), and two merges add up
+    ("optim: {<<: {lr: 0.5, clip_grad: 2.0}, lr: 0.25}\n", {"optim": {"lr": 0.25, "clip_grad": 2.0}}),
+    ("optim:\n  <<: {lr: 0.5}\n  <<: {clip_grad: 2.0}\n", {"optim": {"lr": 0.5, "clip_grad": 2.0}}),
+], ids=["deep", "in-list", "int-and-str", "merge-override", "two-merges"])
+def test_the_loader_refuses_duplicates_at_any_depth_and_keeps_merges(text, expect, tmp_path):
+    from megatron_offgrpo._config_load import read_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    if isinstance(expect, str):
+        with pytest.raises(ConfigError, match=f"^{recipe}: {expect}"):
+            read_recipe(recipe)
+    else:
+        assert read_recipe(recipe) == expect
+
+
 def test_a_missing_recipe_is_one_line(tmp_path, capsys):
     code, err = _run(["train", "--config", str(tmp_path / "none.yaml")], capsys)
     assert code == 2 and f"config recipe {tmp_path / 'none.yaml'} not found" in err

@@ -18,9 +18,10 @@ behavior policy that generated the sample (the lagged policy in off-policy train
   so no token's gradient is dropped; a ratio outside the trust region only caps its weight.
 - ``gspo``: the ``grpo_clip`` loss on the SEQUENCE ratio ``s = exp(mean_t (logp_t - logp_b,t))`` of the token's
   response, clipped to ``[1 - seq_eps_low, 1 + seq_eps_high]`` (Zheng et al. 2025, "Group Sequence Policy
-  Optimization"), in its token form: ``token_loss`` passes ``behavior_logp = sg(logp) - log s`` so that each
-  token's ratio has the value ``s`` and the gradient ``s grad logp_t``; with ``seq_mean_token_mean`` aggregation
-  this is exactly the gradient of the sequence-level objective.
+  Optimization"), in its token form: ``token_loss`` passes ``logp = logp_t - sg(logp_t)`` (0) and
+  ``behavior_logp = -log s`` so that each token's ratio is the sequence's ``s`` bit for bit (one clip decision per
+  sequence) with the gradient ``s grad logp_t``; with ``seq_mean_token_mean`` aggregation this is exactly the
+  gradient of the sequence-level objective.
 
 The ratio's log is clamped to +-LOG_RATIO_CLAMP before ``exp`` (as verl does) so no valid token overflows.
 
@@ -234,14 +235,15 @@ def gspo(
     """GSPO-token loss: ``grpo_clip``'s clipped ratio with the sequence clip range ``seq_eps_low / seq_eps_high``.
 
     Args:
-        logp: [N] current log-probs (requires grad).
-        behavior_logp: [N] ``sg(logp) - log s``, as ``token_loss`` builds it from ``sequence_log_ratio``: the
-            ratio ``exp(logp - behavior_logp)`` then has the sequence ratio's value and the token's gradient.
+        logp: [N] ``logp_t - sg(logp_t)`` as ``token_loss`` builds it: value 0, the gradient of the current
+            log-prob (only the ratio is used, never ``logp``'s value).
+        behavior_logp: [N] ``-log s`` from ``sequence_log_ratio``: the ratio ``exp(logp - behavior_logp)`` then has
+            the sequence ratio's exact value (one float per sequence) and the token's gradient.
         advantages: [N] per-token advantages (one value per sequence).
         params: uses ``seq_eps_low``, ``seq_eps_high``.
 
     Returns:
-        The loss; the clip flags mark every token of a clipped sequence.
+        The loss; the clip flags mark every token of a clipped sequence (all of its tokens or none).
     """
     rho = importance_ratio(logp, behavior_logp)
     loss, clip_low, clip_high = _clipped_ratio_loss(rho, advantages, 1.0 - params.seq_eps_low,

@@ -75,10 +75,10 @@ def token_loss(
         )
     mask = loss_mask
     logp_s = _masked(mask, logp)
-    behavior = _masked(mask, behavior_logp.detach())
-    if params.sequence_ratio:  # GSPO's token form: ratio value s (the sequence's), gradient s * grad logp_t
-        behavior = logp_s.detach() - _masked(mask, seq_log_ratio.detach())
-    terms = get_objective(params.objective)(logp_s, behavior, _masked(mask, advantages.detach()), params)
+    policy, behavior = logp_s, _masked(mask, behavior_logp.detach())
+    if params.sequence_ratio:
+        policy, behavior = _sequence_ratio_inputs(logp_s, _masked(mask, seq_log_ratio.detach()))
+    terms = get_objective(params.objective)(policy, behavior, _masked(mask, advantages.detach()), params)
     loss = terms.loss
     if tis_weights is not None:
         loss = loss * _masked(mask, tis_weights.detach())
@@ -89,6 +89,19 @@ def token_loss(
             loss = loss + params.kl_beta * kl
     log_ratio = logp_s.detach() - _masked(mask, behavior_logp.detach())
     return _masked(mask, loss), _metric_sums(terms, kl, log_ratio, mask, logp.dtype)
+
+
+def _sequence_ratio_inputs(logp: torch.Tensor, seq_log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(policy, behavior)`` for a sequence-level objective (GSPO's token form): its ratio
+    ``exp(policy - behavior)`` has the value ``s`` of the token's sequence and the gradient ``s grad logp_t``.
+
+    That is ``log s_t = sg(log s) + logp_t - sg(logp_t)`` (Zheng et al.), split as ``policy = logp_t - sg(logp_t)``
+    (exactly 0, the gradient of ``logp_t``) and ``behavior = -sg(log s)``: then ``policy - behavior = 0 + log s``
+    is ``log s`` bit for bit, the same float for every token of a sequence, so the clip is decided once per
+    sequence. (``behavior = sg(logp_t) - log s`` rounded ``logp_t - behavior`` differently for each token: at a
+    sequence ratio on a clip edge, some tokens of one sequence were clipped and others not.)
+    """
+    return logp - logp.detach(), -seq_log_ratio
 
 
 @torch.no_grad()

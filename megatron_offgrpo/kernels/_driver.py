@@ -45,6 +45,8 @@ class Run:
         chunk_size: tokens per chunk (>= 1).
         impl: ``"torch"`` or ``"triton"`` (already resolved from ``"auto"``).
         entropy: also compute the per-token entropy.
+        stats_dtype: dtype of the softmax statistics when wider than the default (float64: the log-softmax of the
+            logits exact to the logits' own rounding, torch path only), else None.
     """
 
     hidden: torch.Tensor
@@ -54,11 +56,12 @@ class Run:
     chunk_size: int
     impl: str
     entropy: bool
+    stats_dtype: Optional[torch.dtype] = None
 
     @property
     def acc_dtype(self) -> torch.dtype:
         """Dtype of the softmax statistics, the loss and the weight-gradient accumulator (>= float32)."""
-        return torch.promote_types(self.weight.dtype, torch.float32)
+        return self.stats_dtype or torch.promote_types(self.weight.dtype, torch.float32)
 
     @property
     def scales(self) -> tuple[float, float]:
@@ -168,8 +171,12 @@ def with_sequence_log_ratio(run: Run, batch: TokenBatch) -> TokenBatch:
     """The batch with each token's sequence log-ratio, from a first pass that computes every valid token's log-prob
     (GEMM 1 and the softmax statistics, no gradients). A sequence-level ratio needs all of its tokens before any
     token's gradient: this pass costs one more logits GEMM (the loop's three become four, ~+33%) and [n] floats,
-    never [n, V]."""
-    logp = torch.cat([chunk.stats.target_logit - chunk.stats.lse for chunk, _ in iterate_chunks(run, batch)])
+    never [n, V]. A micro-batch without a valid token gets an empty ratio: the objective still runs (on no token),
+    so its metric sums come out as algo's zeros."""
+    parts = [chunk.stats.target_logit - chunk.stats.lse for chunk, _ in iterate_chunks(run, batch)]
+    if not parts:
+        return dataclasses.replace(batch, seq_log_ratio=torch.zeros(0, dtype=run.acc_dtype, device=run.hidden.device))
+    logp = torch.cat(parts)
     every = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)  # compacted: every token is valid
     ratio = sequence_log_ratio(logp, batch.behavior_logp.to(logp.dtype), every, seq_ids=batch.seq_ids)
     return dataclasses.replace(batch, seq_log_ratio=ratio)
@@ -191,7 +198,7 @@ def fused_loss_and_grads(
         ``(loss 0-dim, metric sums, grad_hidden [N, H] (TP all-reduced) or None, grad_weight [V/tp, H] or None)``.
     """
     acc, (n, hidden_size) = run.acc_dtype, run.hidden.shape
-    if params.sequence_ratio and batch.targets.shape[0]:
+    if params.sequence_ratio:
         batch = with_sequence_log_ratio(run, batch)
     # written by the first chunk's GEMM (beta = 0): no separate zero-fill pass over [V/tp, H]
     grad_w = torch.empty(run.weight.shape, dtype=acc, device=run.weight.device) if need_grad_w else None

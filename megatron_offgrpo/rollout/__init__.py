@@ -13,7 +13,7 @@ from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
 from megatron_offgrpo.rollout._protocol import ProbeEngine, RolloutEngine
 from megatron_offgrpo.rollout._server import ServerClient, servers_of
-from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol
+from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol, probe_bound
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "make_engine",
     "make_probe_ids",
     "probe_atol",
+    "probe_bound",
     "servers_of",
     "verify_refresh",
 ]

@@ -125,10 +125,10 @@ class RolloutSide:
             logger.warning("%s\ntraining goes on with the servers that installed version %d", exc, version)
             return None
 
-    def verify(self, probe_ids: list[int], expected: list[float], version: int) -> None:
+    def verify(self, probe_ids: list[int], expected: list[float], version: int, bound: float | None = None) -> None:
         """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
-        ``expected`` (the trainer's log-probs) within the run's tolerance."""
-        atol = verify_tolerance(self.config.rollout, self.config.model.precision)
+        ``expected`` (the trainer's log-probs) within the run's tolerance (``bound``: the model's derived one)."""
+        atol = verify_tolerance(self.config.rollout, self.config.model.precision, bound)
         verify_refresh(self.engine, probe_ids, expected, version, atol)
 
     def evaluate(self) -> dict[str, float]:

@@ -231,17 +231,19 @@ def policy_step(ddp_model, optimizer, ctx: ParallelContext, microbatches: Sequen
 
 @torch.no_grad()
 def token_logprobs(model, ctx: ParallelContext, microbatches: Sequence[MicroBatch], temperature: float = 1.0,
-                   impl: str = "auto") -> list[torch.Tensor]:
+                   impl: str = "auto", exact: bool = False) -> list[torch.Tensor]:
     """Log-probs ``[b, s]`` of every target under ``model`` (a snapshot or the reference), on the last stage.
 
-    Other stages return an empty list. Used for exact behavior log-probs and for the KL reference.
+    Other stages return an empty list. Used for exact behavior log-probs and for the KL reference; ``exact``
+    (the refresh probe): the log-softmax in float64, whatever the TP split (``kernels.vocab_parallel_logprobs``).
     """
     out: list[torch.Tensor] = []
 
     def closure(mb: MicroBatch, hidden: torch.Tensor):
         h = hidden.reshape(-1, hidden.shape[-1])
         logp, _ = vocab_parallel_logprobs(h, output_weight(model), mb.flat("targets"), temperature=temperature,
-                                          tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl)
+                                          tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl,
+                                          exact=exact)
         out.append(logp.reshape(mb.targets.shape).float())
         return hidden.sum() * 0.0, {}
 

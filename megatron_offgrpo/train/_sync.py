@@ -59,7 +59,8 @@ def verify(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> N
     """
     probe = make_probe_ids(trainer.arch.vocab_size)
     expected = trainer.probe_logprobs(probe)
-    on_rank0_shared(rollout, lambda: rollout.verify(probe, expected, version),
+    bound = trainer.probe_bound()
+    on_rank0_shared(rollout, lambda: rollout.verify(probe, expected, version, bound),
                      f"engine at version {version} failed verification")
 
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_group_advantages
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.model import QwenArch, load_arch
+from megatron_offgrpo.model import QwenArch, load_arch, output_weight
+from megatron_offgrpo.rollout import probe_bound
 from megatron_offgrpo.runtime import ParallelContext, init_parallel, release_free_memory
 from megatron_offgrpo.train._batch import (
     MicroBatch,
@@ -120,6 +121,11 @@ class TrainerSide:
         """The policy's log-probs of ``probe_ids`` on every rank (collective): what a refreshed engine must match."""
         return probe_logprobs(self.policy.model, self.ctx, probe_ids)
 
+    def probe_bound(self) -> float:
+        """``rollout.probe_bound`` of the current weights: the most an fp32 engine may differ from ``probe_logprobs``
+        (collective)."""
+        return probe_bound(self.arch.vocab_size, self.arch.hidden_size, logit_bound(self.policy.model, self.ctx))
+
     def export_hf(self, out: Path) -> Path | None:
         """The current policy as a HF directory at ``out`` (atomic, replaces an older one; collective; rank 0
         returns it)."""
@@ -140,6 +146,19 @@ class TrainerSide:
         return state
 
 
+def logit_bound(model: torch.nn.Module, ctx: ParallelContext) -> float:
+    """``sqrt(H) max|g| max_j ||W_j||`` on every rank (collective): >= ``||h|| ||W_j||`` for any position, since the
+    final RMSNorm's output is ``g * x / rms(x)`` with ``||x / rms(x)|| = sqrt(H)`` (its epsilon only shrinks it)."""
+    local = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    if model.post_process:  # the last stage holds the final norm and the output layer (TP: a vocabulary shard)
+        norm = model.decoder.final_layernorm.weight.detach()
+        rows = output_weight(model).detach().double().norm(dim=1).max()
+        local = rows * norm.double().abs().max() * norm.numel() ** 0.5
+    for group in (ctx.tp_group, ctx.pp_group):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    return float(local)
+
+
 def probe_logprobs(model: torch.nn.Module, ctx: ParallelContext, probe_ids: list[int]) -> list[float]:
     """``model``'s log p(probe[t] | probe[:t]), t >= 1, on every rank (collective).
 
@@ -156,7 +175,7 @@ def probe_logprobs(model: torch.nn.Module, ctx: ParallelContext, probe_ids: list
     zeros = torch.zeros_like(ids, dtype=torch.float32)
     mb = MicroBatch(ids, torch.arange(s).unsqueeze(0), targets, torch.arange(s).unsqueeze(0) < n, zeros, zeros, zeros,
                     torch.zeros_like(ids)).to(ctx.device)
-    out = token_logprobs(model, ctx, [mb], temperature=1.0)
+    out = token_logprobs(model, ctx, [mb], temperature=1.0, exact=True)  # the same at every TP size
     logp = out[0].reshape(-1)[:n].double() if out else torch.zeros(n, dtype=torch.float64, device=ctx.device)
     if ctx.tp_rank != 0:
         logp = torch.zeros_like(logp)  # TP ranks hold copies: count one

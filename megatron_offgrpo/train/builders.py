@@ -20,11 +20,14 @@ def serving_dtype(rollout: RolloutConfig, precision: str) -> str:
     return "float32" if precision == "fp32" else "bfloat16"
 
 
-def verify_tolerance(rollout: RolloutConfig, precision: str) -> float:
-    """Max |fleet - trainer| probe log-prob after a refresh: ``rollout.verify_tolerance`` when set, else the
+def verify_tolerance(rollout: RolloutConfig, precision: str, derived: float | None = None) -> float:
+    """Max |fleet - trainer| probe log-prob after a refresh: ``rollout.verify_tolerance`` when set; else, serving
+    float32, ``derived`` (``rollout.probe_bound`` of the model, from the trainer) when given; else the
     ``rollout.PROBE_ATOL`` default of the serving dtype (the coarser side decides the agreement)."""
     from megatron_offgrpo.rollout import probe_atol
 
     if rollout.verify_tolerance is not None:
         return rollout.verify_tolerance
+    if derived is not None and serving_dtype(rollout, precision) == "float32":
+        return derived
     return probe_atol(serving_dtype(rollout, precision))

@@ -17,6 +17,7 @@ from megatron_offgrpo.algo import ObjectiveParams
 from megatron_offgrpo.kernels import _triton_ops, vocab_parallel_logprobs
 from tests.kernels._cases import make_case, rel_err
 from tests.kernels.test_kernels_fused_loss import loss_scale, run_fused, run_reference
+from tests.kernels.test_kernels_masked_micro_batch import OBJECTIVES, all_masked, gspo_edges, mixed
 
 FULL = ObjectiveParams(kl_beta=0.05, dual_clip=3.0, aggregation="seq_mean_token_mean", tis_cap=2.0,
                        tis_level="sequence")
@@ -58,6 +59,9 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     results = {name: run_case(*spec) for name, spec in CASES.items()}
     results["logprobs"] = logprobs_case()
+    results["masked_objectives"] = {name: all_masked(name, "triton") for name in OBJECTIVES}
+    results["mixed"] = {name: mixed(name, "triton") for name in OBJECTIVES}
+    results["gspo_edges"] = gspo_edges("triton")
     print(json.dumps(results))
 
 

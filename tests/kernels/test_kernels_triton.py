@@ -16,6 +16,7 @@ from megatron_offgrpo.algo import ObjectiveParams, reference_loss
 from megatron_offgrpo.kernels import fused_linear_grpo_loss
 from tests.helpers import REPO
 from tests.kernels._cases import make_case, rel_err
+from tests.kernels.test_kernels_masked_micro_batch import OBJECTIVES
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 TOL = 1e-6
@@ -42,6 +43,25 @@ def test_interpreted_triton_matches_reference(interpreted, name):
 @needs_triton
 def test_interpreted_triton_logprobs_match_torch(interpreted):
     assert interpreted["logprobs"]["logp"] <= TOL and interpreted["logprobs"]["entropy"] <= TOL
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_interpreted_triton_all_masked_micro_batches(interpreted, name):
+    # as test_kernels_masked_micro_batch.py on the torch path: loss 0 and zero grads alone, the reference beside another
+    assert interpreted["masked_objectives"][name] == {"loss": 0.0, "grad_max": 0.0, "metrics": True}
+    mixed = interpreted["mixed"][name]
+    assert mixed["loss"] <= TOL and mixed["grad_hidden"] <= TOL and mixed["grad_weight"] <= TOL, mixed
+    assert mixed["empty_grad_max"] == 0.0
+
+
+@needs_triton
+def test_interpreted_triton_decides_the_gspo_clip_once_per_sequence(interpreted):
+    results = interpreted["gspo_edges"]
+    assert {r["side"] for r in results} == {"seq_eps_low", "seq_eps_high"}, results
+    for result in results:
+        assert result["edge_kept"] and result["split_sequences"] == [], result
+        assert result["clipped_tokens"] == result["zero_grad_tokens"], result
 
 
 @pytest.mark.gpu

@@ -3,12 +3,16 @@ overlong filtering (``rollout.mask_truncated``) in a short `offgrpo train` run."
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
-from tests.train.conftest import TINY, run_train
+from tests.helpers import REPO
+from tests.train.conftest import TINY, metrics, run_train, train_env
 
 
 def _batch(tiny_hf_dir, tmp_path, *overrides: str):
@@ -47,6 +51,24 @@ def test_mask_truncated_leaves_cut_responses_out_of_the_loss(tmp_path):
         if m["truncated_fraction"] == 1.0:
             assert m["loss"] == 0.0 and m["grad_norm"] == 0.0
     assert any(m["loss"] != k["loss"] for m, k in zip(masked, kept))
+
+
+@pytest.mark.slow
+def test_gspo_trains_through_micro_batches_without_a_valid_token(tmp_path):
+    # issue 35's command (every response cut at 2 tokens and masked: no micro-batch has a valid token), made cheap:
+    # the transformers engine, 2 x 2 answers a step, no evaluation; it stopped with "objective='gspo' needs
+    # seq_log_ratio" at step 0
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "train", "--config", "configs/tiny-cpu.yaml",
+           "model.hf_path=megatron_offgrpo/assets/tiny-qwen2", "model.init=random", "algo.objective=gspo",
+           "algo.aggregation=seq_mean_token_mean", "rollout.max_new_tokens=2", "rollout.mask_truncated=true",
+           "train.steps=2", "rollout.engine=transformers", "rollout.prompts_per_step=2", "rollout.group_size=2",
+           "train.eval_every=0", "train.save_every=0", f"train.out_dir={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = metrics(out)
+    assert [m["step"] for m in steps] == [0, 1] and all(m["truncated_fraction"] == 1.0 for m in steps)
+    assert all(m["loss"] == 0.0 and m["grad_norm"] == 0.0 for m in steps)  # nothing valid: no update, no NaN
 
 
 def test_sample_metrics_give_the_spread_of_the_rewards():
