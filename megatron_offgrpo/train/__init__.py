@@ -11,6 +11,7 @@ _EXPORTS = {
     "evaluate": "megatron_offgrpo.train._eval",
     "config_or_exit": "megatron_offgrpo.train._preflight",
     "claim_run_dir": "megatron_offgrpo.train._preflight",
+    "model_dir_errors": "megatron_offgrpo.train._preflight",
     "setup_logging": "megatron_offgrpo.train._logs",
     "make_rollout_engine": "megatron_offgrpo.train._rollout_side",
     "load_prompts": "megatron_offgrpo.train._prompts",

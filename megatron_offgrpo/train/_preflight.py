@@ -10,18 +10,78 @@ import time
 from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
-from megatron_offgrpo.model import load_arch
+from megatron_offgrpo.model import load_arch, resolve_model_dir
 from megatron_offgrpo.train._trackers import missing_trackers
 
 
-def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
-    """What the model at ``model_dir`` (default ``model.hf_path``) cannot do under ``config``: be read, be split."""
-    source = model_dir or config.model.hf_path
-    key = "--model" if model_dir else "model.hf_path"
+def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokenizer: bool = False) -> list[str]:
+    """What keeps the HF model directory ``source`` (``key`` names where it came from: ``model.hf_path``,
+    ``--model``) from being trained, evaluated or served: its config (a supported architecture, every size >= 1);
+    with ``weights``, its safetensors (present, not cut short, every tensor of the config's shape: headers only, no
+    tensor is loaded); with ``tokenizer``, its own tokenizer (it must load and encode a probe to some tokens). The
+    one check of ``train``, ``sft``, ``eval`` and ``fleet start``."""
     try:
         arch = load_arch(source)
     except (FileNotFoundError, ValueError) as exc:
         return [f"{key}={source}: {exc}"]
+    model_dir = resolve_model_dir(source)
+    errors = []
+    if weights:
+        from checkpoint_tools import hf_dir_errors  # imports torch (about 1 s): only when weights are read
+
+        errors += [f"{key}={source}: {error}" for error in hf_dir_errors(model_dir, arch)]
+    if tokenizer:
+        errors += tokenizer_errors(model_dir, key, source)
+    return errors
+
+
+PROBE = "What is 2 + 3?"
+
+
+def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]:
+    """The directory's own tokenizer (``tokenizer_config.json``; without one the bundled Qwen2.5 tokenizer is used)
+    must load and encode ``PROBE`` to at least one token: one without ``vocab.json``/``merges.txt`` (or
+    ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
+    if not (model_dir / "tokenizer_config.json").is_file():
+        return []
+    import transformers
+
+    try:
+        ids = transformers.AutoTokenizer.from_pretrained(model_dir).encode(PROBE, add_special_tokens=False)
+    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
+        return [f"{key}={source}: its tokenizer does not load ({type(exc).__name__}: "
+                f"{next(iter(str(exc).splitlines()), '')}): give the directory a complete tokenizer "
+                "(tokenizer.json, or vocab.json and merges.txt)"]
+    if not ids:
+        return [f"{key}={source}: its tokenizer encodes {PROBE!r} to no tokens (no vocab.json/merges.txt or "
+                "tokenizer.json?): give the directory a complete tokenizer"]
+    return []
+
+
+def length_errors(config: Config, max_positions: int, source: str | Path) -> list[str]:
+    """The longest sequence a run may generate (``data.max_prompt_tokens`` + ``rollout.max_new_tokens``) must fit the
+    model's positions: it is refused, not silently capped."""
+    d, r = config.data, config.rollout
+    if d.max_prompt_tokens + r.max_new_tokens <= max_positions:
+        return []
+    return [f"rollout.max_new_tokens={r.max_new_tokens}: with data.max_prompt_tokens={d.max_prompt_tokens} a sequence "
+            f"reaches {d.max_prompt_tokens + r.max_new_tokens} tokens, over the model's max_position_embeddings="
+            f"{max_positions} ({source}): lower rollout.max_new_tokens to "
+            f"<= {max(max_positions - d.max_prompt_tokens, 0)} (or data.max_prompt_tokens)"]
+
+
+def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
+    """What the model at ``model_dir`` (default ``model.hf_path``) cannot do under ``config``: be read (its config,
+    weights unless ``model.init=random``, tokenizer), be split, fit the run's sequence length."""
+    source = model_dir or config.model.hf_path
+    key = "--model" if model_dir else "model.hf_path"
+    errors = model_dir_errors(source, key, weights=bool(model_dir) or config.model.init == "hf", tokenizer=True)
+    if errors:
+        return errors
+    arch = load_arch(source)
+    length = length_errors(config, arch.max_position_embeddings, source)
+    if length:
+        return length
     p = config.parallel
     try:
         arch.check_layout(p.tp, p.pp, p.ep, p.etp)

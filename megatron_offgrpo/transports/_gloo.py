@@ -72,8 +72,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
         listener.listen(128)
     except OSError as exc:
         listener.close()
-        raise ValueError(f"refresh store host {host!r} ({address[0]}): cannot listen there ({exc}): set "
-                         "rollout.collective_host to an address of this machine that the fleet's servers reach") from None
+        raise ValueError(f"refresh store host {host!r} ({address[0]}): cannot listen there ({exc}): set rollout."
+                         "collective_host to an address of this machine that the fleet's servers reach") from None
     return listener
 
 

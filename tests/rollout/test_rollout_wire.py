@@ -156,7 +156,7 @@ def test_gloo_stream_abort_reaches_receivers():
 def listening_addresses(port: int) -> set[str]:
     """The addresses a TCP socket of this machine listens on at ``port``, read from /proc/net/tcp and tcp6."""
     found = set()
-    for table, width in (("tcp", 8), ("tcp6", 32)):
+    for table in ("tcp", "tcp6"):
         path = Path("/proc/net") / table
         for line in path.read_text().splitlines()[1:] if path.exists() else []:
             local, state = line.split()[1], line.split()[3]
@@ -389,9 +389,9 @@ def test_token_middleware_guards_control_paths():
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer wrong")]) == 401
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer s3cret")]) == 200
     assert _asgi_call(guard, "/inference/v1/generate") == 401
-    assert (
-        _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200
-    )  # no token configured: open (loopback only)
+    closed = ControlTokenMiddleware(None, token="")  # no token configured: closed, not open
+    assert _asgi_call(closed, "/collective_rpc") == 401 and _asgi_call(closed, "/health") == 200
+    assert _asgi_call(closed, "/pause", [(b"authorization", b"Bearer ")]) == 401
 
 
 def test_recorded_routing_travels_and_is_claimed_by_token_sequence():
