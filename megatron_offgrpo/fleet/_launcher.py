@@ -4,7 +4,8 @@ One server per GPU (or per ``tp`` GPUs) on a GPU machine; on a CPU machine ``num
 pinned to its share of the cores (split over its ``tp`` worker processes). Servers bind 127.0.0.1 unless ``host``
 says otherwise, and every fleet has a token, drawn at random when none is given (``_auth``: what it protects). The
 fleet's state (servers, pids, ports, logs) goes to ``<state_dir>/fleet.json`` and the token to
-``<state_dir>/token`` (mode 0600); ``stop`` kills each server's process group by the pid recorded there, after checking the pid still runs that server.
+``<state_dir>/token`` (mode 0600); ``stop`` kills each server's process group by the pid recorded there, after
+checking the pid still runs that server.
 """
 
 from __future__ import annotations
