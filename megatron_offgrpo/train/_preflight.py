@@ -70,6 +70,31 @@ def length_errors(config: Config, max_positions: int, source: str | Path) -> lis
             f"<= {max(max_positions - d.max_prompt_tokens, 0)} (or data.max_prompt_tokens)"]
 
 
+def resume_errors(config: Config) -> list[str]:
+    """A resume (``train.resume``) of a checkpoint whose model has other shapes than ``model.hf_path``'s: one line
+    naming both shapes, from the checkpoint's model card, before megatron's loader fails deep inside (or, for a
+    reshaped dimension it can slice, succeeds wrongly)."""
+    from checkpoint_tools import CheckpointError, hf_shapes, read_model_card
+
+    from megatron_offgrpo.model import arch_from_hf_config
+    from megatron_offgrpo.train._checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
+    if checkpoint is None:
+        return []
+    try:
+        saved = hf_shapes(arch_from_hf_config(read_model_card(checkpoint).hf_config))
+    except (CheckpointError, ValueError) as exc:
+        return [f"--resume: {checkpoint}: {exc}"]
+    ours = hf_shapes(load_arch(config.model.hf_path))
+    for name in [n for n in saved if n in ours and saved[n] != ours[n]] + sorted(set(saved) ^ set(ours)):
+        theirs, mine = (list(saved[name]) if name in saved else "absent"), (list(ours[name]) if name in ours else
+                                                                              "absent")
+        return [f"--resume: {checkpoint} holds {name} of shape {theirs}, model.hf_path={config.model.hf_path} "
+                f"gives {mine}: resume with the model the run started from, or start a new train.out_dir"]
+    return []
+
+
 def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     """What the model at ``model_dir`` (default ``model.hf_path``) cannot do under ``config``: be read (its config,
     weights unless ``model.init=random``, tokenizer), be split, fit the run's sequence length."""
@@ -82,6 +107,9 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     length = length_errors(config, arch.max_position_embeddings, source)
     if length:
         return length
+    resume = [] if model_dir else resume_errors(config)
+    if resume:
+        return resume
     p = config.parallel
     try:
         arch.check_layout(p.tp, p.pp, p.ep, p.etp)
