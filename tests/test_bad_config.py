@@ -216,9 +216,9 @@ def test_a_broken_model_directory_is_one_line(command, breaks, message, tmp_path
 def test_a_sequence_over_the_models_positions_is_refused_not_capped(command, tmp_path, capsys):
     out = tmp_path / "run"
     code, err = _run([command, "--config", TINY, f"train.out_dir={out}", "rollout.max_new_tokens=100000"], capsys)
-    line = ("rollout.max_new_tokens=100000: with data.max_prompt_tokens=64 a sequence reaches 100064 tokens, over the "
-            "model's max_position_embeddings=512 (megatron_offgrpo/assets/tiny-qwen2): lower rollout.max_new_tokens to "
-            "<= 448")
+    line = ("rollout.max_new_tokens=100000: a prompt and its completion must fit the model's "
+            "max_position_embeddings=512 (megatron_offgrpo/assets/tiny-qwen2): lower rollout.max_new_tokens to at most 512 minus the longest "
+            "prompt's tokens")
     assert code == 2 and line in err and "Traceback" not in err, err
     assert not out.exists()
 
@@ -239,3 +239,19 @@ def test_resume_with_a_model_of_other_shapes_names_both(tmp_path, capsys):
         "model.hf_path=megatron_offgrpo/assets/tiny-qwen2 gives [384, 128]: resume with the model the run started "
         "from, or start a new train.out_dir"), err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == before  # untouched
+
+
+def test_the_longest_prompt_and_its_completion_must_fit_the_positions():
+    """Once the prompts are tokenized (before any engine starts), the longest one plus ``rollout.max_new_tokens`` is
+    checked against the model's positions: the engine would otherwise cap those completions short, silently."""
+    from megatron_offgrpo.train import load_prompts, load_tokenizer
+    from megatron_offgrpo.train._preflight import prompt_length_error
+
+    config = load_config(TINY, ["rollout.max_new_tokens=500"])
+    prompts = load_prompts(config, load_tokenizer(config.model.hf_path), config.data.split)
+    longest = max(len(p.prompt_ids) for p in prompts)
+    assert prompt_length_error(prompts, config, 500 + longest, "train") is None
+    assert prompt_length_error(prompts, config, 499 + longest, "train") == (
+        f"rollout.max_new_tokens=500: the longest prompt of data split 'train' has {longest} tokens, so a sequence "
+        f"reaches {500 + longest}, over the model's max_position_embeddings={499 + longest}: lower "
+        f"rollout.max_new_tokens to <= 499 (or data.max_prompt_tokens)")

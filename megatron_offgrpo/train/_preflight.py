@@ -59,15 +59,27 @@ def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]
 
 
 def length_errors(config: Config, max_positions: int, source: str | Path) -> list[str]:
-    """The longest sequence a run may generate (``data.max_prompt_tokens`` + ``rollout.max_new_tokens``) must fit the
-    model's positions: it is refused, not silently capped."""
-    d, r = config.data, config.rollout
-    if d.max_prompt_tokens + r.max_new_tokens <= max_positions:
+    """``rollout.max_new_tokens`` must leave room for a prompt in the model's positions: refused, not silently capped.
+    (The prompts themselves are known once tokenized: ``prompt_length_error`` checks the longest against the same
+    bound before any engine starts.)"""
+    r = config.rollout
+    if r.max_new_tokens < max_positions:
         return []
-    return [f"rollout.max_new_tokens={r.max_new_tokens}: with data.max_prompt_tokens={d.max_prompt_tokens} a sequence "
-            f"reaches {d.max_prompt_tokens + r.max_new_tokens} tokens, over the model's max_position_embeddings="
-            f"{max_positions} ({source}): lower rollout.max_new_tokens to "
-            f"<= {max(max_positions - d.max_prompt_tokens, 0)} (or data.max_prompt_tokens)"]
+    return [f"rollout.max_new_tokens={r.max_new_tokens}: a prompt and its completion must fit the model's "
+            f"max_position_embeddings={max_positions} ({source}): lower rollout.max_new_tokens to at most "
+            f"{max_positions} minus the longest prompt's tokens"]
+
+
+def prompt_length_error(prompts, config: Config, max_positions: int, split: str) -> str | None:
+    """The longest prompt of ``split`` plus ``rollout.max_new_tokens`` over the model's positions (the engine would
+    cap such a completion short of ``max_new_tokens`` silently), or None."""
+    longest = max((len(p.prompt_ids) for p in prompts), default=0)
+    new = config.rollout.max_new_tokens
+    if longest + new <= max_positions:
+        return None
+    return (f"rollout.max_new_tokens={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
+            f"sequence reaches {longest + new}, over the model's max_position_embeddings={max_positions}: lower "
+            f"rollout.max_new_tokens to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
 
 
 def resume_errors(config: Config) -> list[str]:
