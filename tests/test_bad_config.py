@@ -217,8 +217,8 @@ def test_a_sequence_over_the_models_positions_is_refused_not_capped(command, tmp
     out = tmp_path / "run"
     code, err = _run([command, "--config", TINY, f"train.out_dir={out}", "rollout.max_new_tokens=100000"], capsys)
     line = ("rollout.max_new_tokens=100000: a prompt and its completion must fit the model's "
-            "max_position_embeddings=512 (megatron_offgrpo/assets/tiny-qwen2): lower rollout.max_new_tokens to at most 512 minus the longest "
-            "prompt's tokens")
+            "max_position_embeddings=512 (megatron_offgrpo/assets/tiny-qwen2): lower rollout.max_new_tokens to at most "
+            "512 minus the longest prompt's tokens")
     assert code == 2 and line in err and "Traceback" not in err, err
     assert not out.exists()
 
