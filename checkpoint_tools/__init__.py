@@ -1,5 +1,6 @@
 """checkpoint_tools: the one Qwen HF <-> megatron weight map, offline conversions and the live streaming export."""
 
+from checkpoint_tools._check import hf_dir_errors
 from checkpoint_tools._convert import (
     MegatronCheckpoint,
     hf_to_megatron_dir,
@@ -49,6 +50,7 @@ __all__ = [
     "resolve_checkpoint",
     "dist_checkpoint_to_hf_dir",
     "expected_hf_shapes",
+    "hf_dir_errors",
     "hf_names",
     "hf_shapes",
     "hf_to_megatron_dir",

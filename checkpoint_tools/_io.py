@@ -204,6 +204,15 @@ class SafetensorsFiles:
     def __contains__(self, name: object) -> bool:
         return name in self._files
 
+    def file_of(self, name: str) -> Path:
+        """The file holding tensor ``name``."""
+        return self._files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of a tensor, from its file's header alone."""
+        path = self._files[name]
+        return tuple(self.header(path)[0][name]["shape"])
+
     def header(self, path: Path) -> tuple[dict[str, Any], int]:
         """The parsed header of one file (cached); errors name the file."""
         if path not in self._headers:

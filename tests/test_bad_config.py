@@ -3,6 +3,9 @@ the key (or file), exit code 2, and writes nothing; the loader itself never rais
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -269,3 +272,108 @@ def test_recipes_into_an_unwritable_place_is_one_line(case, tmp_path, capsys):
     code, err = _run(["recipes", str(dest)], capsys)
     assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A real tiny Qwen2 HF directory (the bundled config, random weights), saved once."""
+    from tests.helpers import save_hf_model
+
+    config = dict(json.loads((ASSET / "config.json").read_text()), vocab_size=1024)  # small: copied per case
+    return save_hf_model(config, tmp_path_factory.mktemp("models") / "good", seed=1)
+
+
+def _edit_config(directory, **fields):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(fields)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _no_weights(d):
+    (d / "model.safetensors").unlink()
+
+
+def _cut_in_half(d):
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _tokenizer_without_vocab(d):  # tokenizer_config.json and friends, but no vocab.json / merges.txt
+    for f in (REPO / "megatron_offgrpo" / "assets" / "qwen2-tokenizer").iterdir():
+        if f.name not in ("vocab.json", "merges.txt", "SOURCES.md"):
+            shutil.copy(f, d / f.name)
+
+
+ASSET = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
+MODEL_DIR_CASES = [  # (break the copy of a good model directory, what the one line must say after "{key}={dir}: ")
+    (_no_weights, "{dir}: no *.safetensors weights and no model.safetensors.index.json"),
+    (_cut_in_half, "{dir}/model.safetensors: truncated safetensors file: data section needs "),
+    (lambda d: _edit_config(d, intermediate_size=1024), "weights do not match its config.json: model.safetensors: "
+     "model.layers.0.mlp.gate_proj.weight has shape [384, 128], config.json gives [1024, 128]"),
+    (lambda d: _edit_config(d, num_hidden_layers=-1), "num_hidden_layers=-1 (must be a whole number >= 1)"),
+    (lambda d: _edit_config(d, hidden_size=0, vocab_size="many"),
+     "vocab_size='many' (must be a whole number >= 1); hidden_size=0 (must be a whole number >= 1)"),
+    (_tokenizer_without_vocab, "its tokenizer encodes 'What is 2 + 3?' to no tokens"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("breaks, message", MODEL_DIR_CASES,
+                         ids=["no-weights", "cut-in-half", "shapes", "layers-1", "sizes", "tokenizer"])
+def test_a_broken_model_directory_is_one_line(command, breaks, message, tmp_path, tiny_model, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    breaks(model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    out = tmp_path / "run"
+    flags = (["--model", str(model)] if command == "eval" else [f"model.hf_path={model}", "model.init=hf"])
+    code, err = _run([command, "--config", TINY, f"train.out_dir={out}", *flags], capsys)
+    key = "--model" if command == "eval" else "model.hf_path"
+    assert code == 2 and err.startswith(f"error: invalid config:\n  {key}={model}: "), err
+    assert message.format(dir=model) in err and len(err.splitlines()) == 2 and "Traceback" not in err, err
+    assert not out.exists() and {p.name: p.read_bytes() for p in model.iterdir()} == before  # nothing written
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+def test_a_sequence_over_the_models_positions_is_refused_not_capped(command, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = _run([command, "--config", TINY, f"train.out_dir={out}", "rollout.max_new_tokens=100000"], capsys)
+    line = ("rollout.max_new_tokens=100000: a prompt and its completion must fit the model's "
+            "max_position_embeddings=512 (megatron_offgrpo/assets/tiny-qwen2): lower rollout.max_new_tokens to at most "
+            "512 minus the longest prompt's tokens")
+    assert code == 2 and line in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_resume_with_a_model_of_other_shapes_names_both(tmp_path, capsys):
+    """The checkpoint's model card (as the trainer writes it) holds a narrower MLP than ``model.hf_path`` gives."""
+    from checkpoint_tools import DistModelCard, write_model_card
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    hf_config = dict(json.loads((ASSET / "config.json").read_text()), intermediate_size=256)
+    write_model_card(checkpoint, DistModelCard(hf_config, "float32", {"tp": 1, "pp": 1, "dp": 1}))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
+    code, err = _run(["train", "--config", TINY, f"train.out_dir={tmp_path / 'run'}", "--resume"], capsys)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"  --resume: {checkpoint} holds model.layers.0.mlp.gate_proj.weight of shape [256, 128], "
+        "model.hf_path=megatron_offgrpo/assets/tiny-qwen2 gives [384, 128]: resume with the model the run started "
+        "from, or start a new train.out_dir"), err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == before  # untouched
+
+
+def test_the_longest_prompt_and_its_completion_must_fit_the_positions():
+    """Once the prompts are tokenized (before any engine starts), the longest one plus ``rollout.max_new_tokens`` is
+    checked against the model's positions: the engine would otherwise cap those completions short, silently."""
+    from megatron_offgrpo.train import load_prompts, load_tokenizer
+    from megatron_offgrpo.train._preflight import prompt_length_error
+
+    config = load_config(TINY, ["rollout.max_new_tokens=500"])
+    prompts = load_prompts(config, load_tokenizer(config.model.hf_path), config.data.split)
+    longest = max(len(p.prompt_ids) for p in prompts)
+    assert prompt_length_error(prompts, config, 500 + longest, "train") is None
+    assert prompt_length_error(prompts, config, 499 + longest, "train") == (
+        f"rollout.max_new_tokens=500: the longest prompt of data split 'train' has {longest} tokens, so a sequence "
+        f"reaches {500 + longest}, over the model's max_position_embeddings={499 + longest}: lower "
+        f"rollout.max_new_tokens to <= 499 (or data.max_prompt_tokens)")

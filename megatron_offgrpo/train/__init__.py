@@ -13,6 +13,7 @@ _EXPORTS = {
     "config_or_exit": "megatron_offgrpo.train._preflight",
     "claim_run_dir": "megatron_offgrpo.train._run_dir",
     "no_space_line": "megatron_offgrpo.train._disk",
+    "model_dir_errors": "megatron_offgrpo.train._preflight",
     "setup_logging": "megatron_offgrpo.train._logs",
     "make_rollout_engine": "megatron_offgrpo.train._rollout_side",
     "load_prompts": "megatron_offgrpo.train._prompts",

@@ -1,25 +1,125 @@
-"""Every check that can run before a process group, a model or an engine exists: the recipe, the overrides, and what
+"""Every check that can run before a process group, a model or an engine exists: the recipe, the overrides, what
 they ask of the model (its config read from ``model.hf_path``), and the data (every row the run will read). A command
-that fails here prints one line per error
-and exits 2, having written nothing."""
+that fails here prints one line per error and exits 2, having written nothing."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
-from megatron_offgrpo.model import load_arch
+from megatron_offgrpo.model import load_arch, resolve_model_dir
 from megatron_offgrpo.train._trackers import missing_trackers
 
 
-def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
-    """What the model at ``model_dir`` (default ``model.hf_path``) cannot do under ``config``: be read, be split."""
-    source = model_dir or config.model.hf_path
-    key = "--model" if model_dir else "model.hf_path"
+def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokenizer: bool = False) -> list[str]:
+    """What keeps the HF model directory ``source`` (``key`` names where it came from: ``model.hf_path``,
+    ``--model``) from being trained, evaluated or served: its config (a supported architecture, every size >= 1);
+    with ``weights``, its safetensors (present, not cut short, every tensor of the config's shape: headers only, no
+    tensor is loaded); with ``tokenizer``, its own tokenizer (it must load and encode a probe to some tokens). The
+    one check of ``train``, ``sft``, ``eval`` and ``fleet start``."""
     try:
         arch = load_arch(source)
     except (FileNotFoundError, ValueError) as exc:
         return [f"{key}={source}: {exc}"]
+    model_dir = resolve_model_dir(source)
+    errors = []
+    if weights:
+        from checkpoint_tools import hf_dir_errors  # imports torch (about 1 s): only when weights are read
+
+        errors += [f"{key}={source}: {error}" for error in hf_dir_errors(model_dir, arch)]
+    if tokenizer:
+        errors += tokenizer_errors(model_dir, key, source)
+    return errors
+
+
+PROBE = "What is 2 + 3?"
+
+
+def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]:
+    """The directory's own tokenizer (``tokenizer_config.json``; without one the bundled Qwen2.5 tokenizer is used)
+    must load and encode ``PROBE`` to at least one token: one without ``vocab.json``/``merges.txt`` (or
+    ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
+    if not (model_dir / "tokenizer_config.json").is_file():
+        return []
+    import transformers
+
+    try:
+        ids = transformers.AutoTokenizer.from_pretrained(model_dir).encode(PROBE, add_special_tokens=False)
+    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
+        return [f"{key}={source}: its tokenizer does not load ({type(exc).__name__}: "
+                f"{next(iter(str(exc).splitlines()), '')}): give the directory a complete tokenizer "
+                "(tokenizer.json, or vocab.json and merges.txt)"]
+    if not ids:
+        return [f"{key}={source}: its tokenizer encodes {PROBE!r} to no tokens (no vocab.json/merges.txt or "
+                "tokenizer.json?): give the directory a complete tokenizer"]
+    return []
+
+
+def length_errors(config: Config, max_positions: int, source: str | Path) -> list[str]:
+    """``rollout.max_new_tokens`` must leave room for a prompt in the model's positions: refused, not silently capped.
+    (The prompts themselves are known once tokenized: ``prompt_length_error`` checks the longest against the same
+    bound before any engine starts.)"""
+    r = config.rollout
+    if r.max_new_tokens < max_positions:
+        return []
+    return [f"rollout.max_new_tokens={r.max_new_tokens}: a prompt and its completion must fit the model's "
+            f"max_position_embeddings={max_positions} ({source}): lower rollout.max_new_tokens to at most "
+            f"{max_positions} minus the longest prompt's tokens"]
+
+
+def prompt_length_error(prompts, config: Config, max_positions: int, split: str) -> str | None:
+    """The longest prompt of ``split`` plus ``rollout.max_new_tokens`` over the model's positions (the engine would
+    cap such a completion short of ``max_new_tokens`` silently), or None."""
+    longest = max((len(p.prompt_ids) for p in prompts), default=0)
+    new = config.rollout.max_new_tokens
+    if longest + new <= max_positions:
+        return None
+    return (f"rollout.max_new_tokens={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
+            f"sequence reaches {longest + new}, over the model's max_position_embeddings={max_positions}: lower "
+            f"rollout.max_new_tokens to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
+
+
+def resume_errors(config: Config) -> list[str]:
+    """A resume (``train.resume``) of a checkpoint whose model has other shapes than ``model.hf_path``'s: one line
+    naming both shapes, from the checkpoint's model card, before megatron's loader fails deep inside (or, for a
+    reshaped dimension it can slice, succeeds wrongly)."""
+    from checkpoint_tools import CheckpointError, hf_shapes, read_model_card
+
+    from megatron_offgrpo.model import arch_from_hf_config
+    from megatron_offgrpo.train._checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
+    if checkpoint is None:
+        return []
+    try:
+        saved = hf_shapes(arch_from_hf_config(read_model_card(checkpoint).hf_config))
+    except (CheckpointError, ValueError) as exc:
+        return [f"--resume: {checkpoint}: {exc}"]
+    ours = hf_shapes(load_arch(config.model.hf_path))
+    for name in [n for n in saved if n in ours and saved[n] != ours[n]] + sorted(set(saved) ^ set(ours)):
+        theirs, mine = (list(saved[name]) if name in saved else "absent"), (list(ours[name]) if name in ours else
+                                                                              "absent")
+        return [f"--resume: {checkpoint} holds {name} of shape {theirs}, model.hf_path={config.model.hf_path} "
+                f"gives {mine}: resume with the model the run started from, or start a new train.out_dir"]
+    return []
+
+
+def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
+    """What the model at ``model_dir`` (default ``model.hf_path``) cannot do under ``config``: be read (its config,
+    weights unless ``model.init=random``, tokenizer), be split, fit the run's sequence length."""
+    source = model_dir or config.model.hf_path
+    key = "--model" if model_dir else "model.hf_path"
+    errors = model_dir_errors(source, key, weights=bool(model_dir) or config.model.init == "hf", tokenizer=True)
+    if errors:
+        return errors
+    arch = load_arch(source)
+    length = length_errors(config, arch.max_position_embeddings, source)
+    if length:
+        return length
+    resume = [] if model_dir else resume_errors(config)
+    if resume:
+        return resume
     p = config.parallel
     try:
         arch.check_layout(p.tp, p.pp, p.ep, p.etp)

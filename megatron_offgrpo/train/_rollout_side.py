@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from megatron_offgrpo.algo import overlong_penalty
-from megatron_offgrpo.config import Config
+from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
+from megatron_offgrpo.train._preflight import prompt_length_error
 from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
 from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
 from megatron_offgrpo.train.builders import sampling_params, serving_dtype, verify_tolerance
@@ -49,9 +50,14 @@ class RolloutSide:
         """
         tokenizer = load_tokenizer(config.model.hf_path)
         data = load_data(config)
-        stream = PromptStream(build_prompts(config, tokenizer, data.train), config.parallel.seed)
+        train_prompts = build_prompts(config, tokenizer, data.train)
         eval_prompts = (build_prompts(config, tokenizer, used_records(config, data, "eval"))
                         if config.train.eval_every else [])
+        for split, prompts in ((config.data.split, train_prompts), (config.data.eval_split, eval_prompts)):
+            error = prompt_length_error(prompts, config, max_positions, split)
+            if error:  # before the engine starts
+                raise ConfigError(error)
+        stream = PromptStream(train_prompts, config.parallel.seed)
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
         side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts,
                    log_data(config, data))

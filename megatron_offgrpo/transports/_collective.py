@@ -8,6 +8,7 @@ changes (a server died or came back).
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from typing import Any
@@ -25,7 +26,8 @@ class CollectiveTransport:
     """Broadcast buckets of >= ``bucket_bytes`` (0: one tensor per message) to all workers in one control call.
 
     Attributes:
-        host: address the servers reach the trainer's rendezvous store on. port: its port (0: pick a free one).
+        host: address the servers reach the trainer's rendezvous store on; the store listens on this address only
+            (loopback by default). port: its port (0: pick a free one).
         backend: "gloo" (CPU) or "nccl" (GPU). device: where rank 0's buffers live ("cuda" for NCCL).
         timeout_s: bound on joining and on each collective operation (a dead peer surfaces within it).
     Every install is one complete reload: vLLM's in-place reload of part of a fused layer (e.g. q_proj alone)
@@ -73,9 +75,11 @@ class CollectiveTransport:
         for target in targets:
             bases.append(world)
             world += infos[target.name].workers
-        group_id = uuid.uuid4().hex[:12]
+        group_id = uuid.uuid4().hex[:12]  # the group's name (logged); its rendezvous keys sit under the secret key
+        key = secrets.token_hex(16)
         args = {
             "group_id": group_id,
+            "key": key,
             "host": self.host,
             "port": self._store.port,
             "world_size": world,
@@ -87,7 +91,7 @@ class CollectiveTransport:
             "offgrpo_join_group",
             lambda i, t: {**args, "rank_base": bases[i]},
             self.timeout_s,
-            background=lambda: make_group(self._store, group_id, 0, world, self.timeout_s, self.backend),
+            background=lambda: make_group(self._store, key, 0, world, self.timeout_s, self.backend),
         )
         bad = {n: a.error for n, a in answers.items() if not a.ok}
         if bad:

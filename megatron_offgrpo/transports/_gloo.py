@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import queue
+import socket
 import threading
 from typing import Any, Iterable, Iterator
 
@@ -30,24 +31,65 @@ CPU = torch.device("cpu")  # the streams' default device
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store: the trainer hosts it (``port`` 0 picks a free port, read back as ``store.port``)."""
-    return dist.TCPStore(
-        host,
-        port,
-        world_size,
-        is_master=is_master,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    """The rendezvous store: the trainer hosts it (``port`` 0 picks a free port, read back as ``store.port``).
+
+    The host's store listens on ``host``'s address only (loopback for a fleet on this machine), not on every
+    interface as a plain ``TCPStore(is_master=True)`` does: it binds the listening socket itself and hands it over.
+    The store authenticates nobody; the groups on it live under keys only the fleet's workers learn (``make_group``).
+
+    Raises:
+        ValueError: ``host`` does not resolve to an address of this machine (the host's side only).
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    listener = listening_socket(host, port)
+    try:
+        store = dist.TCPStore(host, listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now (it closes it)
+    return store
 
 
-def make_group(store: dist.Store, group_id: str, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
-    """Join the broadcast group ``group_id`` (blocks until all ``world_size`` members joined).
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``'s first address here and ``port`` (0: a free one), listening.
+
+    Raises:
+        ValueError: ``host`` does not resolve, or its address is not one of this machine's.
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise ValueError(f"refresh store host {host!r} does not resolve here ({exc}): set rollout.collective_host to "
+                         "an address of this machine that the fleet's servers reach") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+    except OSError as exc:
+        listener.close()
+        raise ValueError(f"refresh store host {host!r} ({address[0]}): cannot listen there ({exc}): set rollout."
+                         "collective_host to an address of this machine that the fleet's servers reach") from None
+    return listener
+
+
+def make_group(store: dist.Store, key: str, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
+    """Join the broadcast group whose rendezvous keys sit under ``key`` (blocks until all ``world_size`` members
+    joined).
+
+    The trainer draws ``key`` at random for each group (128 bits) and sends it to the workers over the fleet's
+    token-checked HTTP control path only: a client of the store without it cannot read the members' addresses or
+    take a rank (the store lists no keys). The group's data connections themselves are neither authenticated nor
+    encrypted (gloo/NCCL): see docs/guide.md.
 
     Raises:
         ValueError: for a backend other than "gloo" or "nccl".
     """
-    prefixed = PrefixStore(f"offgrpo/{group_id}", store)
+    prefixed = PrefixStore(f"offgrpo/{key}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
         from torch._C._distributed_c10d import ProcessGroupGloo

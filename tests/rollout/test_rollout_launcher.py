@@ -9,7 +9,15 @@ import sys
 
 import pytest
 
-from megatron_offgrpo.fleet import TOKEN_ENV, FleetSpec, is_this_machine, load_state, server_command, stop_fleet
+from megatron_offgrpo.fleet import (
+    TOKEN_ENV,
+    FleetSpec,
+    is_this_machine,
+    load_state,
+    server_command,
+    stop_fleet,
+    write_token,
+)
 from megatron_offgrpo.cli.fleet import main as fleet_main
 from tests.helpers import REPO
 
@@ -122,11 +130,100 @@ def test_stop_never_kills_a_process_that_is_not_our_server(tmp_path):
     assert load_state(tmp_path).servers[0].pid == sleeper.pid
 
 
-def test_cli_errors_are_clear(tmp_path, capsys):
-    assert fleet_main(["status", "--state-dir", str(tmp_path)]) == 2
+def _llama(tiny_dir, tmp_path):
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(config))
+    return tmp_path / "llama"
+
+
+def _config_only(tiny_dir, tmp_path):
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text((tiny_dir / "config.json").read_text())
+    return tmp_path / "bare"
+
+
+def _loose_token(tmp_path):
+    (tmp_path / "token.txt").write_text("s3cret")
+    os.chmod(tmp_path / "token.txt", 0o644)
+    return tmp_path / "token.txt"
+
+
+START_CASES = [  # (flags after `start --model DIR`, the one line's start; {model}, {tmp}: the test's paths)
+    (["--num-servers", "0"], "error: --num-servers=0: must be >= 1"),  # was: two servers
+    (["--base-port", "70000"], "error: --base-port=70000: must be 0 (free ports) or a port in 1024..65535"),
+    (["--base-port", "65535", "--num-servers", "2"], "error: --base-port=65535: must be 0 (free ports) or a port in "
+                                                     "1024..65535 (with 2 servers, up to 65534)"),
+    (["--kv-cache-gib", "-1"], "error: --kv-cache-gib=-1.0: must be > 0"),
+    (["--max-model-len", "0"], "error: --max-model-len=0: must be >= 1"),
+    (["--token", "s3cret"], "error: --token: a token on the command line is readable by every local user (ps); put "
+                            "it in a file (--token-file FILE, mode 0600) or in $OFFGRPO_FLEET_TOKEN"),
+    (["--token-file", "{tmp}/missing"], "error: --token-file={tmp}/missing: cannot read it (No such file"),
+    (["--token-file", "LOOSE"], "error: --token-file={tmp}/token.txt: readable by other users (mode 644): "
+                                "chmod 600 {tmp}/token.txt"),
+]
+
+
+@pytest.mark.parametrize("flags, line", START_CASES, ids=[" ".join(c[0]) for c in START_CASES])
+def test_start_refuses_bad_flags_in_one_line_before_any_server(flags, line, tiny_dir, tmp_path, capsys):
+    flags = [str(_loose_token(tmp_path)) if f == "LOOSE" else f.format(tmp=tmp_path) for f in flags]
+    state = tmp_path / "state"
+    assert fleet_main(["start", "--model", str(tiny_dir), *flags, "--state-dir", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line.format(tmp=tmp_path)) and err.count("\n") == 1 and "s3cret" not in err, err
+    assert not state.exists()  # nothing started, nothing written
+
+
+MODEL_CASES = [  # (the model directory, the one line's middle)
+    (_llama, "model_type='llama' (architectures=['LlamaForCausalLM']) is not supported: supported are"),
+    (_config_only, "no *.safetensors weights and no model.safetensors.index.json"),
+]
+
+
+@pytest.mark.parametrize("make, message", MODEL_CASES, ids=["llama", "no-weights"])
+def test_start_refuses_a_model_train_refuses(make, message, tiny_dir, tmp_path, capsys):
+    model = make(tiny_dir, tmp_path)
+    state = tmp_path / "state"
+    assert fleet_main(["start", "--model", str(model), "--state-dir", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model={model}: ") and message in err and err.count("\n") == 1, err
+    assert not state.exists()
+
+
+@pytest.mark.parametrize("action", ["status", "stop"])
+@pytest.mark.parametrize("text", ['{"servers": [', "[]", '{"servers": []}', "\xff\xfe"])
+def test_status_and_stop_name_a_corrupt_state_file(action, text, tmp_path, capsys):
+    assert fleet_main([action, "--state-dir", str(tmp_path)]) == 2
     assert "no fleet state" in capsys.readouterr().err
-    assert fleet_main(["start", "--model", str(tmp_path), "--host", "0.0.0.0", "--state-dir", str(tmp_path)]) == 2
-    assert "give a token" in capsys.readouterr().err
+    (tmp_path / "fleet.json").write_bytes(text.encode("latin-1"))
+    assert fleet_main([action, "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'fleet.json'}: not a fleet state (") and err.count("\n") == 1, err
+    assert (tmp_path / "fleet.json").read_bytes() == text.encode("latin-1")  # left as it was, for a look
+
+
+def test_the_token_comes_from_a_file_the_environment_or_chance(tmp_path, monkeypatch):
+    from megatron_offgrpo.cli.fleet import build_parser, start_token
+
+    def token(*flags):
+        return start_token(build_parser().parse_args(["start", "--model", "m", *flags]))
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    drawn = {token() for _ in range(3)}
+    assert len(drawn) == 3 and all(len(t) >= 32 for t in drawn)  # a fresh random token each start
+    (tmp_path / "t").write_text("from-file\n")
+    os.chmod(tmp_path / "t", 0o600)
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert token() == "from-env" and token("--token-file", str(tmp_path / "t")) == "from-file"
+    assert token("--new-token") not in ("from-env", "from-file")
+
+
+def test_the_token_file_is_0600_from_the_start(tmp_path):
+    (tmp_path / "token").write_text("old")
+    os.chmod(tmp_path / "token", 0o644)  # an earlier file, readable by all: tightened before the token goes in
+    write_token(tmp_path / "token", "new-token")
+    assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600 and (tmp_path / "token").read_text() == "new-token"
 
 
 def test_rollout_never_imports_megatron():

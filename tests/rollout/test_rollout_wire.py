@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,6 +151,74 @@ def test_gloo_stream_abort_reaches_receivers():
         send_stream(group, failing(), version=1)
     thread.join(30)
     assert [k for k, _ in received] == [BUCKET, ABORT] and "export failed" in received[-1][1]["reason"]
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The addresses a TCP socket of this machine listens on at ``port``, read from /proc/net/tcp and tcp6."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        path = Path("/proc/net") / table
+        for line in path.read_text().splitlines()[1:] if path.exists() else []:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                # the kernel prints each 32-bit word in host order (little-endian here)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def _this_machines_other_address() -> str | None:
+    """A non-loopback IPv4 address of this machine (the one a UDP socket would route from), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # sends nothing: picks the outgoing interface
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "other"])
+def test_store_listens_on_the_address_asked_only(host):
+    host = _this_machines_other_address() if host == "other" else host
+    if host is None:
+        pytest.skip("this machine has no non-loopback address")
+    store = make_store(host, 0, None, True, 30)
+    expected = {"127.0.0.1"} if host == "localhost" else {host}
+    assert listening_addresses(store.port) == expected  # never 0.0.0.0 / ::, every interface
+
+
+def test_store_refuses_an_address_of_another_machine():
+    with pytest.raises(ValueError, match="^refresh store host '192.0.2.1' \\(192.0.2.1\\): cannot listen there .*"
+                                         "set rollout.collective_host"):
+        make_store("192.0.2.1", 0, None, True, 5)  # TEST-NET-1: never an address of this machine
+
+
+def test_group_keys_keep_other_store_clients_out():
+    """A client of the store that does not know the group's key waits for a rank 0 that never comes (and learns no
+    member's address); the members under the key form their group."""
+    store = make_store("127.0.0.1", 0, None, True, 30)
+    outsider_error, member = [], []
+
+    def outsider():
+        try:
+            make_group(make_store("127.0.0.1", store.port, None, False, 5), "guessed", 1, 2, 3)
+        except Exception as exc:  # the expected timeout
+            outsider_error.append(exc)
+
+    def worker():
+        member.append(make_group(make_store("127.0.0.1", store.port, None, False, 30), "secret", 1, 2, 30))
+
+    threads = [threading.Thread(target=outsider), threading.Thread(target=worker)]
+    for thread in threads:
+        thread.start()
+    make_group(store, "secret", 0, 2, 30)
+    for thread in threads:
+        thread.join(30)
+    assert len(member) == 1 and len(outsider_error) == 1
+    assert "wait timeout" in str(outsider_error[0]) and "/offgrpo/guessed/" in str(outsider_error[0])
 
 
 def _answer(versions=("4",), n=2, finish="length"):
@@ -318,9 +389,9 @@ def test_token_middleware_guards_control_paths():
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer wrong")]) == 401
     assert _asgi_call(guard, "/pause", [(b"authorization", b"Bearer s3cret")]) == 200
     assert _asgi_call(guard, "/inference/v1/generate") == 401
-    assert (
-        _asgi_call(ControlTokenMiddleware(None, token=""), "/collective_rpc") == 200
-    )  # no token configured: open (loopback only)
+    closed = ControlTokenMiddleware(None, token="")  # no token configured: closed, not open
+    assert _asgi_call(closed, "/collective_rpc") == 401 and _asgi_call(closed, "/health") == 200
+    assert _asgi_call(closed, "/pause", [(b"authorization", b"Bearer ")]) == 401
 
 
 def test_recorded_routing_travels_and_is_claimed_by_token_sequence():

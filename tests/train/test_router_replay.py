@@ -43,11 +43,11 @@ def test_a_dense_model_is_refused_in_one_line(tmp_path):
     from megatron_offgrpo.config import load_config
     from megatron_offgrpo.train._preflight import model_errors
 
-    dense = load_config(REPO / "configs" / "tiny-cpu.yaml", ["model.router_replay=true",
+    dense = load_config(REPO / "configs" / "tiny-cpu.yaml", ["model.router_replay=true", "model.init=random",
                                                              "model.hf_path=megatron_offgrpo/assets/tiny-qwen2"])
     assert model_errors(dense) == ["model.router_replay=true: megatron_offgrpo/assets/tiny-qwen2 is a dense qwen2 "
                                    "model, with no routers to replay"]
-    moe = load_config(REPO / "configs" / "tiny-moe-cpu.yaml", ["model.router_replay=true",
+    moe = load_config(REPO / "configs" / "tiny-moe-cpu.yaml", ["model.router_replay=true", "model.init=random",
                                                                "model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe"])
     assert model_errors(moe) == []  # every engine records the routing
 
