@@ -112,6 +112,7 @@ def _side(tiny_hf_dir, tmp_path, *overrides: str) -> RolloutSide:
     return RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
 
 
+@pytest.mark.slow  # a real run (or engine): over a minute on the 2-core machine
 def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_path):
     side = _side(tiny_hf_dir, tmp_path, ODD_ZERO, "rollout.max_sampling_rounds=8")
     try:

@@ -320,6 +320,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow  # a real run (or engine): over a minute on the 2-core machine
 def test_a_resume_writes_the_export_a_kill_interrupted(tmp_path):
     """The state a ``kill -9`` during step 1's periodic export leaves (its checkpoint complete, ``exports/step_1``
     only as the writer's temporary sibling, a torn metrics line, no final ``hf/``) is resumed: the export is written
@@ -353,6 +354,7 @@ def test_a_resume_writes_the_export_a_kill_interrupted(tmp_path):
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 
+@pytest.mark.slow  # a real run (or engine): over a minute on the 2-core machine
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_only_its_tmp(tmp_path):
     """ENOSPC injected where rank 0 writes the checkpoint's model card (a real write site of the save): exit 1, one
     line naming the checkpoint being written and "no space left"; the step stays ``step_N.tmp``, never complete."""
