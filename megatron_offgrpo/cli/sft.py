@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -16,7 +14,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train import claim_run_dir, config_or_exit, no_space_line
+    from megatron_offgrpo.train import claim_run_dir, config_or_exit
 
     config = config_or_exit(args.config, args.overrides, tracking=True)
     lock = claim_run_dir(config, command="sft")  # offgrpo train's rules: never over an earlier run, one writer
@@ -24,22 +22,10 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import RunStopped, sft
+    from megatron_offgrpo.train import run_to_exit, sft
 
     tune_cpu_memory()  # every step's loss chunks over the vocabulary: pages reused, not faulted
-    try:
-        out = sft(config)
-    except RunStopped as exc:  # SIGTERM / SIGINT: one line per job (rank 0), 143 / 130 from every rank
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(exc, file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except OSError as exc:  # a full disk: one line naming the path (exit 1); any other OSError as it is
-        if (line := no_space_line(exc, config.train.out_dir)) is None:
-            raise
-        sys.exit(line)
-    finally:
-        if lock is not None:
-            lock.release()
+    out = run_to_exit(lambda: sft(config), config.train.out_dir, lock)  # signals, a full disk: one line
     print(f"warm-up model: {out}")
 
 

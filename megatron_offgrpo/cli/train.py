@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
                         "the console (they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train import claim_run_dir, config_or_exit, no_space_line
+    from megatron_offgrpo.train import claim_run_dir, config_or_exit
 
     config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []),
                             tracking=True)
@@ -25,29 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.train import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
-    from megatron_offgrpo.config import ConfigError
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import EngineDiedError, NoLearningSignalError, RunStopped, train
+    from megatron_offgrpo.train import run_to_exit, train
 
     tune_cpu_memory()  # every step's logits and loss chunks, every refresh's whole model: pages reused, not faulted
-    try:
-        result = train(config)
-    except (NoLearningSignalError, EngineDiedError) as exc:  # known causes: one line (a dead engine: on every rank)
-        sys.exit(f"error: {exc}")
-    except ConfigError as exc:  # bad input only known once read (the tokenized prompts' lengths): as preflight's
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except RunStopped as exc:  # SIGTERM / SIGINT, checkpointed: one line per job (rank 0), 143 / 130 from every rank
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(exc, file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except OSError as exc:  # a full disk: one line naming the path (exit 1); any other OSError as it is
-        if (line := no_space_line(exc, config.train.out_dir)) is None:
-            raise
-        sys.exit(line)
-    finally:
-        if lock is not None:
-            lock.release()
+    # known causes end with one line (a dead engine: on every rank; a signal: 143 / 130), the lock released
+    result = run_to_exit(lambda: train(config), config.train.out_dir, lock)
     if result.summary is not None:  # the logging rank's: once per job, not once per torchrun rank
         print(result.summary)
 

@@ -7,12 +7,12 @@ import megatron-core (5-7 s), and logging is set up before it is imported.
 _EXPORTS = {
     "train": "megatron_offgrpo.train.loop",
     "TrainResult": "megatron_offgrpo.train.loop",
-    "RunStopped": "megatron_offgrpo.train._stop",
     "sft": "megatron_offgrpo.train._sft",
     "evaluate": "megatron_offgrpo.train._eval",
     "config_or_exit": "megatron_offgrpo.train._preflight",
     "claim_run_dir": "megatron_offgrpo.train._run_dir",
     "no_space_line": "megatron_offgrpo.train._disk",
+    "run_to_exit": "megatron_offgrpo.train._exits",
     "model_dir_errors": "megatron_offgrpo.train._preflight",
     "setup_logging": "megatron_offgrpo.train._logs",
     "make_rollout_engine": "megatron_offgrpo.train._rollout_side",
@@ -22,8 +22,6 @@ _EXPORTS = {
     "log_data": "megatron_offgrpo.train._prompts",
     "load_tokenizer": "megatron_offgrpo.train._prompts",
     "read_metrics": "megatron_offgrpo.train._metrics",
-    "NoLearningSignalError": "megatron_offgrpo.train._sampling",
-    "EngineDiedError": "megatron_offgrpo.rollout",  # what the commands catch: a dead engine, one line on every rank
     "RunSummary": "megatron_offgrpo.train._summary",
     "run_summary": "megatron_offgrpo.train._summary",
     "format_summary": "megatron_offgrpo.train._summary",
