@@ -35,13 +35,15 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def make_report(run_dirs: list[str | Path] | str | Path, window: int = 5, out: str | Path | None = None,
-                x: str = "step") -> Path:
+                x: str = "step", records: dict[Path, list[dict]] | None = None) -> Path:
     """Write the panels of one or more runs, overlaid and labelled ``name (v=N)`` (default ``report.png`` in the
-    first run directory); returns the PNG's path. ``x``: "step" or "wall" (wall-clock minutes)."""
+    first run directory); returns the PNG's path. ``x``: "step" or "wall" (wall-clock minutes). ``records``: each
+    directory's records when the caller has read them already (read once: a skipped record is warned once)."""
     dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
-    runs = {(_label(d, r) if len(dirs) > 1 else d.name): r for d, r in ((d, _records(d)) for d in dirs)}
+    read = records or {d: _records(d) for d in dirs}
+    runs = {(_label(d, read[d]) if len(dirs) > 1 else d.name): read[d] for d in dirs}
     if len(runs) < len(dirs):  # two directories of the same name and v: tell them apart by their path
-        runs = {str(d): _records(d) for d in dirs}
+        runs = {str(d): read[d] for d in dirs}
     title = ", ".join(f"{label}: {len(records)} steps" for label, records in runs.items())
     return plot_runs(runs, Path(out) if out is not None else dirs[0] / "report.png", window, x, title)
 
@@ -146,9 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the PNG to write (default: report.png in the first run directory)")
     args = parser.parse_args(argv)
     try:
+        records = {Path(d): _records(Path(d)) for d in args.run_dirs}
         for run_dir in args.run_dirs:
-            print(f"{run_dir}: {summary(run_dir)}")
-        print(f"plot: {make_report(args.run_dirs, args.window, args.out, args.x)}")
+            print(f"{run_dir}: {run_summary(records[Path(run_dir)]).line()}")
+        print(f"plot: {make_report(args.run_dirs, args.window, args.out, args.x, records)}")
     except (ValueError, FileNotFoundError) as exc:  # no run there, or no step yet: one line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
