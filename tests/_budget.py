@@ -2,9 +2,10 @@
 
 CI runs the whole suite on a clean clone of a 2-core machine before anything lands, so its wall time is a cost every
 change pays. This plugin:
-- runs the heaviest files first (the documented commands, ``make demo``, the end-to-end runs): with pytest-xdist's
-  ``--dist loadfile`` (``make test``) a file is one unit of work, and a long file handed out last would leave one
-  worker running alone at the end;
+- orders the heaviest files first (the documented commands, ``make demo``, the end-to-end runs). Under pytest-xdist's
+  ``--dist loadfile`` (``make test``) a file is one unit of work, and xdist 3 hands the files out by their number of
+  tests, most first, this order breaking ties only: the demo (one test, ~6 min) is handed out last and runs alone at
+  the end (measured 2026-11-26). A scheduler that keeps this order is the next cut of the suite's time;
 - prints, at the end, the session's wall time against its budget and the files that cost most;
 - names every test that took over ``SLOW_UNMARKED_S`` without the ``slow`` or ``multiproc`` mark (``make test-fast``
   skips only marked tests, so an unmarked slow test silently slows everyone's quick loop);
