@@ -42,10 +42,10 @@ def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]
     ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
     if not (model_dir / "tokenizer_config.json").is_file():
         return []
-    import transformers
+    from megatron_offgrpo.train._prompts import load_tokenizer  # the run's own, read once per process (cached)
 
     try:
-        ids = transformers.AutoTokenizer.from_pretrained(model_dir).encode(PROBE, add_special_tokens=False)
+        ids = load_tokenizer(str(model_dir)).encode(PROBE, add_special_tokens=False)
     except Exception as exc:  # transformers raises many kinds for a broken tokenizer
         return [f"{key}={source}: its tokenizer does not load ({type(exc).__name__}: "
                 f"{next(iter(str(exc).splitlines()), '')}): give the directory a complete tokenizer "
