@@ -6,7 +6,10 @@ bf16 params with fp32 main weights and grads for ``--precision bf16``), ``train.
 synthetic samples (random prompt and response ids, fleet log-probs near the model's, rewards 1/0 alternating, so
 every group carries signal) and ``train._step.policy_step`` (megatron's forward-backward schedule with
 ``kernels.fused_linear_grpo_loss`` on the response tokens, then the optimizer step). ``--warmup`` steps run first,
-then ``--steps`` timed steps, each between two device synchronisations; medians are reported.
+then ``--steps`` timed steps, each between two device synchronisations; medians are reported. ``--variants``: one
+row per step variant, ``eager`` and ``compiled`` (``model.compile``: each decoder layer ``torch.compile``d), each
+with the share of one profiled step's wall time the GPU was running a kernel ("GPU busy") and the synchronising
+calls of one step (``torch.cuda.set_sync_debug_mode("warn")``).
 
 FLOPs of one step (PaLM's MFU convention, stated so the number can be checked):
     6 * N_body * T  +  12 * L * d_q * s * T  +  6 * V * H * T_loss
@@ -46,12 +49,13 @@ from benchmarks._gpu_loss import LOSS_COLUMNS, loss_rows, median_seconds, sync  
 
 ASSETS = REPO / "megatron_offgrpo" / "assets"
 PEAK_TFLOPS = 989.0  # H100 SXM / H200 dense BF16 (NVIDIA datasheets)
+VARIANTS = ("eager", "compiled")
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
-            samples=4, micro_batches=4, loss_tokens=16384, repeats=10)
+            samples=4, micro_batches=4, loss_tokens=16384, repeats=10, variants="eager,compiled")
 TINY = dict(config=ASSETS / "tiny-qwen2", precision="fp32", steps=2, warmup=1, seq=32, prompt=8,
-            samples=4, micro_batches=2, loss_tokens=256, repeats=2)
-STEP_COLUMNS = ["model", "device", "precision", "layer spec", "loss impl", "tokens/step", "loss tokens/step",
-                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "loss"]
+            samples=4, micro_batches=2, loss_tokens=256, repeats=2, variants="eager")
+STEP_COLUMNS = ["model", "device", "precision", "layer spec", "layers", "loss impl", "tokens/step", "loss tokens/step",
+                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "GPU busy", "host syncs/step", "loss"]
 
 
 
@@ -78,11 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fused-loss path inside the training step (auto: triton on CUDA)")
     parser.add_argument("--loss-tokens", type=int, help="N of the fused-loss comparison (default 16384)")
     parser.add_argument("--repeats", type=int, help="timed repeats of the fused-loss comparison (default 10)")
+    parser.add_argument("--variants",
+                        help="comma-separated step variants, one row each: eager, compiled (model.compile: "
+                             "torch.compile of each decoder layer); default eager,compiled (--tiny: eager)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-device peak for MFU")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--profile", action="store_true",
-                        help="one more step under torch.profiler; its top-30 ops to OUT/profile.txt")
+                        help="the profiled step's top-30 ops (each variant's step is profiled once for the GPU-busy "
+                             "share) to OUT/profile-<variant>.txt")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-step"), help="directory for gpu_step.md/json")
     args = parser.parse_args(argv)
     for key, value in (TINY if args.tiny else FULL).items():
@@ -92,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--prompt {args.prompt} must lie in (0, --seq {args.seq})")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers} must be >= 1")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown or not args.variants:
+        parser.error(f"--variants {','.join(args.variants)}: each must be one of {', '.join(VARIANTS)}")
     return args
 
 
@@ -146,8 +158,9 @@ def device_batches(samples, args, device) -> tuple[list, int, int]:
     return mbs, global_token_count(samples, adv.sample_valid), global_seq_count(adv.sample_valid)
 
 
-def train_row(args, ctx, arch) -> tuple[dict, object]:
-    """Build the policy and time its steps: the row of the step table, and the trained output layer [V, H]."""
+def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
+    """Build the policy (``variant``: eager, or compiled layers) and time its steps: the row of the step table, and
+    the trained output layer [V, H]."""
     from megatron_offgrpo.algo import ObjectiveParams
     from megatron_offgrpo.config import ModelConfig, OptimConfig
     from megatron_offgrpo.kernels import resolve_impl
@@ -158,7 +171,7 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
                             fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
-                            fp8_margin=args.fp8_margin)
+                            fp8_margin=args.fp8_margin, compile=variant == "compiled")
     policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps)
     mbs, tokens, seqs = device_batches(synthetic_samples(arch, args), args, ctx.device)
     params = ObjectiveParams()
@@ -171,8 +184,8 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
 
     seconds, _ = median_seconds(step, ctx.device, args.warmup, args.steps)
     timed_losses = list(losses)
-    if args.profile:
-        _profile(step, ctx.device, args.out / "profile.txt")
+    busy = _busy_fraction(step, ctx.device, args.out / f"profile-{variant}.txt" if args.profile else None)
+    syncs = _count_syncs(step, ctx.device)
     if not all(math.isfinite(loss) for loss in timed_losses):
         raise SystemExit(f"gpu_step: non-finite training loss {timed_losses}")
     positions = sum(mb.tokens.numel() for mb in mbs)
@@ -181,11 +194,13 @@ def train_row(args, ctx, arch) -> tuple[dict, object]:
     on_cuda = ctx.device.type == "cuda"
     spec = ("transformer-engine" + (", grouped-GEMM experts" if arch.is_moe else "")) if have_te() else "local"
     row = {"model": _model_name(args, arch), "device": _device_name(ctx.device), "precision": args.precision,
-            "layer spec": spec,
+            "layer spec": spec, "layers": variant,
             "loss impl": resolve_impl(args.loss_impl, ctx.device), "tokens/step": positions,
             "loss tokens/step": loss_tokens, "step s (median)": round(seconds, 4),
             "tokens/s": round(positions / seconds, 1), "TFLOP/s": round(tflops, 2),
             "MFU": f"{100 * tflops / args.peak_tflops:.1f}%" if on_cuda else "n/a (CPU)",
+            "GPU busy": f"{100 * busy:.1f}%" if busy is not None else "n/a (CPU)",
+            "host syncs/step": syncs if syncs is not None else "n/a (CPU)",
             "loss": f"{timed_losses[-1]:.6g}"}
     return row, output_weight(policy.model).detach()
 
@@ -211,19 +226,86 @@ def _model_name(args, arch) -> str:
     return name
 
 
-def _profile(step, device, path: Path) -> None:
-    """One more step under torch.profiler: the 30 ops with the most self device time (CPU time on CPU), to ``path``."""
+def _busy_fraction(step, device, path: Path | None) -> float | None:
+    """One more step under torch.profiler: the fraction of its wall time the GPU ran at least one kernel (the union
+    of the kernels' intervals; None on CPU). ``path``: its 30 ops with the most self device time (CPU time on CPU)
+    are written there and printed."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    on_cuda = device.type == "cuda"
+    if not on_cuda and path is None:
+        return None
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    sync(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         step()
         sync(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table)
-    print(table)
+        wall_us = (time.perf_counter() - start) * 1e6
+    if path is not None:
+        key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(table)
+        print(table)
+    if not on_cuda:
+        return None
+    import torch
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return min(1.0, _union_length(spans) / wall_us)
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by sorted ``(start, end)`` spans (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def _count_syncs(step, device) -> int | None:
+    """Synchronising calls of one more step, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them (None on
+    CPU, where nothing waits: tests/train/test_step_syncs.py counts them there)."""
+    import warnings
+
+    import torch
+
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _rng_states(device) -> tuple:
+    """The generators' states after ``init_parallel``: torch's, the device's and megatron's model-parallel ones."""
+    import torch
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_states(device, states: tuple) -> None:
+    import torch
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
+    get_cuda_rng_tracker().set_states(dict(states[2]))  # a copy: the tracker replaces its entries as it forks
 
 
 def _device_name(device) -> str:
@@ -232,16 +314,17 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def report(args, step: dict, losses: list[dict], environment: dict) -> str:
+def report(args, steps: list[dict], losses: list[dict], environment: dict) -> str:
     from benchmarks._tables import markdown
 
     return "\n".join([
-        f"## GPU step: {step['model']} shapes, random weights, {step['precision']}, {environment['device']}",
+        f"## GPU step: {steps[0]['model']} shapes, random weights, {steps[0]['precision']}, {environment['device']}",
         f"torch {environment['torch']}, megatron-core {environment['megatron_core']}, Transformer Engine: "
         f"{environment['te']}; {args.micro_batches} micro-batches x {args.samples} sequences x {args.seq} positions "
         f"(prompt {args.prompt}); median of {args.steps} steps after {args.warmup} warm-up; "
-        f"MFU against {args.peak_tflops:g} TFLOP/s.", "",
-        markdown(STEP_COLUMNS, [step]), "",
+        f"MFU against {args.peak_tflops:g} TFLOP/s; GPU busy: the share of one profiled step's wall time with a "
+        "kernel running; host syncs: synchronising calls of one step (set_sync_debug_mode).", "",
+        markdown(STEP_COLUMNS, steps), "",
         f"Fused loss, forward + backward, {args.loss_tokens} tokens, median of {args.repeats}:", "",
         markdown(LOSS_COLUMNS, losses), ""])
 
@@ -262,22 +345,27 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_parallel(1, 1, args.seed)
     try:
         arch = load_shapes(args)
+        steps, seeded = [], _rng_states(ctx.device)
         try:
-            step, weight = train_row(args, ctx, arch)
+            for variant in args.variants:
+                _set_rng_states(ctx.device, seeded)  # every variant trains the same initial weights on the same data
+                step, weight = train_row(args, ctx, arch, variant)
+                steps.append(step)
+                print(f"gpu_step: {variant}: {step['step s (median)']} s/step, MFU {step['MFU']}", flush=True)
         except ValueError as exc:  # e.g. --precision fp8 without Transformer Engine
             print(f"gpu_step: {exc}", file=sys.stderr)
             return 2
         losses = loss_rows(weight, args, ctx.device)
     finally:
         destroy_parallel()
-    environment = {"device": step["device"], "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+    environment = {"device": steps[0]["device"], "torch": torch.__version__, "megatron_core": megatron.core.__version__,
                    "te": "usable" if te_status()[0] else te_status()[1]}
-    text = report(args, step, losses, environment)
+    text = report(args, steps, losses, environment)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_step.md").write_text(text)
     (args.out / "gpu_step.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                        "environment": environment, "step": step, "loss": losses},
+                                                        "environment": environment, "steps": steps, "loss": losses},
                                                        indent=1))
     return 1 if any(row["status"] == "MISMATCH" for row in losses) else 0
 

@@ -53,6 +53,10 @@ def collect_errors(config: Any) -> list[str]:
     r, a, m = config.rollout, config.algo, config.model
     if r.group_size < 2:
         errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
+    if m.compile and (config.parallel.tp > 1 or m.precision == "fp8"):
+        errors.append(f"model.compile=true with parallel.tp={config.parallel.tp}, model.precision={m.precision!r}: "
+                      "compiled layers are tested at tp=1 on the local spec (bf16/fp32); use tp=1 and no fp8, or "
+                      "model.compile=false")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: "
                       "need temperature > 0, 0 < top_p <= 1")

@@ -35,6 +35,10 @@ class ModelConfig:
     """FP8 scaling margin."""
     moe_aux_loss_coef: float | None = None
     """MoE models: weight of megatron's load-balancing loss (None: the HF config's router_aux_loss_coef; 0: off)."""
+    compile: bool = False
+    """torch.compile each decoder layer of the trained stage (one compiled graph serves every layer; the first step
+    compiles it, tens of seconds). Inductor fuses the norms, rotary embedding and SwiGLU that the local spec (no
+    Transformer Engine) runs as separate kernels. tp=1, no fp8. Measured in README "GPU validation"."""
     router_replay: bool = False
     """MoE models: the engine records the experts each layer routed every token to, and the trainer's forwards replay
     them (the train/inference routing mismatch removed). Every engine records them. vLLM on GPUs returns them itself

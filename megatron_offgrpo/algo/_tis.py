@@ -33,7 +33,7 @@ def _ratio_stats(raw: torch.Tensor, weights: torch.Tensor, units: torch.Tensor) 
     """All-reducible sums (SUM) and extremes (MAX / MIN) over the units (tokens or sequences) that count."""
     dtype = torch.promote_types(raw.dtype, torch.float32)
     raw, weights = raw.to(dtype), weights.to(dtype)
-    inf = torch.tensor(math.inf, dtype=dtype, device=raw.device)
+    inf = torch.full((), math.inf, dtype=dtype, device=raw.device)  # a fill, not a host-to-device copy
     return {
         "tis_unit_count": units.sum().to(dtype),
         "tis_raw_sum": torch.where(units, raw, 0).sum(),

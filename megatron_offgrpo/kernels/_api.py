@@ -90,9 +90,10 @@ class _FusedLinearLoss(torch.autograd.Function):
             )
         grad_h, grad_w = ctx.grads
         ctx.grads = None
-        if not bool(grad_loss == 1):  # the pipeline schedule passes 1 / num_microbatches, for instance
-            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype)) if grad_h is not None else None
-            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype)) if grad_w is not None else None
+        # Always scaled (one pass over the grads): asking whether grad_loss == 1 would be a host synchronisation,
+        # and the pipeline schedule passes 1 / num_microbatches, for instance.
+        grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype)) if grad_h is not None else None
+        grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype)) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None
 
 
@@ -117,6 +118,7 @@ def fused_linear_grpo_loss(
     tp_group: Optional[dist.ProcessGroup] = None,
     chunk_size: Optional[int] = None,
     impl: str = "auto",
+    valid_rows: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``algo.reference_loss`` of the logits ``hidden @ weight^T`` (all TP shards), without materialising them.
 
@@ -144,6 +146,10 @@ def fused_linear_grpo_loss(
         tp_group: the tensor-parallel group the vocabulary is split over; None = no TP.
         chunk_size: tokens per chunk; None = about ``DEFAULT_CHUNK_BYTES`` of logits buffer.
         impl: ``"torch"`` (any device), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"``.
+        valid_rows: [n] the indices where ``loss_mask`` is True, ascending, when the caller knows them (the trainer
+            finds them on the CPU when it builds a micro-batch). With them the call makes no host synchronisation:
+            finding the rows and scanning the targets for ids outside ``[0, V)`` are then the caller's work (the
+            trainer checks its targets on the CPU too, ``MicroBatch.check_targets``). Without them, one each.
 
     Returns:
         ``(loss 0-dim, metrics)`` with the keys of ``reference_loss``: raw sums, ``finalize_metrics`` and ``loss``.
@@ -157,8 +163,10 @@ def fused_linear_grpo_loss(
     optional = {"ref_logp": ref_logp, "fleet_logp": fleet_logp, "tis_weights": tis_weights}
     norms = {"seq_ids": seq_ids, "cu_seqlens": cu_seqlens, "global_token_count": global_token_count,
              "global_seq_count": global_seq_count}
-    batch, sums = prepare_batch(targets, behavior_logp, advantages, loss_mask, params, run.acc_dtype, optional, norms)
-    check_target_range(batch.targets, weight.shape[0] * group_size_rank(tp_group)[0])
+    batch, sums = prepare_batch(targets, behavior_logp, advantages, loss_mask, params, run.acc_dtype, optional, norms,
+                                valid_rows)
+    if valid_rows is None:
+        check_target_range(batch.targets, weight.shape[0] * group_size_rank(tp_group)[0])
     sink: dict[str, torch.Tensor] = {}
     loss = _FusedLinearLoss.apply(hidden, weight, run, batch, params, sink, torch.is_grad_enabled())
     sums.update(sink)

@@ -1,7 +1,8 @@
 """Validation of the fused loss's own arguments (the per-token ones are checked by algo).
 
 Every user error is a ``ValueError`` naming the argument, its value, the rule and the fix. Checks read shapes
-and dtypes, plus one value scan of the targets (a host sync once per call, not per chunk).
+and dtypes, plus one value scan of the targets (a host sync once per call, not per chunk; none when the caller
+passes ``valid_rows`` and has checked its targets itself, as the trainer does on the CPU).
 
 Shape notation: N tokens, H hidden, V/tp vocabulary rows of this rank's shard.
 """

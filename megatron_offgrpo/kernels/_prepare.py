@@ -73,6 +73,7 @@ def prepare_batch(
     acc_dtype: torch.dtype,
     optional: dict,
     normalisers: dict,
+    valid_rows: Optional[torch.Tensor] = None,
 ) -> tuple[TokenBatch, dict[str, torch.Tensor]]:
     """Validates the per-token inputs and builds the compacted batch.
 
@@ -85,6 +86,8 @@ def prepare_batch(
         acc_dtype: dtype of the log-probs the loop computes.
         optional: ``ref_logp``, ``fleet_logp``, ``tis_weights`` (each [N] or None).
         normalisers: ``seq_ids``, ``cu_seqlens``, ``global_token_count``, ``global_seq_count``.
+        valid_rows: [n] the indices where ``loss_mask`` is True, if the caller knows them (else found here: on CUDA
+            a host synchronisation, since n sizes the compacted batch).
 
     Returns:
         ``(batch, tis statistics)``.
@@ -99,7 +102,7 @@ def prepare_batch(
         behavior_logp, optional["fleet_logp"], optional["tis_weights"], loss_mask, params, layout
     )
     weights = aggregation_weights(loss_mask, params, acc_dtype, **normalisers)
-    valid = loss_mask.nonzero().squeeze(1)
+    valid = loss_mask.nonzero().squeeze(1) if valid_rows is None else valid_rows
     rows = None if valid.numel() == loss_mask.shape[0] else valid
 
     def take(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

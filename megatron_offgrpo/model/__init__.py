@@ -9,6 +9,7 @@ from megatron_offgrpo.model._arch import (
     load_arch,
     resolve_model_dir,
 )
+from megatron_offgrpo.model._compile import compile_layers
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -16,6 +17,7 @@ __all__ = [
     "UnsupportedConfigError",
     "arch_from_hf_config",
     "build_gpt_stage",
+    "compile_layers",
     "expose_hidden_states",
     "hf_config_dict",
     "load_arch",

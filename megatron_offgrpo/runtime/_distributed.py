@@ -113,6 +113,7 @@ def init_parallel(
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
+    from megatron_offgrpo.runtime._local_fallbacks import apply_local_fallbacks
 
     if has_cuda():
         torch.cuda.set_device(local_rank)
@@ -120,6 +121,7 @@ def init_parallel(
     else:
         apply_cpu_compat()
         device = torch.device("cpu")
+    apply_local_fallbacks()
     if not dist.is_initialized():
         if "MASTER_PORT" in os.environ:  # torchrun (or the user) set the rendezvous: env:// reads it
             init_method = "env://"

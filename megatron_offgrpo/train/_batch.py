@@ -39,6 +39,10 @@ class MicroBatch:
             routed to experts 0..k-1; None = the trainer's routers choose.
         padding: [b, s] bool, True = a pad position (no sample's token there): MoE routers leave it out of their
             load-balancing loss and the router metrics; None = no pads.
+        loss_rows: [n] the flat indices (``flat`` order) where ``loss_mask`` is True, and target_bounds: the least
+            and greatest target id there (None when n = 0). Both are found on the CPU when the micro-batch is
+            built, so the step never asks the device for them: on CUDA either would be a host synchronisation per
+            micro-batch (``train._step``). None (a micro-batch built by hand): the step finds the rows itself.
     """
 
     tokens: torch.Tensor
@@ -53,6 +57,8 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     padding: torch.Tensor | None = None
+    loss_rows: torch.Tensor | None = None
+    target_bounds: tuple[int, int] | None = None
 
     def flat(self, name: str) -> torch.Tensor:
         """A field as ``[b * s]`` in the order of ``hidden.reshape(-1, H)`` of a ``[b, s, H]`` output."""
@@ -65,8 +71,17 @@ class MicroBatch:
         and NCCL collectives and megatron's forward need every input there.
         """
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                 if getattr(self, f.name) is not None}
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **moved)
+
+    def check_targets(self, vocab: int) -> None:
+        """Raise a ValueError when a target id of the loss is outside ``[0, vocab)`` (from ``target_bounds``, read
+        on the host: no device work)."""
+        if self.target_bounds is not None and not (0 <= self.target_bounds[0] and self.target_bounds[1] < vocab):
+            low, high = self.target_bounds
+            raise ValueError(f"target ids of the loss span [{low}, {high}] but the model's vocabulary has {vocab} "
+                             "ids: the engine's tokenizer does not match the model's (check model.hf_path and the "
+                             "fleet's --model)")
 
 
 @dataclasses.dataclass
@@ -128,11 +143,15 @@ class StepRows:
 
     def microbatch(self, rows: slice, seq_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MicroBatch:
         """The micro-batch of ``rows`` (on the CPU)."""
-        behavior, padding = self.behavior[rows], ~self.filled[rows]
-        return MicroBatch(self.tokens[rows], self.positions[rows], self.targets[rows], self.loss_mask[rows], behavior,
+        behavior, padding, targets = self.behavior[rows], ~self.filled[rows], self.targets[rows]
+        loss_rows = self.loss_mask[rows].reshape(-1).nonzero().squeeze(1)
+        scored = targets.reshape(-1).index_select(0, loss_rows)
+        bounds = (int(scored.min()), int(scored.max())) if scored.numel() else None
+        return MicroBatch(self.tokens[rows], self.positions[rows], targets, self.loss_mask[rows], behavior,
                           self.advantages[rows], behavior.clone(), seq_ids, attention_mask=attention_mask,
                           routed_experts=None if self.routing is None else self.routing[rows],
-                          padding=padding if bool(padding.any()) else None)
+                          padding=padding if bool(padding.any()) else None, loss_rows=loss_rows,
+                          target_bounds=bounds)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -15,6 +15,7 @@ from megatron_offgrpo.config import ModelConfig, OptimConfig
 from megatron_offgrpo.model import (
     QwenArch,
     build_gpt_stage,
+    compile_layers,
     expose_hidden_states,
     params_dtype,
     precision_transformer_config,
@@ -65,6 +66,8 @@ def build_policy(
 
     stage = _stage(arch, ctx, model_cfg, sequence_parallel)
     load_initial_weights(stage, arch, ctx, model_cfg)
+    if model_cfg.compile:
+        compile_layers(stage)
     ddp = DistributedDataParallel(
         stage.config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.distributed_optimizer),

@@ -13,6 +13,13 @@ grads over DP; the closure multiplies by both, so the gradient is exactly that o
 Devices: the micro-batches must already be on ``ctx.device`` (``build_microbatches(..., device=ctx.device)`` or
 ``MicroBatch.to``); the running totals live there too, since the closure adds device tensors into them and NCCL
 all-reduces only CUDA tensors. Results leave as Python floats.
+
+Host synchronisation: from the first forward to the end of the backward the host never waits for the device, so it
+queues kernels ahead and the schedule never drains the GPU. What would need a value (which rows enter the loss,
+the targets' range) is found on the CPU when the micro-batch is built (``MicroBatch.loss_rows``/``target_bounds``);
+metrics stay device tensors and are read once per step, in one transfer (``_read_once``), before the optimizer step
+(which reads the grad norm: megatron's clipping). The default objective is covered by
+``tests/train/test_step_syncs.py`` (CPU) and its GPU twin under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ class StepResult:
 def _selected(mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Hidden rows and per-token fields of the positions that enter the loss (one masked row if none do)."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    rows = mb.flat("loss_mask").nonzero().squeeze(1)
+    rows = mb.loss_rows if mb.loss_rows is not None else mb.flat("loss_mask").nonzero().squeeze(1)
     if rows.numel() == 0:
         # keep the graph: PP backward needs a grad for every stage
         rows = torch.zeros(1, dtype=torch.long, device=h.device)
@@ -63,7 +70,7 @@ def _check_devices(microbatches: Sequence[MicroBatch], device: torch.device) -> 
     rather than failing deep inside megatron's forward or in an NCCL call)."""
     for i, mb in enumerate(microbatches):
         stray = {f.name: str(getattr(mb, f.name).device) for f in dataclasses.fields(mb)
-                 if getattr(mb, f.name) is not None and getattr(mb, f.name).device != device}
+                 if isinstance(getattr(mb, f.name), torch.Tensor) and getattr(mb, f.name).device != device}
         if stray:
             raise ValueError(f"micro-batch {i} has tensors {stray} off the model's device {device}: build it with "
                              "build_microbatches(..., device=ctx.device) or move it with MicroBatch.to(ctx.device)")
@@ -175,7 +182,8 @@ def backward_pass(
     impl: str = "auto",
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Forward and backward of every micro-batch; grads land in DDP's buffers. Returns the global loss and the
-    metric totals (identical on every rank). Collective over all ranks."""
+    metric totals (identical on every rank), all device tensors: nothing is read to the host. Collective over all
+    ranks."""
     stage = ddp_model.module
     dev = ctx.device  # the closure adds device tensors into these, and they are all-reduced (NCCL: CUDA only)
     sums: dict[str, torch.Tensor] = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in SUMMED_METRICS}
@@ -185,20 +193,24 @@ def backward_pass(
 
     def closure(mb: MicroBatch, hidden: torch.Tensor):
         nonlocal loss_total
+        weight = output_weight(stage)
+        mb.check_targets(weight.shape[0] * ctx.tp_size)
         h, f = _selected(mb, hidden)
+        # the selected rows all enter the loss (or the one stand-in row, masked): its valid rows are known
+        all_valid = None if mb.loss_rows is None or mb.loss_rows.numel() == 0 else _all_rows(h.shape[0], h.device)
         loss, metrics = fused_linear_grpo_loss(
-            h, output_weight(stage), f["targets"], f["behavior_logp"], f["advantages"], f["loss_mask"], params,
+            h, weight, f["targets"], f["behavior_logp"], f["advantages"], f["loss_mask"], params,
             ref_logp=f.get("ref_logp"), fleet_logp=f["fleet_logp"], seq_ids=f["seq_ids"], temperature=temperature,
             compute_entropy=True, global_token_count=global_tokens, global_seq_count=global_seqs,
-            tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl,
+            tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl, valid_rows=all_valid,
         )
         loss_total += loss.detach().double()
         for key in SUMMED_METRICS:
             if key in metrics:
                 sums[key] += metrics[key].detach().double()
-        if "tis_raw_max" in metrics:
-            extremes[0] = max(extremes[0], float(metrics["tis_raw_max"]))
-            extremes[1] = max(extremes[1], -float(metrics["tis_raw_min"]))
+        if "tis_raw_max" in metrics:  # running extremes on the device: no read per micro-batch
+            torch.maximum(extremes[0], metrics["tis_raw_max"].double(), out=extremes[0])
+            torch.maximum(extremes[1], -metrics["tis_raw_min"].double(), out=extremes[1])
         return loss * scale, {}
 
     ddp_model.zero_grad_buffer()
@@ -211,7 +223,19 @@ def backward_pass(
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     totals = {k: packed[i + 1] for i, k in enumerate(SUMMED_METRICS)}
     totals.update(tis_raw_max=extremes[0], tis_raw_min=-extremes[1])
-    return float(packed[0]), totals
+    return packed[0], totals
+
+
+def _all_rows(n: int, device: torch.device) -> torch.Tensor:
+    """``[0, n)`` on ``device``: the valid rows of a batch whose rows all enter the loss (a fill, no host copy)."""
+    return torch.arange(n, device=device)
+
+
+def _read_once(loss: torch.Tensor, totals: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """The step's loss and finalised metrics as Python floats, in one device-to-host transfer."""
+    metrics = finalize_metrics(totals)
+    values = torch.stack([loss.double()] + [v.detach().double().reshape(()) for v in metrics.values()]).tolist()
+    return values[0], dict(zip(metrics, values[1:]))
 
 
 def policy_step(ddp_model, optimizer, ctx: ParallelContext, microbatches: Sequence[MicroBatch],
@@ -220,12 +244,12 @@ def policy_step(ddp_model, optimizer, ctx: ParallelContext, microbatches: Sequen
     """``backward_pass`` then an optimizer step, skipped (grads dropped) when the loss is not finite."""
     optimizer.zero_grad()
     loss, totals = backward_pass(ddp_model, ctx, microbatches, params, global_tokens, global_seqs, temperature, impl)
+    loss, metrics = _read_once(loss, totals)
     if not math.isfinite(loss):
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
         return StepResult(loss, {}, float("nan"), skipped=True)
     success, grad_norm, _ = optimizer.step()
-    metrics = {k: float(v) for k, v in finalize_metrics(totals).items()}
     return StepResult(loss, metrics, float(grad_norm or 0.0), skipped=not success)
 
 

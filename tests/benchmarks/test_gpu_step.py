@@ -16,8 +16,8 @@ from megatron_offgrpo.model import load_arch
 from tests.helpers import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_step.py"
-STEP_COLUMNS = ["model", "device", "precision", "layer spec", "loss impl", "tokens/step", "loss tokens/step",
-                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "loss"]
+STEP_COLUMNS = ["model", "device", "precision", "layer spec", "layers", "loss impl", "tokens/step", "loss tokens/step",
+                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "GPU busy", "host syncs/step", "loss"]
 LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "peak extra MiB", "loss", "loss diff vs torch",
                 "grad rel diff vs torch", "status"]
 
@@ -74,7 +74,7 @@ def test_cpu_mode_trains_and_reports(tmp_path):
     assert by_impl["torch"]["peak extra MiB"] == "-"  # device memory is read on CUDA only
     written = (tmp_path / "gpu_step.md").read_text()
     assert written.strip() in proc.stdout and _tables(written)[0][1][0] == step
-    assert json.loads((tmp_path / "gpu_step.json").read_text())["step"]["tokens/s"] == float(step["tokens/s"])
+    assert json.loads((tmp_path / "gpu_step.json").read_text())["steps"][0]["tokens/s"] == float(step["tokens/s"])
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from megatron_offgrpo.train._step import run_schedule
 
 DTYPES = {"tokens": torch.long, "positions": torch.long, "targets": torch.long, "loss_mask": torch.bool,
           "behavior_logp": torch.float32, "advantages": torch.float32, "fleet_logp": torch.float32,
-          "seq_ids": torch.long, "padding": torch.bool}
+          "seq_ids": torch.long, "padding": torch.bool, "loss_rows": torch.long}
 
 
 def _samples() -> list[Sample]:
@@ -36,7 +36,7 @@ def _build(device=None, token_budget: int = 10) -> list[MicroBatch]:
 
 
 def _fields(mb: MicroBatch) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb) if getattr(mb, f.name) is not None}
+    return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb) if isinstance(getattr(mb, f.name), torch.Tensor)}
 
 
 def test_build_microbatches_puts_every_field_on_the_device_with_its_dtype():
@@ -49,7 +49,8 @@ def test_build_microbatches_puts_every_field_on_the_device_with_its_dtype():
         for name, tensor in meta.items():
             assert tensor.device.type == "meta", name
             assert tensor.dtype == cpu[name].dtype == DTYPES[name], name
-            assert tensor.shape == cpu[name].shape == (2, 5), name
+            assert tensor.shape == cpu[name].shape, name
+            assert name == "loss_rows" or tensor.shape == (2, 5), name
 
 
 def test_default_device_is_cpu_and_matches_an_explicit_cpu_build():
@@ -101,3 +102,26 @@ def test_a_micro_batch_without_pads_carries_no_mask():
     full = [Sample("p0", 0, [5, 6], [9, 9], [-0.5] * 2, 0, "stop", reward=float(i)) for i in range(2)]
     (mb,) = build_microbatches(full, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool), 2)
     assert mb.padding is None and mb.tokens.shape == (2, 3)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared-prompt"])
+def test_loss_rows_and_target_bounds_are_found_on_the_cpu_for_every_layout(layout):
+    """The step reads which rows enter the loss and the targets' range from these (no device read per
+    micro-batch): they must be exactly the loss mask's rows and the range of the targets there."""
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    build = {"padded": build_microbatches, "packed": build_packed_microbatches,
+             "shared-prompt": build_shared_prompt_microbatches}[layout]
+    mbs = build(_samples(), advantages, torch.tensor([True, True, False, True]), 2, token_budget=10)
+    assert sum(mb.loss_rows.numel() for mb in mbs) == sum(int(mb.loss_mask.sum()) for mb in mbs) > 0
+    for mb in mbs:
+        assert torch.equal(mb.loss_rows, mb.flat("loss_mask").nonzero().squeeze(1))
+        scored = mb.flat("targets")[mb.loss_rows]
+        assert mb.target_bounds == ((int(scored.min()), int(scored.max())) if scored.numel() else None)
+
+
+def test_check_targets_refuses_ids_outside_the_vocabulary():
+    mb = _build()[0]
+    assert mb.target_bounds == (9, 9)
+    mb.check_targets(10)
+    with pytest.raises(ValueError, match=r"target ids of the loss span \[9, 9\] but the model's vocabulary has 9 ids"):
+        mb.check_targets(9)

@@ -1,0 +1,65 @@
+"""Worker: ``model.compile`` trains what the eager step trains. Two policies from the same seed (eager, then every
+decoder layer torch.compile'd) take the same optimizer step on the same micro-batches; prints the relative
+differences of the loss and the main gradients, ``COMPILED loss=<d> grads=<d>``. (Not the updated weights: Adam's
+first step moves every weight by about lr whatever its gradient's size, so a gradient near 0 flips its update on
+rounding noise.)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_group_advantages
+from megatron_offgrpo.config import ModelConfig, OptimConfig
+from megatron_offgrpo.model import load_arch
+from megatron_offgrpo.runtime import destroy_parallel, init_parallel
+from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._policy import build_policy
+from megatron_offgrpo.train._step import policy_step
+from tests.workers.step_syncs_worker import G, samples
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def one_step(hf_dir: str, ctx, arch, precision: str, compiled: bool, rng: tuple) -> tuple[float, list]:
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1])
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(dict(rng[2]))
+    policy = build_policy(arch, ctx, ModelConfig(hf_path=hf_dir, init="random", precision=precision, compile=compiled),
+                          OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
+    batch = samples(arch.vocab_size)
+    adv = compute_group_advantages(torch.tensor([s.reward for s in batch]), G, AdvantageParams())
+    mbs = build_microbatches(batch, adv.advantages, adv.sample_valid, G, token_budget=128, device=ctx.device)
+    result = policy_step(policy.ddp, policy.optimizer, ctx, mbs, ObjectiveParams(tis_cap=2.0),
+                         global_token_count(batch, adv.sample_valid), global_seq_count(adv.sample_valid))
+    assert math.isfinite(result.loss) and not result.skipped, result
+    params = [p for _, p in sorted(policy.model.named_parameters())]
+    return result.loss, [p.main_grad.detach().clone() for p in params]
+
+
+def main() -> None:
+    hf_dir, precision = sys.argv[1], sys.argv[2]
+    ctx = init_parallel(1, 1, 1234)
+    arch = load_arch(hf_dir)
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if ctx.device.type == "cuda" else None,
+           get_cuda_rng_tracker().get_states())
+    eager = one_step(hf_dir, ctx, arch, precision, False, rng)
+    compiled = one_step(hf_dir, ctx, arch, precision, True, rng)
+    loss = abs(compiled[0] - eager[0]) / max(abs(eager[0]), 1e-30)
+    grads = max(rel(c, e) for c, e in zip(compiled[1], eager[1]))
+    print(f"COMPILED loss={loss:.3e} grads={grads:.3e} eager_loss={eager[0]:.6g}", flush=True)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
