@@ -2,10 +2,12 @@
 
 CI runs the whole suite on a clean clone of a 2-core machine before anything lands, so its wall time is a cost every
 change pays. This plugin:
-- orders the heaviest files first (the documented commands, ``make demo``, the end-to-end runs). Under pytest-xdist's
-  ``--dist loadfile`` (``make test``) a file is one unit of work, and xdist 3 hands the files out by their number of
-  tests, most first, this order breaking ties only: the demo (one test, ~6 min) is handed out last and runs alone at
-  the end (measured 2026-11-26). A scheduler that keeps this order is the next cut of the suite's time;
+- orders the heaviest files first (the end-to-end runs, the documented commands, ``make demo``, ...), the rest by
+  their number of tests, most first. Under pytest-xdist's ``--dist loadfile`` (``make test``) a file is one unit of
+  work, and xdist 3 by default hands the files out by their number of tests alone: the demo (one test, ~13 min) went
+  out last and ran alone at the end while the other worker idled (49.8 min, 2026-11-26). This plugin turns that
+  reordering off (xdist's ``--no-loadscope-reorder``, made for plugins that order the tests themselves), so the
+  files go out in this order: the longest first, the short ones filling the tail;
 - prints, at the end, the session's wall time against its budget and the files that cost most;
 - names every test that took over ``SLOW_UNMARKED_S`` without the ``slow`` or ``multiproc`` mark (``make test-fast``
   skips only marked tests, so an unmarked slow test silently slows everyone's quick loop);
@@ -25,14 +27,11 @@ import pytest
 TARGET_S = 30 * 60  # what the suite should take on the 2-core CI machine
 SLOW_UNMARKED_S = 60.0
 TOP_FILES = 8
-# Files run first, heaviest first (measured on the 2-core machine: the documented commands ~15 min, the demo ~5 min).
-HEAVY_FIRST = ("tests/test_docs_commands.py", "tests/test_demo.py", "tests/train/test_e2e.py",
+# Files run first, heaviest first: their summed test time in the clean-clone suite of 2026-11-26 (2 workers on the
+# 2-core machine), in minutes: 20.1, 15.9, 12.9, 4.3, 3.6, 3.5; the fleet tests, a few minutes.
+HEAVY_FIRST = ("tests/train/test_e2e.py", "tests/test_docs_commands.py", "tests/test_demo.py",
+               "tests/train/test_signals.py", "tests/model/test_moe.py", "tests/train/test_fleet_run.py",
                "tests/rollout/test_rollout_fleet.py")
-
-
-def _file_rank(nodeid: str) -> int:
-    path = nodeid.split("::", 1)[0]
-    return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
 
 
 class SuiteBudget:
@@ -78,11 +77,23 @@ class SuiteBudget:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # in every process that collects (each xdist worker must agree on the order); a stable sort keeps the order
-    # inside a file, which the documented commands depend on
-    items.sort(key=lambda item: _file_rank(item.nodeid))
+    # inside a file, which the documented commands depend on. Past HEAVY_FIRST, xdist's own order: most tests first.
+    count: dict[str, int] = defaultdict(int)
+    for item in items:
+        count[item.nodeid.split("::", 1)[0]] += 1
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return (HEAVY_FIRST.index(path), 0) if path in HEAVY_FIRST else (len(HEAVY_FIRST), -count[path])
+
+    items.sort(key=rank)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # one instance, in the process that reports (the xdist controller, or the only process)
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(SuiteBudget(), "offgrpo-suite-budget")
+        # the controller's loadfile scheduler hands the files out in the collection's order (the one above) instead
+        # of re-sorting them by test count; without xdist (plain pytest) there is no such option and nothing to do
+        if getattr(config.option, "dist", "no") == "loadfile":
+            config.option.loadscopereorder = False

@@ -1,0 +1,64 @@
+"""tests/_budget.py's order, on a generated tree of four files named like the suite's: under `-n 2 --dist loadfile`
+the heaviest files are handed out first (xdist alone hands out the file with most tests first, and the one-test
+demo last), and plain pytest (no xdist) runs them in the same order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from tests.helpers import REPO
+
+# path -> number of tests; test_many has the most, so xdist's own order would hand it out first
+TREE = {"tests/test_many.py": 6, "tests/test_demo.py": 1, "tests/test_docs_commands.py": 1,
+        "tests/train/test_e2e.py": 1}
+TEST = """import os
+def test_{i}():
+    with open(os.environ["ORDER_LOG"], "a") as log:
+        log.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + " " + __file__.split("/tests/", 1)[1] + "\\n")
+"""
+
+
+def _run(root, *args: str) -> dict[str, list[str]]:
+    """pytest on the tree with tests/_budget.py loaded: the files each worker ran, in the order it ran them."""
+    log = root / "order.log"
+    log.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO), ORDER_LOG=str(log))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests._budget", "-p", "no:cacheprovider",
+                           "--rootdir", str(root), "-c", str(root / "pytest.ini"), *args],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran: dict[str, list[str]] = defaultdict(list)
+    for line in log.read_text().splitlines():
+        worker, path = line.split()
+        if not ran[worker] or ran[worker][-1] != "tests/" + path:
+            ran[worker].append("tests/" + path)
+    return dict(ran)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("order")
+    (root / "pytest.ini").write_text("[pytest]\n")
+    for path, n in TREE.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("\n".join(TEST.format(i=i) for i in range(n)))
+    return root
+
+
+def test_loadfile_hands_out_the_heaviest_files_first(tree):
+    pytest.importorskip("xdist")
+    ran = _run(tree, "-n", "2", "--dist", "loadfile")
+    # the first worker up gets e2e then (a one-test file: a worker needs the next test before it runs its last)
+    # the demo; the second the documented commands, then the rest
+    assert sorted(ran.values()) == [["tests/test_docs_commands.py", "tests/test_many.py"],
+                                    ["tests/train/test_e2e.py", "tests/test_demo.py"]], ran
+
+
+def test_without_xdist_the_order_is_the_same(tree):
+    assert _run(tree, "-p", "no:xdist") == {"main": ["tests/train/test_e2e.py", "tests/test_docs_commands.py",
+                                                     "tests/test_demo.py", "tests/test_many.py"]}
