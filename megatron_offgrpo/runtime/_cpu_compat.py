@@ -166,10 +166,7 @@ def _patch_moe() -> None:
     dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
     dispatcher.cuda_dtoh_stream = "cpu: no streams"  # any non-None value: the constructor skips the creation
     dispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
-    # 9. The router's gating GEMM calls `te_general_gemm`, a name 0.16.1 binds only when TE imports ("NameError:
-    #    name 'te_general_gemm' is not defined"); None selects its torch path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    # 9. (The router's `te_general_gemm` without TE: runtime._local_fallbacks, since GPUs without TE need it too.)
     # 10. `track_moe_metrics` allocates its per-layer buffers with a literal device="cuda".
     _swap_torch_name(moe_utils)
     # 11. Experts split over TP under sequence parallelism gather and reduce-scatter uneven token counts, which gloo
@@ -240,6 +237,9 @@ def apply_cpu_compat() -> list[str]:
             LanguageModule.setup_embeddings_and_output_layer
         )
     _patch_moe()
+    from megatron_offgrpo.runtime._local_fallbacks import apply_local_fallbacks
+
+    apply_local_fallbacks()  # the CPU has neither apex nor TE: megatron's fallbacks, fixed
     _APPLIED.extend(
         [
             "cuda.current_device->cpu",

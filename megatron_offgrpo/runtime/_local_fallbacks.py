@@ -7,6 +7,10 @@ megatron's optimizer and gradient clipping use ``megatron.core.utils.local_multi
 Qwen2.5-0.5B training step. The second launches one multiply and one copy per parameter. The replacements compute
 the same values with one ``_foreach`` call each and never read the device; they are installed only where megatron
 chose its local fallback (apex's or TE's kernels are left alone).
+
+One more name is missing without TE: the MoE router's gating GEMM calls ``moe_utils.te_general_gemm``, which 0.16.1
+binds only when TE imports ("NameError: name 'te_general_gemm' is not defined", seen on CPU and on an H200 without
+TE); None selects its torch path.
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ def apply_local_fallbacks() -> list[str]:
     """Install the replacements where megatron uses its local fallbacks; returns what was replaced (idempotent)."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.transformer.moe import moe_utils
 
     if _INSTALLED:
         return list(_INSTALLED)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _INSTALLED.append("megatron.core.transformer.moe.moe_utils.te_general_gemm")
     swaps = ((clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm, foreach_l2_norm),
              (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale),
              (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale, foreach_scale))
