@@ -12,6 +12,7 @@ from typing import Any
 CHOICES = {
     "model.init": ("hf", "random"),
     "model.precision": ("fp32", "bf16", "fp8"),
+    "rollout.mode": ("lockstep", "async"),
     "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
     "data.source": ("auto", "local", "hub"),
     "data.prompt_format": ("chat", "plain"),
@@ -87,6 +88,14 @@ def collect_errors(config: Any) -> list[str]:
     if r.transport in ("collective", "shm") and r.engine != "fleet":
         errors.append(f"rollout.transport={r.transport!r} needs rollout.engine='fleet' (got {r.engine!r})")
     errors.extend(_collective_host_errors(r.collective_host))
+    if r.mode == "async" and (r.overlap or r.behavior_logprobs == "recompute"):
+        errors.append(f"rollout.mode='async' with rollout.overlap={r.overlap}, behavior_logprobs="
+                      f"{r.behavior_logprobs!r}: async generation runs ahead on its own (no overlap), and its samples "
+                      "come from older versions than the trainer's snapshot; use overlap=false, behavior_logprobs='fleet'")
+    if r.max_staleness is not None and (r.mode != "async" or r.max_staleness < r.refresh_every - 1):
+        errors.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode={r.mode!r}, refresh_every="
+                      f"{r.refresh_every}: it bounds async generation (mode='async') and must be >= refresh_every - 1 "
+                      "(a smaller bound would wait for a version the trainer only pushes after that batch)")
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")

@@ -152,6 +152,14 @@ class RolloutConfig:
     (exact)."""
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
+    mode: str = "lockstep"
+    """"lockstep": each step generates its batch (or prefetches one: ``overlap``), then learns. "async": the engine
+    generates the next steps' batches in a thread while the trainer learns, as far ahead as ``max_staleness``
+    allows (it pauses there, nothing is discarded); batches are trained in the order their prompts were drawn, and a
+    checkpoint keeps the untrained ones (``train._async``)."""
+    max_staleness: int | None = None
+    """mode=async: the oldest a trained sample may be, in optimizer steps (>= v - 1; null: v). Generation of step
+    s waits until the engine's version w has s - w <= max_staleness."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups with equal rewards (algo's zero-variance criterion) are discarded and the step
     refills from the prompt stream up to prompts_per_step groups with variance (changes the batch, not the loss)."""
@@ -171,6 +179,13 @@ class RolloutConfig:
     model (``rollout.probe_bound``: the fp32 rounding of a log-softmax over the vocabulary plus the output layer's
     dot products at the weights' logit scale; 9.6e-3 for the warm-up model); bfloat16, ``rollout.PROBE_ATOL``'s 5e-2;
     a fleet started with --dtype bfloat16 under an fp32 trainer needs 5e-2 here."""
+
+    def staleness_bound(self) -> int:
+        """The oldest a trained sample may be, in steps (enforced every step): v - 1 in lockstep, v with ``overlap``
+        (the batch is generated during the previous step), ``max_staleness`` (default v) in async mode."""
+        if self.mode == "async":
+            return self.refresh_every if self.max_staleness is None else self.max_staleness
+        return self.refresh_every - 1 + int(self.overlap)
 
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences

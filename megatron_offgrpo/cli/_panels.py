@@ -147,6 +147,23 @@ def mismatch_curves(records: list[dict], window: int) -> list[Curve]:
     return curves
 
 
+def utilisation_curves(records: list[dict], window: int) -> list[Curve]:
+    """Per step, the share of its wall time (between consecutive ``wall_s``) that the trainer trained
+    (``time_train_s``) and that generation ran (``generate_s``: beside the trainer with ``rollout.overlap`` or
+    ``mode=async``, so both can be near 1), and ``buffer_depth`` (async: batches ready behind the step's) on the
+    second axis."""
+    shares = []
+    for before, row in zip(records, records[1:]):
+        seconds = row.get("wall_s", 0) - before.get("wall_s", 0)
+        if seconds > 0:
+            shares.append({"step": row["step"], "wall_s": row["wall_s"],
+                           **{name: min(row[key] / seconds, 1.0) for key, name in
+                              (("time_train_s", "trainer busy"), ("generate_s", "generation busy"))
+                              if _number(row.get(key))}})
+    return (_curves(shares, ["trainer busy", "generation busy"], window)
+            + _curves(records, ["buffer_depth"], 1, right=True))
+
+
 def time_split(records: list[dict]) -> dict[str, list[float]]:
     """Seconds of each step spent per part (``TIME_PARTS``' labels; 0 where a step logged none)."""
     return {label: [r.get(key, 0.0) for r in records] for key, label in TIME_PARTS}
@@ -179,6 +196,9 @@ PANELS = (
     Panel("trainer / behavior log-prob mismatch", "|trainer - behavior log-prob| (nats)",
           "log_ratio_abs_mean, tis_raw_mean, tis_raw_min/max", mismatch_curves,
           right_label="exp(recomputed - fleet log-prob)"),
+    Panel("utilisation: busy share of each step", "share of the step's wall time",
+          "time_train_s, generate_s, buffer_depth", utilisation_curves, right_label="batches ready (async)",
+          ylim=UNIT),
 )
 """The report's curve panels in grid order; the time split (``time_split``) is drawn last."""
 

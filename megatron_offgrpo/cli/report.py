@@ -58,13 +58,15 @@ def plot_runs(runs: dict[str, list[dict]], out: str | Path, window: int = 5, x: 
         raise ValueError(f"window={window}: the moving average needs at least 1 step")
     plt = pyplot()  # the plot extra; without it, one line naming the extra
 
-    fig, axes = plt.subplots(3, 3, figsize=(19, 13.5))
+    fig, axes = plt.subplots(4, 3, figsize=(19, 18))  # the panels, the time split, two slots left blank
     other = "wall" if x == "step" else "step"
     for i, (ax, panel) in enumerate(zip(axes.flat, PANELS)):
         axis = other if i == 2 else x  # the third panel: reward and held-out accuracy against the other x
         _draw_panel(ax, panel, runs, window, axis)
         ax.set_title(panel.title + (f" vs {X_AXES[axis]}" if i == 2 else ""), fontsize=10)
-    _draw_time(axes.flat[-1], runs)
+    _draw_time(axes.flat[len(PANELS)], runs)
+    for ax in axes.flat[len(PANELS) + 1:]:
+        ax.set_visible(False)
     fig.suptitle(title or ", ".join(f"{label}: {len(records)} steps" for label, records in runs.items()))
     fig.tight_layout()
     out = Path(out)

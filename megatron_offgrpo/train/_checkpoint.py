@@ -3,8 +3,9 @@
 Layout of ``RUN/checkpoints/step_00000040/``: megatron ``dist_checkpointing`` files (model and optimizer, sharded by
 every rank), ``rng_rank{r}.pt`` (CPU and model-parallel RNG states of each rank), ``offgrpo_model.json`` and
 ``hf_extra/`` (the model's HF config, dtype, tokenizer and generation config: ``checkpoint_tools``' card, so
-``offgrpo convert megatron-to-hf`` exports the checkpoint without the recipe) and ``trainer_state.json`` (step,
-engine version, prompt-stream position, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
+``offgrpo convert megatron-to-hf`` exports the checkpoint without the recipe), ``rollout_state.pt`` (rank 0's
+``RolloutState``: the prompt stream's position and the batches generated but not yet trained) and
+``trainer_state.json`` (step, engine version, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
 by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete.
 """
 
@@ -25,6 +26,7 @@ from megatron_offgrpo.train._disk import writing
 
 logger = logging.getLogger(__name__)
 STATE = "trainer_state.json"
+ROLLOUT_STATE = "rollout_state.pt"
 # dp_reshardable: fully parallel save/load, reshardable over DP (the layout TP/PP stays as trained).
 OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -96,11 +98,13 @@ def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict[str, Any], keep: int = 2, *,
-                    card: DistModelCard, extra_dirs: Sequence[Path] = ()) -> Path:
+                    card: DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None) -> Path:
     """Save step ``step`` (collective: every rank calls it). Keeps the newest ``keep`` checkpoints.
 
     Args:
         card: the model's description (``_weights.model_card``). extra_dirs: tokenizer / generation config sources.
+        rollout_state: rank 0's rollout side (``RolloutState``: untrained batches hold tensors and many tokens, so a
+            binary file, ``rollout_state.pt``, beside the JSON state).
     """
     from megatron.core import dist_checkpointing
 
@@ -118,6 +122,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
     if dist.get_rank() == 0:
         with writing(tmp):
             write_model_card(tmp, card, extra_dirs)
+            if rollout_state is not None:
+                torch.save(rollout_state, tmp / ROLLOUT_STATE)
             (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
             fd = os.open(tmp, os.O_RDONLY)
             os.fsync(fd)
@@ -176,3 +182,14 @@ def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]
     return [f"{section}.{key} {value!r} -> {now[section][key]!r}" for section, keys in (saved or {}).items()
             for key, value in keys.items() if key in now.get(section, {}) and now[section][key] != value
             and f"{section}.{key}" not in UNCOMPARED_KEYS]
+
+
+def load_rollout_state(path: str | Path, trainer_state: dict[str, Any]):
+    """The rollout side's ``RolloutState`` of checkpoint ``path`` (rank 0). A checkpoint written before it had one
+    keeps only the prompt stream's position in its JSON state."""
+    from megatron_offgrpo.train._rollout_side import RolloutState
+
+    file = Path(path) / ROLLOUT_STATE
+    if file.exists():
+        return torch.load(file, weights_only=False)  # our own file: batches of samples, not just tensors
+    return RolloutState(trainer_state["stream"])

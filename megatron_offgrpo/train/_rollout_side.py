@@ -8,6 +8,8 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,6 +18,7 @@ from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
 from megatron_offgrpo.runtime import release_free_memory
+from megatron_offgrpo.train._async import AsyncGenerator
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._preflight import prompt_length_error
 from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
@@ -24,6 +27,21 @@ from megatron_offgrpo.train.builders import sampling_params, serving_dtype, veri
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RolloutState:
+    """What a checkpoint keeps of the rollout side (``rollout_state.pt`` in the checkpoint).
+
+    Attributes:
+        stream: the prompt stream's position, right after the last prompt drawn for a batch in ``ready``.
+        ready: step -> its batch, generated and scored but not trained yet (``rollout.overlap``'s prefetch,
+            ``rollout.mode=async``'s buffer): a resumed run trains them as the uninterrupted one would, and draws
+            its next prompts after them, so every prompt of the stream is trained exactly once.
+    """
+
+    stream: dict[str, int]
+    ready: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -40,6 +58,10 @@ class RolloutSide:
     # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     _pending: tuple[int, concurrent.futures.Future] | None = None
+    # rollout.mode=async: the generation thread, and the lock every use of the engine takes (train._async)
+    _async: AsyncGenerator | None = None
+    engine_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    _restored: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)  # a checkpoint's ready batches
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, run_dir: Path, max_positions: int) -> RolloutSide:
@@ -63,6 +85,9 @@ class RolloutSide:
                    log_data(config, data))
         if config.rollout.overlap:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
+        if config.rollout.mode == "async":
+            side._async = AsyncGenerator(side.generate, side.engine_lock, config.rollout.staleness_bound(),
+                                         config.train.steps)
         return side
 
     def generate(self, step: int) -> RolloutBatch:
@@ -72,6 +97,12 @@ class RolloutSide:
         the batch from the stream (``train._sampling.fill_batch``). The engine is not refreshed during a step, so
         every round's samples carry the version it reports.
         """
+        start = time.perf_counter()
+        batch = self._fill(step)
+        batch.timing["generate_s"] = time.perf_counter() - start
+        return batch
+
+    def _fill(self, step: int) -> RolloutBatch:
         r = self.config.rollout
         if not r.dynamic_sampling:
             return RolloutBatch(self._draw(step, 0, r.prompts_per_step))
@@ -102,7 +133,12 @@ class RolloutSide:
         return samples
 
     def batch(self, step: int) -> RolloutBatch:
-        """Step ``step``'s samples: the batch ``prefetch`` started during the previous step, else generated now."""
+        """Step ``step``'s samples: a checkpoint's ready batch, the async buffer's, the batch ``prefetch`` started
+        during the previous step, else generated now."""
+        if step in self._restored:
+            return self._restored.pop(step)
+        if self._async is not None:
+            return self._async.take(step)
         if self._pending is None:
             return self.generate(step)
         (due, future), self._pending = self._pending, None
@@ -124,7 +160,8 @@ class RolloutSide:
         stops the run.
         """
         try:
-            return self.engine.update_weights(buckets, version)
+            with self.engine_lock:  # async: after the batch in flight
+                return self.engine.update_weights(buckets, version)
         except RefreshError as exc:
             if self.engine.version() != version:
                 raise
@@ -135,7 +172,10 @@ class RolloutSide:
         """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
         ``expected`` (the trainer's log-probs) within the run's tolerance (``bound``: the model's derived one)."""
         atol = verify_tolerance(self.config.rollout, self.config.model.precision, bound)
-        verify_refresh(self.engine, probe_ids, expected, version, atol)
+        with self.engine_lock:
+            verify_refresh(self.engine, probe_ids, expected, version, atol)
+        if self._async is not None:  # generation may now run up to version + the staleness bound
+            self._async.set_version(version)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy of the engine's weights on the eval prompts, and pass@k / avg@n with
@@ -143,25 +183,39 @@ class RolloutSide:
         cfg = self.config
         if not cfg.train.eval_every:
             return {}
-        return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer, cfg.rollout.max_new_tokens,
-                        samples=cfg.train.eval_samples, temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
+        with self.engine_lock:
+            return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer,
+                            cfg.rollout.max_new_tokens, samples=cfg.train.eval_samples,
+                            temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
 
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of this side: where the prompt stream is.
+    def resume_state(self) -> RolloutState:
+        """What a checkpoint keeps of this side: the batches generated but not trained, and the stream after them.
 
-        With dynamic sampling a prefetch in flight (``rollout.overlap``) takes refill prompts until its batch is
-        full, so the position is only known once it ends: wait for it. Without, the prefetch takes its B prompts at
-        its first line, long before the checkpoint, and the overlap is kept.
+        A batch in flight (``rollout.overlap``'s prefetch, the async thread's current batch) is waited for, so that
+        it is kept, and the stream's position is past it: at most one batch's generation.
         """
-        if self._pending is not None and self.config.rollout.dynamic_sampling:
-            concurrent.futures.wait([self._pending[1]])  # its error, if any, is raised by batch()
-        return {"stream": self.stream.state_dict()}
+        ready = dict(self._restored)
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending[1]])
+            if self._pending[1].exception() is None:  # its error, if any, is raised by batch()
+                ready[self._pending[0]] = self._pending[1].result()
+        with self.engine_lock:
+            if self._async is not None:
+                ready |= self._async.ready_batches()
+            return RolloutState(self.stream.state_dict(), ready)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state["stream"])
+    def load_resume_state(self, state: RolloutState) -> None:
+        """A checkpoint's ``resume_state`` (before the first step)."""
+        self.stream.load_state_dict(state.stream)
+        if self._async is not None:
+            self._async.restore(state.ready)
+        else:
+            self._restored = dict(state.ready)
 
     def close(self) -> None:
-        """Wait for a prefetch in flight, then release the engine."""
+        """Stop the async generation, wait for a batch in flight, then release the engine."""
+        if self._async is not None:
+            self._async.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self.engine.close()

@@ -55,14 +55,19 @@ class RolloutBatch:
     Attributes:
         samples: [B*G] sample g of group b at ``b * G + g``.
         stats: the dynamic-sampling counts; None without ``rollout.dynamic_sampling`` (one round of B groups).
+        timing: ``generate_s``, the seconds its generation and scoring took (in any mode: with ``rollout.overlap``
+            or ``mode=async`` it ran beside the trainer); in ``mode=async`` (``train._async``) also ``buffer_depth``
+            (batches ready behind it when it was taken) and ``fleet_paused_s`` (the generation thread's seconds held
+            by the staleness bound since the previous step's batch was taken).
     """
 
     samples: list[Sample]
     stats: SamplingStats | None = None
+    timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        """Rank 0's sampling metrics ({} without dynamic sampling: the metrics of a plain run stay as they were)."""
-        return {} if self.stats is None else self.stats.metrics()
+        """Rank 0's sampling metrics: the dynamic-sampling counts and ``timing``."""
+        return ({} if self.stats is None else self.stats.metrics()) | self.timing
 
 
 class NoLearningSignalError(RuntimeError):

@@ -131,13 +131,14 @@ class TrainerSide:
         returns it)."""
         return export_hf_dir(self.policy.model, self.arch, self.ctx, out, Path(self.config.model.hf_path))
 
-    def save(self, step: int, state: dict) -> None:
-        """Checkpoint after ``step`` steps with the other sides' ``state`` (collective; rank 0's state is written)."""
+    def save(self, step: int, state: dict, rollout_state: object = None) -> None:
+        """Checkpoint after ``step`` steps with the driver's ``state`` and the rollout side's ``rollout_state``
+        (collective; rank 0's are written)."""
         source = Path(self.config.model.hf_path)
         save_checkpoint(self.config.train.out_dir, step, self.policy.model, self.policy.optimizer,
                         {**state, "scheduler": self.policy.scheduler.state_dict(), "config": self.config.to_dict()},
                         card=model_card(self.policy.model, self.arch, self.ctx, source),
-                        extra_dirs=hf_extra_dirs(source))
+                        extra_dirs=hf_extra_dirs(source), rollout_state=rollout_state)
 
     def restore(self, checkpoint: Path) -> dict:
         """Model, optimizer, RNG and LR schedule from ``checkpoint``; returns its saved state (collective)."""

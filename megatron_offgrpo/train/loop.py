@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError
-from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint
+from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint, load_rollout_state
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
@@ -67,7 +67,7 @@ def _train(config: Config, stop: StopRequest) -> TrainResult:
             raise _stopped(trainer, rollout, log, signum, step, version, start)
         times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
         samples, version, sampling = _rollout(trainer, rollout, step, version, times)
-        metrics = sample_metrics(samples, step, _staleness_bound(config)) | sampling  # raises on stale samples
+        metrics = sample_metrics(samples, step, config.rollout.staleness_bound()) | sampling  # raises on stale ones
         learn_start = time.perf_counter()
         metrics |= trainer.learn(samples)
         times["time_train_s"] = time.perf_counter() - learn_start
@@ -112,7 +112,7 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
         return 0, 0
     state = trainer.restore(checkpoint)
     if rollout is not None:
-        rollout.load_state_dict(state)
+        rollout.load_resume_state(load_rollout_state(checkpoint, state))
     if changed := changed_keys(state.get("config"), cfg.to_dict()):
         logger.warning("resume: keys changed since the checkpoint: %s", ", ".join(changed))
     step = state["step"]
@@ -132,9 +132,10 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     """This step's samples on every rank, the engine's version, refreshed when v steps have passed, and rank 0's
     sampling metrics (``rollout.dynamic_sampling``'s group counts; {} elsewhere).
 
-    Without ``rollout.overlap`` the refresh comes first and the batch is generated now. With it, the batch
-    generated during the previous step is collected first, then the refresh, then the next batch starts
-    generating (from the new version) while the trainer learns from this one.
+    Without ``rollout.overlap`` the refresh comes first and the batch is generated now (async: taken from the
+    generation thread's buffer, ``train._async``). With it, the batch generated during the previous step is
+    collected first, then the refresh, then the next batch starts generating (from the new version) while the
+    trainer learns from this one.
     """
     overlap = trainer.config.rollout.overlap
     due = step - version >= trainer.config.rollout.refresh_every
@@ -154,11 +155,6 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     if rollout is not None:
         rollout.prefetch(step + 1)
     return share_samples(None if batch is None else batch.samples), version, {} if batch is None else batch.metrics()
-
-
-def _staleness_bound(config: Config) -> int:
-    """The oldest a sample may be: v - 1 steps, one more when the batch was generated during the previous step."""
-    return config.rollout.refresh_every - 1 + int(config.rollout.overlap)
 
 
 def _eval_due(config: Config, done: int) -> bool:
@@ -205,7 +201,7 @@ def _save_due(cfg: TrainConfig, done: int) -> bool:
 
 
 def _save(trainer: TrainerSide, rollout: RolloutSide | None, done: int, version: int) -> None:
-    trainer.save(done, {"version": version, **(rollout.state_dict() if rollout is not None else {})})
+    trainer.save(done, {"version": version}, None if rollout is None else rollout.resume_state())
 
 
 def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, signum: int, done: int,

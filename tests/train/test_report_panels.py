@@ -26,7 +26,8 @@ def _full(steps: int = 4) -> list[dict]:
                   tis_raw_mean=0.0 if s == 0 else 1.0 + s / 100, tis_raw_min=0.0 if s == 0 else 0.9,
                   tis_raw_max=0.0 if s == 0 else 1.5, log_ratio_abs_mean=0.0 if s == 0 else 1e-3 * s,
                   time_generate_s=3.0, time_sync_s=1.0 * (s % 2 == 0),
-                  time_train_s=2.0, **({"eval_start_accuracy": 0.1, "eval_start_pass@4": 0.4} if s == 0 else {}),
+                  time_train_s=2.0, generate_s=27.0, buffer_depth=s % 3,
+                  **({"eval_start_accuracy": 0.1, "eval_start_pass@4": 0.4} if s == 0 else {}),
                   **({"eval_accuracy": 0.6, "eval_pass@4": 0.9} if s == steps - 1 else {}))
             for s in range(steps)]
 
@@ -62,6 +63,15 @@ def test_families_of_keys_are_found_by_pattern():
     staleness = _by_name(panels.staleness_curves(records, 5))  # never averaged: the saw-tooth of v is the point
     assert staleness["staleness_max"].y == [0, 1, 0, 1] and staleness["policy_version"].y == [0, 0, 2, 2]
     assert staleness["policy_version"].right
+
+
+def test_utilisation_is_each_steps_busy_share_of_its_wall_time():
+    shares = _by_name(panels.utilisation_curves(_full(), 1))  # steps 30 s apart: 2 s training, 27 s generating
+    assert shares["trainer busy"].step == [1, 2, 3] and shares["trainer busy"].y == pytest.approx([2 / 30] * 3)
+    assert shares["generation busy"].y == pytest.approx([0.9] * 3) and not shares["generation busy"].right
+    assert shares["buffer_depth"].right and shares["buffer_depth"].y == [0, 1, 2, 0]
+    lockstep = [{k: v for k, v in r.items() if k != "buffer_depth"} for r in _full()]
+    assert sorted(_by_name(panels.utilisation_curves(lockstep, 1))) == ["generation busy", "trainer busy"]
 
 
 def test_the_mismatch_leaves_out_steps_with_no_token_in_the_loss():

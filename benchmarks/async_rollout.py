@@ -1,0 +1,93 @@
+"""Benchmark: lockstep vs ``rollout.overlap`` vs ``rollout.mode=async`` on the demo task (CPU), one run each.
+
+One warm-up (``configs/tiny-cpu-sft.yaml``), then ``configs/tiny-cpu.yaml`` from it once per variant at the same v
+and the same staleness budget (lockstep: v - 1, overlap: v, async: ``rollout.max_staleness`` = v), evaluation and
+checkpoints off: only the loop's throughput is compared. The in-process vLLM engine's core is a process of its own,
+so generation and training run on the machine's two cores side by side whenever the loop lets them.
+
+Per variant, over the steps after the first (engine warm-up out): completion tokens per second of the training loop,
+its ratio to lockstep, the trainer's busy share (``time_train_s`` over the loop's wall time), the generation's busy
+share (``generate_s``: every batch's generation and scoring, whichever thread ran it), the trainer's wait for data
+(``time_generate_s``), the mean staleness of the trained samples and, async only, the seconds generation was held
+by the bound (``fleet_paused_s``). Writes the table to ``OUT/async_rollout.md`` and the numbers to ``.json``.
+
+Usage: python benchmarks/async_rollout.py [--steps 24] [--v 4] [--out runs/async-rollout] [--variants ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks._tables import markdown  # noqa: E402
+
+VARIANTS = {"lockstep": [], "overlap": ["rollout.overlap=true"], "async": ["rollout.mode=async"]}
+COLUMNS = ["variant", "staleness bound", "tokens/s", "vs lockstep", "trainer busy", "generation busy",
+           "trainer waits s/step", "staleness mean", "paused by bound s/step"]
+
+
+def _offgrpo(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", *args], cwd=REPO, check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def summarise(records: list[dict], variant: str, bound: int) -> dict:
+    """The table row of one run: the steps after the first (its wall time starts when step 0 was logged)."""
+    timed = records[1:]
+    wall = records[-1]["wall_s"] - records[0]["wall_s"]
+    tokens = sum(sum(r["response_len_hist"]) for r in timed)
+    n = len(timed)
+    return {"variant": variant, "staleness bound": bound, "tokens/s": round(tokens / wall, 1),
+            "trainer busy": f"{100 * sum(r['time_train_s'] for r in timed) / wall:.0f}%",
+            "generation busy": f"{100 * sum(r['generate_s'] for r in timed) / wall:.0f}%",
+            "trainer waits s/step": round(sum(r["time_generate_s"] for r in timed) / n, 2),
+            "staleness mean": round(sum(r["staleness_mean"] for r in timed) / n, 2),
+            "paused by bound s/step": round(sum(r.get("fleet_paused_s", 0.0) for r in timed) / n, 2)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
+    parser.add_argument("--v", type=int, default=4, help="rollout.refresh_every of every run")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--out", type=Path, default=Path("runs/async-rollout"), help="runs and the table go here")
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error(f"--steps {args.steps}: at least 3 (the first step is left out of the timing)")
+    out = args.out.resolve()
+    sft = out / "sft"
+    if not (sft / "hf").is_dir():
+        print(f"async_rollout: warm-up into {sft}", flush=True)
+        _offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
+    rows = []
+    for variant in args.variants:
+        run = out / variant
+        print(f"async_rollout: {variant} ({args.steps} steps, v={args.v})", flush=True)
+        _offgrpo("train", "--config", "configs/tiny-cpu.yaml", f"model.hf_path={sft / 'hf'}", f"train.out_dir={run}",
+                 f"train.steps={args.steps}", f"rollout.refresh_every={args.v}", "train.eval_every=0",
+                 "train.save_every=0", "train.overwrite=true", *VARIANTS[variant])
+        bound = {"lockstep": args.v - 1, "overlap": args.v, "async": args.v}[variant]
+        rows.append(summarise(_records(run), variant, bound))
+    base = next((r["tokens/s"] for r in rows if r["variant"] == "lockstep"), None)
+    for row in rows:
+        row["vs lockstep"] = f"{row['tokens/s'] / base:.2f}x" if base else "-"
+    text = "\n".join([f"## Rollout modes, demo task, v = {args.v}, {args.steps} steps (step 0 left out)", "",
+                      markdown(COLUMNS, rows), ""])
+    print(text)
+    (out / "async_rollout.md").write_text(text)
+    (out / "async_rollout.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                        "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

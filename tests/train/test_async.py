@@ -1,0 +1,137 @@
+"""rollout.mode=async (``train._async``): generation runs ahead of the trainer up to the staleness bound and pauses
+there, batches are trained in the order their prompts were drawn, a generation error reaches the trainer, and a run
+killed at any point and resumed trains every prompt of the stream exactly once (the checkpoint keeps the untrained
+batches)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+
+from megatron_offgrpo.data import Sample
+from megatron_offgrpo.train._async import AsyncGenerator
+from megatron_offgrpo.train._sampling import RolloutBatch
+from tests.helpers import REPO
+from tests.train.conftest import kill_tree, metrics, train_cmd, train_env, train_proc
+
+
+class Recorder:
+    """A generate function: one sample per step, tagged with the version the engine serves, recording the order."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.version, self.started, self.fail_at = 0, [], fail_at
+
+    def __call__(self, step: int) -> RolloutBatch:
+        self.started.append(step)
+        if step == self.fail_at:
+            raise RuntimeError(f"engine died at step {step}")
+        return RolloutBatch([Sample(f"p{step}", 0, [1], [2], [-0.1], self.version, "stop", reward=1.0)])
+
+
+def _wait_for(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_generation_runs_ahead_to_the_bound_pauses_there_and_resumes_after_a_refresh():
+    gen, lock = Recorder(), threading.Lock()
+    producer = AsyncGenerator(gen, lock, bound=2, last=10)
+    try:
+        producer.set_version(0)
+        assert producer.take(0).samples[0].prompt_id == "p0"
+        _wait_for(lambda: gen.started == [0, 1, 2])  # steps 1 and 2 are within 2 of version 0: generated ahead
+        time.sleep(0.2)
+        assert gen.started == [0, 1, 2] and sorted(producer.ready_batches()) == [1, 2]  # paused at the bound
+        gen.version = 2
+        producer.set_version(2)  # the refresh: up to step 4 now
+        _wait_for(lambda: gen.started == [0, 1, 2, 3, 4])
+        batches = [producer.take(step) for step in (1, 2, 3, 4)]
+        assert [b.samples[0].prompt_id for b in batches] == ["p1", "p2", "p3", "p4"]  # the draw order
+        assert [b.samples[0].policy_version for b in batches] == [0, 0, 2, 2]
+        assert all(step - b.samples[0].policy_version <= 2 for step, b in zip((1, 2, 3, 4), batches))
+        assert batches[0].timing["buffer_depth"] == 3 and batches[0].timing["fleet_paused_s"] >= 0.2  # 2, 3, 4 behind
+    finally:
+        producer.close()
+
+
+def test_a_generation_error_is_raised_by_the_take_of_its_step_and_the_engine_lock_orders_the_refresh():
+    gen, lock = Recorder(fail_at=1), threading.Lock()
+    producer = AsyncGenerator(gen, lock, bound=1, last=10)
+    try:
+        producer.set_version(0)
+        producer.take(0)
+        with pytest.raises(RuntimeError, match="engine died at step 1"):
+            producer.take(1)
+    finally:
+        producer.close()
+    held = threading.Lock()
+    with held:  # the rollout side holds the engine lock to install weights: nothing is generated meanwhile
+        producer = AsyncGenerator(Recorder(), held, bound=4, last=3)
+        producer.set_version(0)
+        taker = threading.Thread(target=producer.take, args=(0,), daemon=True)
+        taker.start()
+        time.sleep(0.2)
+        assert producer.ready_batches() == {} and taker.is_alive()
+    taker.join(10)
+    assert not taker.is_alive()
+    producer.close()
+
+
+def test_close_while_paused_at_the_bound_returns():
+    producer = AsyncGenerator(Recorder(), threading.Lock(), bound=0, last=10)
+    producer.set_version(0)
+    producer.take(0)
+    start = time.monotonic()
+    producer.close()
+    assert time.monotonic() - start < 5
+
+
+B = 2  # train.samples_every=1 logs the first 2 groups of every step: all of them
+ASYNC = ["rollout.prompts_per_step=2", "train.samples_every=1", "train.steps=8", "train.save_every=2",
+         "rollout.refresh_every=2"]
+
+
+def _trained_prompts(out) -> list[list[str]]:
+    """Per step, the prompt ids of its groups (the last logged run of a step: a resumed run redoes some)."""
+    by_step: dict[int, dict[int, str]] = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], {})
+        if row["prompt_id"] not in by_step[row["step"]].values():
+            by_step[row["step"]][len(by_step[row["step"]])] = row["prompt_id"]
+    return [list(by_step[s].values()) for s in sorted(by_step)]
+
+
+@pytest.mark.slow
+def test_an_async_run_killed_after_a_checkpoint_resumes_and_trains_every_prompt_exactly_once(tmp_path):
+    lockstep = tmp_path / "lockstep"
+    train_proc(1, lockstep, *ASYNC)
+    want = _trained_prompts(lockstep)  # the stream's prompts in draw order, B per step
+    assert len(want) == 8 and all(len(step) == B for step in want)
+
+    out = tmp_path / "async"
+    cmd = train_cmd(1, out, *ASYNC, "rollout.mode=async")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    checkpoint = out / "checkpoints" / "step_00000004" / "trainer_state.json"
+    deadline = time.time() + 600
+    while not checkpoint.exists():
+        assert proc.poll() is None and time.time() < deadline, "the async run ended before its step-4 checkpoint"
+        time.sleep(0.02)
+    kill_tree(proc.pid)
+    proc.wait()
+    resumed = subprocess.run(cmd + ["train.resume=true"], cwd=REPO, env=train_env(), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _trained_prompts(out) == want  # every prompt once, in the stream's order, across the kill
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(8))
+    for r in records:  # the bound (max_staleness defaults to v = 2) held, before and after the resume
+        assert 0 <= r["staleness_max"] <= 2 and r["policy_version"] == 2 * (r["step"] // 2)
+        assert r["buffer_depth"] >= 0 and r["generate_s"] > 0 and r["fleet_paused_s"] >= 0
