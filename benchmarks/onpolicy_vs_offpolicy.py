@@ -9,7 +9,8 @@ training loop's wall-clock, engine start-up excluded). Writes ``offgrpo report``
 
 Variants (``--variants``), each run at every v from the same warm-ups: ``grpo`` (the recipe: GRPO-clip), ``gspo``
 (``algo.objective=gspo``, sequence-mean aggregation, the paper's clip range) and ``dapo`` (DAPO's dynamic sampling
-with refill and its clip-higher ``algo.eps_high=0.28``).
+with refill and its clip-higher ``algo.eps_high=0.28``), and ``grpo-async`` (the recipe in ``rollout.mode=async``,
+staleness bound v: the learning side of ``benchmarks/async_rollout.py``). The default runs the first three.
 
 Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 4] [--variants grpo gspo dapo] [--seeds 3] [--steps 40]
 [--target 0.6]
@@ -29,6 +30,7 @@ VARIANTS = {
     "grpo": [],
     "gspo": ["algo.objective=gspo", "algo.aggregation=seq_mean_token_mean"],
     "dapo": ["rollout.dynamic_sampling=true", "algo.eps_high=0.28"],
+    "grpo-async": ["rollout.mode=async"],
 }
 """Variant -> the overrides of ``configs/tiny-cpu.yaml`` that make it."""
 
@@ -53,7 +55,7 @@ def _time_to_target(records: list[dict], target: float, window: int = 5) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vs", type=int, nargs="+", default=[1, 4], help="refresh intervals v to compare")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", default=["grpo", "gspo", "dapo"], choices=list(VARIANTS),
                         help="objectives / sampling schemes to compare at every v")
     parser.add_argument("--seeds", type=int, default=3, help="seeds (each its own warm-up) per v")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")

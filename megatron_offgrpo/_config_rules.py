@@ -90,8 +90,9 @@ def collect_errors(config: Any) -> list[str]:
     errors.extend(_collective_host_errors(r.collective_host))
     if r.mode == "async" and (r.overlap or r.behavior_logprobs == "recompute"):
         errors.append(f"rollout.mode='async' with rollout.overlap={r.overlap}, behavior_logprobs="
-                      f"{r.behavior_logprobs!r}: async generation runs ahead on its own (no overlap), and its samples "
-                      "come from older versions than the trainer's snapshot; use overlap=false, behavior_logprobs='fleet'")
+                      f"{r.behavior_logprobs!r}: async generation runs ahead on its own (no overlap), and its "
+                      "samples come from older versions than the trainer's snapshot; use overlap=false, "
+                      "behavior_logprobs='fleet'")
     if r.max_staleness is not None and (r.mode != "async" or r.max_staleness < r.refresh_every - 1):
         errors.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode={r.mode!r}, refresh_every="
                       f"{r.refresh_every}: it bounds async generation (mode='async') and must be >= refresh_every - 1 "

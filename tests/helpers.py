@@ -87,3 +87,20 @@ def _free_port() -> int:
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
+
+
+def worker_report(worker: Path, hf_dir: Path, tag: str, *args: str, cpu: bool = True,
+                  timeout: float = 900) -> dict[str, float]:
+    """Run ``worker`` on a tiny random Qwen2 config written to ``hf_dir`` (single process; ``cpu``: GPUs hidden) and
+    parse its ``TAG key=value ...`` line."""
+    import re
+
+    write_json(hf_dir / "config.json", tiny_hf_config("qwen2", tied=True))  # init=random: the config is enough
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, str(worker), str(hf_dir), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    line = re.search(rf"^{tag} (.*)$", proc.stdout, re.M).group(1)
+    return {k: float(v) for k, v in (part.split("=") for part in line.split())}

@@ -36,7 +36,8 @@ def _build(device=None, token_budget: int = 10) -> list[MicroBatch]:
 
 
 def _fields(mb: MicroBatch) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb) if isinstance(getattr(mb, f.name), torch.Tensor)}
+    return {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)
+            if isinstance(getattr(mb, f.name), torch.Tensor)}
 
 
 def test_build_microbatches_puts_every_field_on_the_device_with_its_dtype():

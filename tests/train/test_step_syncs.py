@@ -4,28 +4,15 @@ backward, reads its metrics once, and megatron's optimizer step reads only the g
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import REPO, tiny_hf_config, write_json
+from tests.helpers import REPO, worker_report
 
 WORKER = REPO / "tests" / "workers" / "step_syncs_worker.py"
 
 
-def _syncs(tmp_path, device: str) -> dict[str, int]:
-    write_json(tmp_path / "config.json", tiny_hf_config("qwen2", tied=True))  # init=random: the config is enough
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), device], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    line = re.search(r"^SYNCS (.*)$", proc.stdout, re.M).group(1)
-    return {k: int(v) for k, v in (part.split("=") for part in line.split())}
+def _syncs(tmp_path, device: str) -> dict[str, float]:
+    return worker_report(WORKER, tmp_path, "SYNCS", device, cpu=device == "cpu", timeout=600)
 
 
 def test_cpu_step_counts_no_synchronising_call_in_its_forward_and_backward(tmp_path):

@@ -24,14 +24,14 @@ from megatron_offgrpo.train._step import backward_pass, policy_step
 G, LR = 4, 1e-3
 
 
-def samples(vocab: int) -> list[Sample]:
+def samples(vocab: int, prompt: int = 5, response: int = 12) -> list[Sample]:
     """Two groups of G samples: random ids, log-probs near uniform, rewards 1/0 alternating (every group valid)."""
     gen = torch.Generator().manual_seed(0)
     out = []
     for i in range(2 * G):
-        ids = torch.randint(0, vocab, (17,), generator=gen).tolist()
-        logp = (-math.log(vocab) + 0.3 * torch.randn(12, generator=gen)).tolist()
-        out.append(Sample(f"p{i // G}", i // G, ids[:5], ids[5:], logp, 0, "length", reward=float(i % 2)))
+        ids = torch.randint(0, vocab, (prompt + response,), generator=gen).tolist()
+        logp = (-math.log(vocab) + 0.3 * torch.randn(response, generator=gen)).tolist()
+        out.append(Sample(f"p{i // G}", i // G, ids[:prompt], ids[prompt:], logp, 0, "length", reward=float(i % 2)))
     return out
 
 

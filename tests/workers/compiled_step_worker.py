@@ -19,7 +19,7 @@ from megatron_offgrpo.runtime import destroy_parallel, init_parallel
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._step import policy_step
-from tests.workers.step_syncs_worker import G, samples
+from tests.workers.bf16_policy_worker import G, samples
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,7 +35,7 @@ def one_step(hf_dir: str, ctx, arch, precision: str, compiled: bool, rng: tuple)
     get_cuda_rng_tracker().set_states(dict(rng[2]))
     policy = build_policy(arch, ctx, ModelConfig(hf_path=hf_dir, init="random", precision=precision, compile=compiled),
                           OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
-    batch = samples(arch.vocab_size)
+    batch = samples(arch.vocab_size, prompt=9, response=24)
     adv = compute_group_advantages(torch.tensor([s.reward for s in batch]), G, AdvantageParams())
     mbs = build_microbatches(batch, adv.advantages, adv.sample_valid, G, token_budget=128, device=ctx.device)
     result = policy_step(policy.ddp, policy.optimizer, ctx, mbs, ObjectiveParams(tis_cap=2.0),

@@ -21,14 +21,12 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_group_advantages
 from megatron_offgrpo.config import ModelConfig, OptimConfig
-from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import destroy_parallel, init_parallel
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._step import _read_once, backward_pass
-
-G = 4
+from tests.workers.bf16_policy_worker import G, samples
 T = torch.Tensor
 _ALWAYS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.nonzero, torch.nonzero, T.argwhere,
            torch.argwhere, T.masked_select, torch.masked_select, T.unique, torch.unique, torch.unique_consecutive,
@@ -88,18 +86,6 @@ class CudaSyncs:
         return False
 
 
-def samples(vocab: int) -> list[Sample]:
-    """Two groups of G samples: random ids, behavior log-probs near uniform and fleet log-probs off by noise (so
-    truncated IS has ratios to clip), rewards 1/0 alternating (every group valid)."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(2 * G):
-        ids = torch.randint(0, vocab, (33,), generator=gen).tolist()
-        logp = (-math.log(vocab) + 0.3 * torch.randn(24, generator=gen)).tolist()
-        out.append(Sample(f"p{i // G}", i // G, ids[:9], ids[9:], logp, 0, "length", reward=float(i % 2)))
-    return out
-
-
 def main() -> None:
     hf_dir, device = sys.argv[1], sys.argv[2]
     ctx = init_parallel(1, 1, 1234)
@@ -107,7 +93,7 @@ def main() -> None:
     policy = build_policy(arch, ctx, ModelConfig(hf_path=hf_dir, init="random",
                                                  precision="bf16" if device == "cuda" else "fp32"),
                           OptimConfig(lr=1e-4, clip_grad=1.0), steps=4)
-    batch = samples(arch.vocab_size)
+    batch = samples(arch.vocab_size, prompt=9, response=24)
     adv = compute_group_advantages(torch.tensor([s.reward for s in batch]), G, AdvantageParams())
     mbs = build_microbatches(batch, adv.advantages, adv.sample_valid, G, token_budget=128, device=ctx.device)
     for mb in mbs:  # the fleet's log-probs differ from the behavior ones: the TIS path and its extremes run
