@@ -7,7 +7,8 @@ synthetic samples (random prompt and response ids, fleet log-probs near the mode
 every group carries signal) and ``train._step.policy_step`` (megatron's forward-backward schedule with
 ``kernels.fused_linear_grpo_loss`` on the response tokens, then the optimizer step). ``--warmup`` steps run first,
 then ``--steps`` timed steps, each between two device synchronisations; medians are reported. ``--variants``: one
-row per step variant, ``eager`` and ``compiled`` (``model.compile``: each decoder layer ``torch.compile``d), each
+row per step variant, ``eager``, ``compiled`` (``model.compile``: each decoder layer ``torch.compile``d) and
+``graphed`` (the same with ``model.compile_mode=reduce-overhead``: CUDA graphs of the compiled layers), each
 with the share of one profiled step's wall time the GPU was running a kernel ("GPU busy") and the synchronising
 calls of one step (``torch.cuda.set_sync_debug_mode("warn")``).
 
@@ -49,9 +50,10 @@ from benchmarks._gpu_loss import LOSS_COLUMNS, loss_rows, median_seconds, sync  
 
 ASSETS = REPO / "megatron_offgrpo" / "assets"
 PEAK_TFLOPS = 989.0  # H100 SXM / H200 dense BF16 (NVIDIA datasheets)
-VARIANTS = ("eager", "compiled")
+VARIANTS = {"eager": (False, "default"), "compiled": (True, "default"), "graphed": (True, "reduce-overhead")}
+"""Step variant -> (model.compile, model.compile_mode)."""
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
-            samples=4, micro_batches=4, loss_tokens=16384, repeats=10, variants="eager,compiled")
+            samples=4, micro_batches=4, loss_tokens=16384, repeats=10, variants="eager,compiled,graphed")
 TINY = dict(config=ASSETS / "tiny-qwen2", precision="fp32", steps=2, warmup=1, seq=32, prompt=8,
             samples=4, micro_batches=2, loss_tokens=256, repeats=2, variants="eager")
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "layers", "loss impl", "tokens/step", "loss tokens/step",
@@ -84,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="timed repeats of the fused-loss comparison (default 10)")
     parser.add_argument("--variants",
                         help="comma-separated step variants, one row each: eager, compiled (model.compile: "
-                             "torch.compile of each decoder layer); default eager,compiled (--tiny: eager)")
+                             "torch.compile of each decoder layer), graphed (compiled with compile_mode="
+                             "reduce-overhead: CUDA graphs); default eager,compiled,graphed (--tiny: eager)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-device peak for MFU")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=1234)
@@ -171,7 +174,8 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
                             fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
-                            fp8_margin=args.fp8_margin, compile=variant == "compiled")
+                            fp8_margin=args.fp8_margin, compile=VARIANTS[variant][0],
+                            compile_mode=VARIANTS[variant][1])
     policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps)
     mbs, tokens, seqs = device_batches(synthetic_samples(arch, args), args, ctx.device)
     params = ObjectiveParams()

@@ -13,6 +13,7 @@ CHOICES = {
     "model.init": ("hf", "random"),
     "model.precision": ("fp32", "bf16", "fp8"),
     "rollout.mode": ("lockstep", "async"),
+    "model.compile_mode": ("default", "reduce-overhead"),
     "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
     "data.source": ("auto", "local", "hub"),
     "data.prompt_format": ("chat", "plain"),

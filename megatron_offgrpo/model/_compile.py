@@ -37,10 +37,11 @@ def _install_quiet_group_lookup() -> None:
         _PATCHED.append(True)
 
 
-def compile_layers(stage: torch.nn.Module) -> int:
-    """Compile every decoder layer of ``stage`` in place (``nn.Module.compile``); returns how many."""
+def compile_layers(stage: torch.nn.Module, mode: str = "default") -> int:
+    """Compile every decoder layer of ``stage`` in place (``nn.Module.compile``; ``mode``: torch.compile's, e.g.
+    "reduce-overhead" for CUDA graphs of the compiled layers); returns how many."""
     _install_quiet_group_lookup()
     layers = list(stage.decoder.layers) if hasattr(stage, "decoder") else []
     for layer in layers:
-        layer.compile()
+        layer.compile(mode=None if mode == "default" else mode)
     return len(layers)

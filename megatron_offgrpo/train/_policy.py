@@ -67,7 +67,7 @@ def build_policy(
     stage = _stage(arch, ctx, model_cfg, sequence_parallel)
     load_initial_weights(stage, arch, ctx, model_cfg)
     if model_cfg.compile:
-        compile_layers(stage)
+        compile_layers(stage, model_cfg.compile_mode)
     ddp = DistributedDataParallel(
         stage.config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=optim.distributed_optimizer),

@@ -10,8 +10,8 @@ from tests.helpers import REPO, worker_report
 WORKER = REPO / "tests" / "workers" / "compiled_step_worker.py"
 
 
-def _differences(tmp_path, precision: str, cpu: bool) -> dict[str, float]:
-    return worker_report(WORKER, tmp_path, "COMPILED", precision, cpu=cpu)
+def _differences(tmp_path, precision: str, cpu: bool, mode: str = "default") -> dict[str, float]:
+    return worker_report(WORKER, tmp_path, "COMPILED", precision, mode, cpu=cpu)
 
 
 @pytest.mark.slow
@@ -21,10 +21,11 @@ def test_compiled_layers_take_the_eager_step_on_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_compiled_layers_take_the_eager_step_on_gpu(tmp_path):
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_layers_take_the_eager_step_on_gpu(tmp_path, mode):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    diff = _differences(tmp_path, "bf16", cpu=False)
+    diff = _differences(tmp_path, "bf16", cpu=False, mode=mode)  # reduce-overhead: replayed as CUDA graphs
     assert diff["loss"] < 1e-2 and diff["grads"] < 5e-2, diff

@@ -1,8 +1,8 @@
 """Worker: ``model.compile`` trains what the eager step trains. Two policies from the same seed (eager, then every
-decoder layer torch.compile'd) take the same optimizer step on the same micro-batches; prints the relative
-differences of the loss and the main gradients, ``COMPILED loss=<d> grads=<d>``. (Not the updated weights: Adam's
-first step moves every weight by about lr whatever its gradient's size, so a gradient near 0 flips its update on
-rounding noise.)
+decoder layer torch.compile'd in the mode given: "default" or "reduce-overhead") take the same optimizer step on the
+same micro-batches; prints the relative differences of the loss and the main gradients,
+``COMPILED loss=<d> grads=<d>``. (Not the updated weights: Adam's first step moves every weight by about lr whatever
+its gradient's size, so a gradient near 0 flips its update on rounding noise.)
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def one_step(hf_dir: str, ctx, arch, precision: str, compiled: bool, rng: tuple) -> tuple[float, list]:
+def one_step(hf_dir: str, ctx, arch, precision: str, mode: str | None, rng: tuple) -> tuple[float, list]:
+    """One optimizer step of a policy built from ``rng``: eager (``mode`` None) or compiled in ``mode``."""
     torch.set_rng_state(rng[0])
     if rng[1] is not None:
         torch.cuda.set_rng_state(rng[1])
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     get_cuda_rng_tracker().set_states(dict(rng[2]))
-    policy = build_policy(arch, ctx, ModelConfig(hf_path=hf_dir, init="random", precision=precision, compile=compiled),
-                          OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
+    model = ModelConfig(hf_path=hf_dir, init="random", precision=precision, compile=mode is not None,
+                        compile_mode=mode or "default")
+    policy = build_policy(arch, ctx, model, OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
     batch = samples(arch.vocab_size, prompt=9, response=24)
     adv = compute_group_advantages(torch.tensor([s.reward for s in batch]), G, AdvantageParams())
     mbs = build_microbatches(batch, adv.advantages, adv.sample_valid, G, token_budget=128, device=ctx.device)
@@ -46,15 +48,15 @@ def one_step(hf_dir: str, ctx, arch, precision: str, compiled: bool, rng: tuple)
 
 
 def main() -> None:
-    hf_dir, precision = sys.argv[1], sys.argv[2]
+    hf_dir, precision, mode = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "default"
     ctx = init_parallel(1, 1, 1234)
     arch = load_arch(hf_dir)
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if ctx.device.type == "cuda" else None,
            get_cuda_rng_tracker().get_states())
-    eager = one_step(hf_dir, ctx, arch, precision, False, rng)
-    compiled = one_step(hf_dir, ctx, arch, precision, True, rng)
+    eager = one_step(hf_dir, ctx, arch, precision, None, rng)
+    compiled = one_step(hf_dir, ctx, arch, precision, mode, rng)
     loss = abs(compiled[0] - eager[0]) / max(abs(eager[0]), 1e-30)
     grads = max(rel(c, e) for c, e in zip(compiled[1], eager[1]))
     print(f"COMPILED loss={loss:.3e} grads={grads:.3e} eager_loss={eager[0]:.6g}", flush=True)
