@@ -115,12 +115,16 @@ def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
-def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path, aggregation, layout):
+def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path, layout):
+    """Both aggregations in one job: one set-up and rollout, then each aggregation's objective (the only thing
+    algo.aggregation changes) against the reference."""
     from tests.helpers import run_torchrun
 
-    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2, [str(tmp_path), aggregation, layout])
-    assert "MATCH dp=2" in proc.stdout and f"packed={layout == 'packed'}" in proc.stdout
+    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2,
+                        [str(tmp_path), "token_mean,seq_mean_token_mean", layout])
+    for aggregation in ("token_mean", "seq_mean_token_mean"):
+        assert f"packed={layout == 'packed'} aggregation={aggregation}" in proc.stdout, proc.stdout[-2000:]
+    assert "MATCH dp=2" in proc.stdout
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -143,14 +147,16 @@ def test_a_dp2_run_with_prompts_not_a_multiple_of_dp_trains(tmp_path, prompts):
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                    ["parallel.pp=2"], [], ["algo.aggregation=seq_mean_token_mean"]],
-                         ids=["tp2", "tp2-sp", "pp2", "dp2", "dp2-seq-mean"])
+                                    ["parallel.pp=2"], []], ids=["tp2", "tp2-sp", "pp2", "dp2"])
 def test_packed_gradient_equals_padded(tmp_path, layout):
-    """Packed and shared-prompt micro-batches give the padded layout's gradient (tests/workers/train_pack_worker.py)."""
+    """Packed and shared-prompt micro-batches give the padded layout's gradient (tests/workers/train_pack_worker.py),
+    with token_mean and seq_mean_token_mean aggregation in each job."""
     from tests.helpers import run_torchrun
 
     proc = run_torchrun(REPO / "tests" / "workers" / "train_pack_worker.py", 2, [str(tmp_path), *layout])
-    assert "MATCH" in proc.stdout and "shared=" in proc.stdout, proc.stdout[-2000:]  # packed and shared-prompt
+    for aggregation in ("token_mean", "seq_mean_token_mean"):  # packed and shared-prompt, each against padded
+        assert f"aggregation={aggregation} micro-batches" in proc.stdout and "shared=" in proc.stdout, (
+            proc.stdout[-2000:])
 
 
 def _train(out, *overrides: str) -> subprocess.CompletedProcess:

@@ -1,10 +1,13 @@
 """torchrun worker: the trainer's gradient (micro-batches x DP ranks, fused kernel, megatron DDP) equals the
 gradient of ``algo.reference_loss`` over the whole step on materialised logits (one process, plain autograd), with
-padded micro-batches or packed ones (argv[3] = "packed": several sequences per row, block-diagonal causal mask).
-Further arguments are config overrides (``rollout.prompts_per_step=3``: groups dealt unevenly over DP 2)."""
+padded micro-batches or packed ones (argv[3] = "packed": several sequences per row, block-diagonal causal mask), for
+each aggregation of argv[2] (comma-separated: one set-up and rollout, then the objective with each aggregation, the
+only thing ``algo.aggregation`` changes). Further arguments are config overrides (``rollout.prompts_per_step=3``:
+groups dealt unevenly over DP 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -35,9 +38,9 @@ def reference_grads(trainer, samples, adv, params) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    out_dir, aggregation = sys.argv[1], sys.argv[2]
+    out_dir, aggregations = sys.argv[1], sys.argv[2].split(",")
     packed, overrides = sys.argv[3:4] == ["packed"], sys.argv[4:]
-    config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregation}", *overrides])
+    config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregations[0]}", *overrides])
     trainer, rollout, log = setup(config)
     samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -45,17 +48,26 @@ def main() -> None:
     assert int(adv.sample_valid.sum()) >= G, "need groups with reward variance"
     for s in samples:  # off-policy: behavior log-probs that differ from the current policy, so ratios clip
         s.behavior_logprobs = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.behavior_logprobs)]
-    expected = reference_grads(trainer, samples, adv, trainer.objective)
+    for aggregation in aggregations:
+        check(trainer, samples, adv, dataclasses.replace(trainer.objective, aggregation=aggregation), packed,
+              config.rollout.prompts_per_step)
+    if rollout is not None:
+        rollout.close()
+        log.close()
+
+
+def check(trainer, samples, adv, objective, packed: bool, groups: int) -> None:
+    """The trainer's gradient for ``objective`` (backward_pass zeroes the grad buffers first) against the reference."""
+    expected = reference_grads(trainer, samples, adv, objective)
     ctx = trainer.ctx
     build = build_packed_microbatches if packed else build_microbatches
     mbs = build(samples, adv.advantages, adv.sample_valid, G, ctx.dp_rank, ctx.dp_size, token_budget=120)
-    groups = config.rollout.prompts_per_step
     if groups % ctx.dp_size == 0 or ctx.dp_rank == 0:  # uneven: the other rank's one group may fit one pack
         assert len(mbs) >= 2, f"want several micro-batches per rank, got {len(mbs)}"
     if packed and (groups % ctx.dp_size == 0 or ctx.dp_rank == 0):
         rows = [int(mb.seq_ids.max()) for mb in mbs]  # sequences per pack (+ the pad tail's id)
         assert max(rows) >= 2, f"want packs of several sequences, got {rows}"
-    backward_pass(trainer.policy.ddp, ctx, mbs, trainer.objective, global_token_count(samples, adv.sample_valid),
+    backward_pass(trainer.policy.ddp, ctx, mbs, objective, global_token_count(samples, adv.sample_valid),
                   global_seq_count(adv.sample_valid))
     worst = 0.0
     for name, param in trainer.policy.model.named_parameters():
@@ -64,10 +76,7 @@ def main() -> None:
         worst = max(worst, err)
         assert err < 1e-5, f"{name}: relative grad error {err:.3g}"
     print(f"MATCH dp={ctx.dp_size} groups={groups} micro-batches={len(mbs)} packed={packed} "
-          f"worst relative error {worst:.2e}")
-    if rollout is not None:
-        rollout.close()
-        log.close()
+          f"aggregation={objective.aggregation} worst relative error {worst:.2e}")
 
 
 if __name__ == "__main__":
