@@ -60,8 +60,8 @@ convert-demo: setup
 # directory in order): most tests run one single-threaded process, so one worker would leave the second core idle.
 # The 15 slowest tests and the costliest files are named at the end (tests/_budget.py), and the session fails when
 # its wall time is over SUITE_LIMIT_S: the target is 30 min on the 2-core CI machine, the limit (75 min, CI's patience
-# being 90) leaves room for drift. tests/_budget.py has xdist hand the heaviest files out first (the end-to-end runs,
-# the documented commands, the demo), so no long file starts last.
+# being 90) leaves room for drift. tests/_budget.py has xdist hand the heaviest files out first (the documented
+# commands with `make demo`, the end-to-end runs), so no long file starts last.
 TEST_WORKERS ?= 2
 SUITE_LIMIT_S ?= 4500
 test: setup
