@@ -2,8 +2,9 @@
 
 One warm-up (``configs/tiny-cpu-sft.yaml``), then ``configs/tiny-cpu.yaml`` from it once per variant at the same v
 and the same staleness budget (lockstep: v - 1, overlap: v, async: ``rollout.max_staleness`` = v), evaluation and
-checkpoints off: only the loop's throughput is compared. The in-process vLLM engine's core is a process of its own,
-so generation and training run on the machine's two cores side by side whenever the loop lets them.
+checkpoints off: only the loop's throughput is compared (a finished run in ``--out`` is reused). The in-process
+vLLM engine's core is a process of its own, so generation and training run on the machine's two cores side by side
+whenever the loop lets them.
 
 Per variant, over the steps after the first (engine warm-up out): completion tokens per second of the training loop,
 its ratio to lockstep, the trainer's busy share (``time_train_s`` over the loop's wall time), the generation's busy
@@ -25,8 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._tables import markdown  # noqa: E402
+from megatron_offgrpo.config import load_config  # noqa: E402
 
 VARIANTS = {"lockstep": [], "overlap": ["rollout.overlap=true"], "async": ["rollout.mode=async"]}
+BOUNDS = {"lockstep": lambda v: v - 1, "overlap": lambda v: v, "async": lambda v: v}
+"""Each mode's staleness bound at refresh interval v (async: ``rollout.max_staleness``'s default)."""
 COLUMNS = ["variant", "staleness bound", "tokens/s", "vs lockstep", "trainer busy", "generation busy",
            "trainer waits s/step", "staleness mean", "paused by bound s/step"]
 
@@ -40,11 +44,11 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def summarise(records: list[dict], variant: str, bound: int) -> dict:
+def summarise(records: list[dict], variant: str, bound: int, samples_per_step: int) -> dict:
     """The table row of one run: the steps after the first (its wall time starts when step 0 was logged)."""
     timed = records[1:]
     wall = records[-1]["wall_s"] - records[0]["wall_s"]
-    tokens = sum(sum(r["response_len_hist"]) for r in timed)
+    tokens = sum(r["response_len"] * samples_per_step for r in timed)
     n = len(timed)
     return {"variant": variant, "staleness bound": bound, "tokens/s": round(tokens / wall, 1),
             "trainer busy": f"{100 * sum(r['time_train_s'] for r in timed) / wall:.0f}%",
@@ -68,15 +72,22 @@ def main() -> int:
     if not (sft / "hf").is_dir():
         print(f"async_rollout: warm-up into {sft}", flush=True)
         _offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
+    rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", []).rollout
     rows = []
     for variant in args.variants:
         run = out / variant
+        done = run / "metrics.jsonl"
+        if done.exists() and len(_records(run)) == args.steps and (run / "summary.json").exists():
+            print(f"async_rollout: {variant}: reusing the finished run in {run}", flush=True)
+            rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v),
+                                  rollout.prompts_per_step * rollout.group_size))
+            continue
         print(f"async_rollout: {variant} ({args.steps} steps, v={args.v})", flush=True)
         _offgrpo("train", "--config", "configs/tiny-cpu.yaml", f"model.hf_path={sft / 'hf'}", f"train.out_dir={run}",
                  f"train.steps={args.steps}", f"rollout.refresh_every={args.v}", "train.eval_every=0",
                  "train.save_every=0", "train.overwrite=true", *VARIANTS[variant])
-        bound = {"lockstep": args.v - 1, "overlap": args.v, "async": args.v}[variant]
-        rows.append(summarise(_records(run), variant, bound))
+        rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v),
+                              rollout.prompts_per_step * rollout.group_size))
     base = next((r["tokens/s"] for r in rows if r["variant"] == "lockstep"), None)
     for row in rows:
         row["vs lockstep"] = f"{row['tokens/s'] / base:.2f}x" if base else "-"
