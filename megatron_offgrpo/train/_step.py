@@ -12,7 +12,7 @@ grads over DP; the closure multiplies by both, so the gradient is exactly that o
 
 Devices: the micro-batches must already be on ``ctx.device`` (``build_microbatches(..., device=ctx.device)`` or
 ``MicroBatch.to``); the running totals live there too, since the closure adds device tensors into them and NCCL
-all-reduces only CUDA tensors. Results leave as Python floats.
+all-reduces only CUDA tensors. ``policy_step``'s results leave as Python floats.
 
 Host synchronisation: from the first forward to the end of the backward the host never waits for the device, so it
 queues kernels ahead and the schedule never drains the GPU. What would need a value (which rows enter the loss,
@@ -180,7 +180,7 @@ def backward_pass(
     global_seqs: int,
     temperature: float = 1.0,
     impl: str = "auto",
-) -> tuple[float, dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Forward and backward of every micro-batch; grads land in DDP's buffers. Returns the global loss and the
     metric totals (identical on every rank), all device tensors: nothing is read to the host. Collective over all
     ranks."""
@@ -196,8 +196,10 @@ def backward_pass(
         weight = output_weight(stage)
         mb.check_targets(weight.shape[0] * ctx.tp_size)
         h, f = _selected(mb, hidden)
-        # the selected rows all enter the loss (or the one stand-in row, masked): its valid rows are known
-        all_valid = None if mb.loss_rows is None or mb.loss_rows.numel() == 0 else _all_rows(h.shape[0], h.device)
+        # the selected rows all enter the loss (unless none did: the one stand-in row, masked), so they are the valid
+        # rows, known without asking the device
+        known = mb.loss_rows is not None and mb.loss_rows.numel() > 0
+        all_valid = torch.arange(h.shape[0], device=h.device) if known else None
         loss, metrics = fused_linear_grpo_loss(
             h, weight, f["targets"], f["behavior_logp"], f["advantages"], f["loss_mask"], params,
             ref_logp=f.get("ref_logp"), fleet_logp=f["fleet_logp"], seq_ids=f["seq_ids"], temperature=temperature,
@@ -224,11 +226,6 @@ def backward_pass(
     totals = {k: packed[i + 1] for i, k in enumerate(SUMMED_METRICS)}
     totals.update(tis_raw_max=extremes[0], tis_raw_min=-extremes[1])
     return packed[0], totals
-
-
-def _all_rows(n: int, device: torch.device) -> torch.Tensor:
-    """``[0, n)`` on ``device``: the valid rows of a batch whose rows all enter the loss (a fill, no host copy)."""
-    return torch.arange(n, device=device)
 
 
 def _read_once(loss: torch.Tensor, totals: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
