@@ -27,7 +27,10 @@ def _run(root, *args: str) -> dict[str, list[str]]:
     """pytest on the tree with tests/_budget.py loaded: the files each worker ran, in the order it ran them."""
     log = root / "order.log"
     log.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO), ORDER_LOG=str(log))
+    # without the outer run's PYTEST_* variables: under `make test` this test runs in an xdist worker, whose
+    # PYTEST_XDIST_WORKER the inner plain-pytest run would otherwise report as its own
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(PYTHONPATH=str(REPO), ORDER_LOG=str(log))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests._budget", "-p", "no:cacheprovider",
                            "--rootdir", str(root), "-c", str(root / "pytest.ini"), *args],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
