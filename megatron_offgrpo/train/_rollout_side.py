@@ -57,7 +57,8 @@ class RolloutSide:
     data_report: dict[str, int | str]  # both set sizes, where evaluation reads from, their overlap (run_info.json)
     # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
-    _pending: tuple[int, concurrent.futures.Future] | None = None
+    # (step, its generation, the stream's position before it drew): a failed prefetch's prompts are drawn again
+    _pending: tuple[int, concurrent.futures.Future, dict[str, int]] | None = None
     # rollout.mode=async: the generation thread, and the lock every use of the engine takes (train._async)
     _async: AsyncGenerator | None = None
     engine_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -141,7 +142,7 @@ class RolloutSide:
             return self._async.take(step)
         if self._pending is None:
             return self.generate(step)
-        (due, future), self._pending = self._pending, None
+        (due, future, _), self._pending = self._pending, None
         if due != step:
             raise RuntimeError(f"the prefetched batch is step {due}'s, asked for step {step}'s")
         return future.result()
@@ -149,7 +150,8 @@ class RolloutSide:
     def prefetch(self, step: int) -> None:
         """With ``rollout.overlap``: start generating step ``step``'s batch (none past the last step)."""
         if self._executor is not None and step < self.config.train.steps:
-            self._pending = (step, self._executor.submit(self.generate, step))
+            before = self.stream.state_dict()
+            self._pending = (step, self._executor.submit(self.generate, step), before)
 
     def install(self, buckets: Buckets, version: int) -> RefreshReport | None:
         """``engine.update_weights``, tolerating servers that failed when the others installed the version
@@ -194,15 +196,18 @@ class RolloutSide:
         A batch in flight (``rollout.overlap``'s prefetch, the async thread's current batch) is waited for, so that
         it is kept, and the stream's position is past it: at most one batch's generation.
         """
-        ready = dict(self._restored)
+        ready, rewind = dict(self._restored), None
         if self._pending is not None:
-            concurrent.futures.wait([self._pending[1]])
-            if self._pending[1].exception() is None:  # its error, if any, is raised by batch()
-                ready[self._pending[0]] = self._pending[1].result()
+            due, future, before = self._pending
+            concurrent.futures.wait([future])
+            if future.exception() is None:
+                ready[due] = future.result()
+            else:  # its error is raised by batch(); a resume draws its prompts again
+                rewind = before
         with self.engine_lock:
             if self._async is not None:
                 ready |= self._async.ready_batches()
-            return RolloutState(self.stream.state_dict(), ready)
+            return RolloutState(rewind or self.stream.state_dict(), ready)
 
     def load_resume_state(self, state: RolloutState) -> None:
         """A checkpoint's ``resume_state`` (before the first step)."""

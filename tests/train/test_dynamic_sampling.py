@@ -148,6 +148,30 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_pat
         side.close()
 
 
+def test_a_checkpoint_keeps_the_overlap_prefetch_or_draws_a_failed_ones_prompts_again(tiny_hf_dir, tmp_path):
+    """rollout.overlap: a finished prefetch is kept in the checkpoint (its prompts are not drawn twice); a failed one
+    leaves the stream where it was before it drew (its prompts are not skipped)."""
+    side = _side(tiny_hf_dir, tmp_path, "rollout.overlap=true", "rollout.dynamic_sampling=false")
+    try:
+        side.prefetch(0)
+        state = side.resume_state()
+        assert list(state.ready) == [0] and state.stream["position"] == 4  # B = 4 prompts drawn, batch kept
+        assert side.batch(0) is state.ready[0]
+
+        def engine_died(step, round_, count):
+            side.stream.next_batch(count)  # the prompts are drawn, then the engine fails
+            raise RuntimeError("the engine died")
+
+        side._draw = engine_died
+        side.prefetch(1)
+        state = side.resume_state()
+        assert state.ready == {} and state.stream["position"] == 4 and side.stream.state_dict()["position"] == 8
+        with pytest.raises(RuntimeError, match="the engine died"):
+            side.batch(1)
+    finally:
+        side.close()
+
+
 def test_one_round_keeps_the_shape_and_says_how_many_groups_are_degenerate(tiny_hf_dir, tmp_path, caplog):
     # even_length, one round: the batch is the first round's 4 groups, whatever their variance (no refill)
     side = _side(tiny_hf_dir, tmp_path, "rollout.max_sampling_rounds=1")
