@@ -293,25 +293,6 @@ def _count_syncs(step, device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _rng_states(device) -> tuple:
-    """The generators' states after ``init_parallel``: torch's, the device's and megatron's model-parallel ones."""
-    import torch
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
-
-
-def _set_rng_states(device, states: tuple) -> None:
-    import torch
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state(states[1], device)
-    get_cuda_rng_tracker().set_states(dict(states[2]))  # a copy: the tracker replaces its entries as it forks
-
-
 def _device_name(device) -> str:
     import torch
 
@@ -345,14 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
 
     from megatron_offgrpo.runtime import destroy_parallel, init_parallel, te_status
+    from megatron_offgrpo.train._checkpoint import _rng_state, _set_rng_state
 
     ctx = init_parallel(1, 1, args.seed)
     try:
         arch = load_shapes(args)
-        steps, seeded = [], _rng_states(ctx.device)
+        steps, seeded = [], _rng_state()
         try:
             for variant in args.variants:
-                _set_rng_states(ctx.device, seeded)  # every variant trains the same initial weights on the same data
+                _set_rng_state(seeded)  # every variant trains the same initial weights on the same data
                 step, weight = train_row(args, ctx, arch, variant)
                 steps.append(step)
                 print(f"gpu_step: {variant}: {step['step s (median)']} s/step, MFU {step['MFU']}", flush=True)

@@ -118,10 +118,10 @@ def init_parallel(
     if has_cuda():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        apply_local_fallbacks()  # a GPU without apex or TE (apply_cpu_compat applies them on the CPU)
     else:
         apply_cpu_compat()
         device = torch.device("cpu")
-    apply_local_fallbacks()
     if not dist.is_initialized():
         if "MASTER_PORT" in os.environ:  # torchrun (or the user) set the rendezvous: env:// reads it
             init_method = "env://"

@@ -71,6 +71,7 @@ def sweep_partial_exports(run_dir: str | Path) -> list[Path]:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This process's generators: torch's, the CUDA device's and megatron's model-parallel ones."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
@@ -83,7 +84,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    get_cuda_rng_tracker().set_states(dict(state["tracker"]))  # a copy: the tracker replaces entries as it forks
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

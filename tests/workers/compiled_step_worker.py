@@ -17,6 +17,7 @@ from megatron_offgrpo.config import ModelConfig, OptimConfig
 from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import destroy_parallel, init_parallel
 from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
+from megatron_offgrpo.train._checkpoint import _rng_state, _set_rng_state
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._step import policy_step
 from tests.workers.bf16_policy_worker import G, samples
@@ -26,14 +27,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def one_step(hf_dir: str, ctx, arch, precision: str, mode: str | None, rng: tuple) -> tuple[float, list]:
+def one_step(hf_dir: str, ctx, arch, precision: str, mode: str | None, rng: dict) -> tuple[float, list]:
     """One optimizer step of a policy built from ``rng``: eager (``mode`` None) or compiled in ``mode``."""
-    torch.set_rng_state(rng[0])
-    if rng[1] is not None:
-        torch.cuda.set_rng_state(rng[1])
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    get_cuda_rng_tracker().set_states(dict(rng[2]))
+    _set_rng_state(rng)
     model = ModelConfig(hf_path=hf_dir, init="random", precision=precision, compile=mode is not None,
                         compile_mode=mode or "default")
     policy = build_policy(arch, ctx, model, OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
@@ -51,10 +47,7 @@ def main() -> None:
     hf_dir, precision, mode = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "default"
     ctx = init_parallel(1, 1, 1234)
     arch = load_arch(hf_dir)
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if ctx.device.type == "cuda" else None,
-           get_cuda_rng_tracker().get_states())
+    rng = _rng_state()
     eager = one_step(hf_dir, ctx, arch, precision, None, rng)
     compiled = one_step(hf_dir, ctx, arch, precision, mode, rng)
     loss = abs(compiled[0] - eager[0]) / max(abs(eager[0]), 1e-30)
