@@ -189,7 +189,7 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
     seconds, _ = median_seconds(step, ctx.device, args.warmup, args.steps)
     timed_losses = list(losses)
     busy = _busy_fraction(step, ctx.device, args.out / f"profile-{variant}.txt" if args.profile else None)
-    syncs = _count_syncs(step, ctx.device)
+    syncs = _count_syncs(step, ctx.device, args.out / f"profile-{variant}.txt" if args.profile else None)
     if not all(math.isfinite(loss) for loss in timed_losses):
         raise SystemExit(f"gpu_step: non-finite training loss {timed_losses}")
     positions = sum(mb.tokens.numel() for mb in mbs)
@@ -273,24 +273,44 @@ def _union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def _count_syncs(step, device) -> int | None:
+def _count_syncs(step, device, profile_path: Path | None) -> int | None:
     """Synchronising calls of one more step, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them (None on
-    CPU, where nothing waits: tests/train/test_step_syncs.py counts them there)."""
+    CPU, where nothing waits: tests/train/test_step_syncs.py counts them there). With a profile file, each call's
+    innermost Python frames outside torch are appended to it: the sites to remove next."""
+    import collections
+    import traceback
     import warnings
 
     import torch
 
     if device.type != "cuda":
         return None
-    with warnings.catch_warnings(record=True) as caught:
+    sites, torch_dir, in_step = collections.Counter(), os.path.dirname(torch.__file__), [False]
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        # Called inside warnings.warn, so the stack still holds the caller: name the innermost frames outside torch.
+        # Only the step's own calls count (the first set_sync_debug_mode of a process warns once itself).
+        if in_step[0] and "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if not f.filename.startswith(torch_dir) and f.filename != warnings.__file__]
+            sites[" <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames[-3:]))] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
+        in_step[0] = True
         try:
             step()
-            sync(device)
         finally:
+            in_step[0] = False
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    sync(device)
+    if profile_path is not None:
+        with profile_path.open("a") as f:
+            f.write("\nhost synchronisations of one step, by the Python line that made them:\n")
+            f.writelines(f"{count:5d}  {site}\n" for site, count in sites.most_common())
+    return sum(sites.values())
 
 
 def _device_name(device) -> str:

@@ -85,6 +85,8 @@ RULES: tuple[Rule, ...] = (
     Rule(r"Qwen2\.5-(0\.5B|7B)|Qwen3-30B-A3B|configs/qwen(2\.5|3)-|runs/qwen(2\.5|3)-|\bckpt_(tp|ep)", "dry", _HUB),
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
     Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
+    Rule(r"^bash benchmarks/gpu_check\.sh", "help", "needs a GPU: the script must exist and parse (bash -n)",
+         help_as="benchmarks/gpu_check.sh"),
     Rule(r"python3? benchmarks/\w+\.py|benchmarks/\w+\.py ", "dry", "a benchmark of minutes to tens of minutes"),
     # make demo's four command lines (train.overwrite=true as the demo has it): make demo ran them, in full, in this
     # workspace, so each is found there (DocsWorkspace.execute) instead of run a second time, shortened
