@@ -69,6 +69,9 @@ class FleetEngine:
         self._routing_sources: dict[str, str] = {}  # server -> "vllm" (in its answers) or "hooks" (its workers')
         if record_routing:  # refused now (a server caching prefixes, a dense model), not at the first generation
             self._begin_routing()
+        # Generations from several threads go to the servers at once (each server batches what it is sent), except
+        # where a worker's routing hooks record one generation's experts at a time.
+        self.concurrent_generate = not record_routing or set(self._routing_sources.values()) == {"vllm"}
 
     @classmethod
     def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":

@@ -33,9 +33,11 @@ class TransformersEngine:
 
     Attributes:
         name: server name put on samples ("transformers").
+        concurrent_generate: False: calls from several threads take turns (HF's ``generate`` has no shared batch).
     """
 
     name = "transformers"
+    concurrent_generate = False
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  record_routing: bool = False) -> None:

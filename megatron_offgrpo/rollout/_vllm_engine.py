@@ -5,11 +5,13 @@ are handed to the worker in memory when the engine core runs in this process (``
 the default this class sets: it also starts in seconds instead of ~30 s on CPU); with a separate engine process
 they go through a temporary version directory. Every call into a separate engine process waits only while that
 process lives (``_liveness``): a killed engine core ends the call with ``EngineDiedError`` within a fraction of a
-second, where vLLM alone would wait forever.
+second, where vLLM alone would wait forever. One thread drives the engine (``_engine_loop``): generations asked for
+by several threads share its continuous batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import TOKENIZER_FILES, RoutingAnswer, install_cpu_sampler, kv_cache_bytes
+from megatron_offgrpo.rollout._engine_loop import EngineLoop
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
@@ -130,14 +133,15 @@ class VLLMEngine:
             **llm_kwargs,
         )
         self.processes = [] if self.in_process else _engine_processes(self.llm)  # watched during every call
-        self._lock = threading.Lock()
+        self._loop = EngineLoop(self.llm, lambda fn: call_while_alive(self.processes, fn))
+        self._routing_lock = threading.Lock()  # hooks routing: one generation at a time (see concurrent_generate)
         info = self._rpc("offgrpo_info", {})
         if not info.ok or info.version is None:
             raise RuntimeError(f"offgrpo_info failed ({info.error}): is vLLM running the worker extension?")
         self._version = info.version
         logging.getLogger(__name__).info("in-process vLLM engine: version %d, token sampler %s", info.version,
                                          info.sampler)
-        self.llm.llm_engine.set_weight_version(str(self._version))
+        self._call(self.llm.llm_engine.set_weight_version, str(self._version))
         self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
         self.record_routing = record_routing
         self._routing_source: str | None = None  # "vllm" (with each completion) or "hooks" (claimed from the worker)
@@ -147,13 +151,17 @@ class VLLMEngine:
                 self.close()
                 raise ValueError(f"VLLMEngine record_routing=True: {answer.error}")
             self._routing_source = answer.routing_source
+        # Generations from several threads share the engine's batch (``EngineLoop``), except where the worker's
+        # routing hooks record one generation's experts at a time.
+        self.concurrent_generate = self._routing_source != "hooks"
 
     def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
         return summarize(self._call(self.llm.collective_rpc, method, kwargs={"payload": json.dumps(kwargs)}))
 
     def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on the engine, ended by ``EngineDiedError`` if the engine's process dies."""
-        return call_while_alive(self.processes, lambda: fn(*args, **kwargs))
+        """``fn(*args, **kwargs)`` on the engine's loop between decode steps, ended by ``EngineDiedError`` if the
+        engine's process dies."""
+        return self._loop.run(lambda: fn(*args, **kwargs))
 
     def version(self) -> int:
         """The version the engine holds."""
@@ -167,18 +175,17 @@ class VLLMEngine:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """``len(prompts) * n`` samples, grouped by prompt, tagged with the engine's version label spans."""
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if n < 1:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
         hooks = self._routing_source == "hooks"
-        with self._lock:
+        with self._routing_lock if hooks else contextlib.nullcontext():
             if hooks:
                 self._rpc("offgrpo_routing_begin", {})
-            outputs = self._call(
-                self.llm.generate,
+            outputs = self._loop.generate(
                 [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
-                [self._params(params, n, i) for i in range(len(prompts))],
-                use_tqdm=False,
+                [self._params(params, n, i, output_kind=RequestOutputKind.FINAL_ONLY) for i in range(len(prompts))],
             )
             samples = self._samples(prompts, outputs, n)
             if hooks:
@@ -224,7 +231,7 @@ class VLLMEngine:
         Raises:
             ValueError: a version that does not increase. RefreshError: the worker rejected the weights.
         """
-        with self._lock:
+        with self._routing_lock:  # refreshes come from one thread; this only orders them against hooks routing
             require_newer(version, self._version)
             start = time.perf_counter()
             if isinstance(weights, (str, Path)):
@@ -235,7 +242,8 @@ class VLLMEngine:
             elif self.in_process:
                 tensors = [t for bucket in weights for t in bucket]
                 answer, transport = (
-                    summarize(self.llm.collective_rpc("offgrpo_install_tensors", args=(tensors, int(version)))),
+                    summarize(self._call(self.llm.collective_rpc, "offgrpo_install_tensors",
+                                         args=(tensors, int(version)))),
                     "memory",
                 )
             else:
@@ -260,17 +268,20 @@ class VLLMEngine:
         """The engine's version and prompt log-probs of ``token_ids``."""
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        params = VllmParams(n=1, max_tokens=1, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
-        with self._lock:
-            output = self._call(self.llm.generate, [TokensPrompt(prompt_token_ids=list(token_ids))], params,
-                                use_tqdm=False)[0]
+        params = VllmParams(n=1, max_tokens=1, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+        output = self._loop.generate([TokensPrompt(prompt_token_ids=list(token_ids))], [params])[0]
         values = [float(output.prompt_logprobs[t][token_ids[t]].logprob) for t in range(1, len(token_ids))]
         spans = [{"version": s.version} for s in output.outputs[0].weight_versions or []]
         return {self.name: ProbeResult(parse_version(spans, "probe"), values)}
 
     def close(self) -> None:
         """Shut the engine down and drop temporary refresh directories."""
+        if getattr(self, "_loop", None) is not None:
+            self._loop.close()
+            self._loop = None
         if getattr(self, "llm", None) is not None:
             shutdown = getattr(self.llm.llm_engine, "shutdown", None) or getattr(
                 self.llm.llm_engine.engine_core, "shutdown", None

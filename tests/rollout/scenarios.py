@@ -111,3 +111,34 @@ def check_verification(
         verify_refresh(engine, probe, hf_probe_logprobs(model_dir, good, probe), version + 2, atol)
     with pytest.raises(RefreshVerificationError, match="serves version"):  # a refresh that did not happen
         verify_refresh(engine, probe, expected, version + 3, atol)
+
+
+def check_concurrent_generate(engine) -> None:
+    """Generations asked for from two threads at once: each gets exactly its own samples, as when asked alone; and
+    where the engine shares one batch between callers (``concurrent_generate``), a short generation asked for while
+    a long one runs finishes first instead of waiting for the long one's end (what ``rollout.mode=async`` relies on
+    to generate several steps' groups at once)."""
+    import threading
+    import time
+
+    long_params = SamplingParams(max_tokens=200, temperature=1.0, seed=11)
+    short_params = SamplingParams(max_tokens=4, temperature=0.0)
+    alone = engine.generate(PROMPTS[5:6], 1, short_params)
+    finished: dict[str, float] = {}
+    results: dict[str, list] = {}
+
+    def ask(name: str, prompts, n: int, params) -> None:
+        results[name] = engine.generate(prompts, n, params)
+        finished[name] = time.perf_counter()
+
+    long_run = threading.Thread(target=ask, args=("long", PROMPTS[:4], 2, long_params))
+    long_run.start()
+    time.sleep(0.5)  # the long generation is decoding
+    ask("short", PROMPTS[5:6], 1, short_params)
+    long_run.join()
+    assert [s.response_ids for s in results["short"]] == [s.response_ids for s in alone]
+    assert len(results["long"]) == 8 and [s.group_id for s in results["long"]] == [0, 0, 1, 1, 2, 2, 3, 3]
+    longest = max(len(s.response_ids) for s in results["long"])
+    if getattr(engine, "concurrent_generate", False):
+        assert longest > 50, f"the long generation ended after {longest} tokens: too short to tell"
+        assert finished["short"] < finished["long"], "the short generation waited for the long one"

@@ -116,6 +116,8 @@ def test_groups_complete_and_version_tagged(fleet):
     scenarios.check_groups(engine)
     samples = engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)
     assert len({s.server for s in samples}) == 2  # load is spread over both servers
+    assert engine.concurrent_generate
+    scenarios.check_concurrent_generate(engine)
 
 
 def test_behavior_logprobs_are_the_sampled_distribution(fleet):

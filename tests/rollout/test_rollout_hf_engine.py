@@ -28,6 +28,10 @@ def test_groups_complete_and_version_tagged(engine):
     scenarios.check_groups(engine)
 
 
+def test_generations_from_two_threads(engine):
+    scenarios.check_concurrent_generate(engine)
+
+
 def test_behavior_logprobs_are_the_sampled_distribution(engine, tiny_dir):
     scenarios.check_behavior_logprobs(engine, tiny_dir, None)
 
