@@ -12,7 +12,12 @@ from megatron_offgrpo.transports import Buckets
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Generates completions with versioned weights; the only thing the trainer knows about generation."""
+    """Generates completions with versioned weights; the only thing the trainer knows about generation.
+
+    An engine whose ``generate`` may be called from several threads at once, their requests sharing one batch (a
+    request that ends frees its slot for any caller's next one), says so with ``concurrent_generate = True``: the
+    in-process vLLM engine and the fleet client do; ``rollout.mode=async`` then generates several steps at once.
+    """
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """Return ``len(prompts) * n`` samples, grouped: samples ``[i*n, (i+1)*n)`` have ``group_id == i``.
