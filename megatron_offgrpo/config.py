@@ -159,9 +159,10 @@ class RolloutConfig:
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
     mode: str = "lockstep"
     """"lockstep": each step generates its batch (or prefetches one: ``overlap``), then learns. "async": the engine
-    generates the next steps' batches in a thread while the trainer learns, as far ahead as ``max_staleness``
-    allows (it pauses there, nothing is discarded); batches are trained in the order their prompts were drawn, and a
-    checkpoint keeps the untrained ones (``train._async``)."""
+    generates the next steps' batches while the trainer learns, as far ahead as ``max_staleness`` allows (it pauses
+    there, nothing is discarded), all of them at once on an engine that shares one batch between callers (vLLM,
+    the fleet); batches are trained in the order their prompts were drawn, and a checkpoint keeps the untrained ones
+    (``train._async``)."""
     max_staleness: int | None = None
     """mode=async: the oldest a trained sample may be, in optimizer steps (>= v - 1; null: v). Generation of step
     s waits until the engine's version w has s - w <= max_staleness."""

@@ -35,6 +35,7 @@ class QARecord:
     question: str
     answer: str
     where: str = dataclasses.field(default="", compare=False)
+    max_new_tokens: int | None = None  # the row's own cap on its completions (an optional ``max_new_tokens`` key)
 
 
 def _text(value: object, where: str, key: str) -> str:
@@ -64,8 +65,19 @@ def _from_rows(rows: Sequence[object], wheres: Sequence[str], prefix: str, quest
             raise ValueError(f"{where}: no {missing[0]!r} key (the row has {sorted(row)[:8]}): fix the row or set "
                              f"{setting}")
         records.append(QARecord(f"{prefix}/{i}", _text(row[question_key], where, question_key),
-                                _text(row[answer_key], where, answer_key), where))
+                                _text(row[answer_key], where, answer_key), where, _cap(row, where)))
     return records
+
+
+def _cap(row: dict, where: str) -> int | None:
+    """The row's optional ``max_new_tokens``: a positive integer, or absent."""
+    value = row.get("max_new_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: max_new_tokens={value!r}: give a positive integer (the row's own cap on its "
+                         "completions) or leave the key out")
+    return value
 
 
 def _in_package(path: Path) -> Path:

@@ -40,7 +40,8 @@ def build_prompt(record: QARecord, tokenizer, system_prompt: str | None = None,
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise ValueError(f"prompt {record.record_id} has {len(ids)} tokens > "
                          f"data.max_prompt_tokens={max_prompt_tokens}")
-    return Prompt(record.record_id, tuple(int(i) for i in ids), record.question, record.answer)
+    return Prompt(record.record_id, tuple(int(i) for i in ids), record.question, record.answer,
+                  record.max_new_tokens)
 
 
 class PromptStream:

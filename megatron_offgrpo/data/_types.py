@@ -20,12 +20,21 @@ class Prompt:
         prompt_ids: [T_prompt] token ids, chat template applied.
         text: the raw question (for logs and rewards that read it).
         answer: the ground truth the reward function checks (e.g. "72"), or None for reward models.
+        max_new_tokens: this prompt's own cap on its completions (a data row's ``max_new_tokens``), under the run's
+            (``rollout.max_new_tokens``); None: the run's.
     """
 
     prompt_id: str
     prompt_ids: tuple[int, ...]
     text: str = ""
     answer: str | None = None
+    max_new_tokens: int | None = None
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with this prompt's completion cap applied (what every engine asks for it)."""
+        if self.max_new_tokens is None or self.max_new_tokens >= params.max_tokens:
+            return params
+        return dataclasses.replace(params, max_tokens=self.max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,7 +125,7 @@ class TransformersEngine:
         if n < 1:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
         with self._lock:
-            return [s for i, p in enumerate(prompts) for s in self._group(p, i, n, params)]
+            return [s for i, p in enumerate(prompts) for s in self._group(p, i, n, p.sampling(params))]
 
     def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
         """Install ``version`` after checking it (a rejected refresh leaves the weights untouched).

@@ -46,7 +46,7 @@ class ServerClient:
         body = {
             "token_ids": list(prompt.prompt_ids),
             "model": self.model,
-            "sampling_params": sampling_body(params, n, group_id),
+            "sampling_params": sampling_body(prompt.sampling(params), n, group_id),
             "request_id": f"offgrpo-g{group_id}-{uuid.uuid4().hex[:12]}",
         }
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)

@@ -185,7 +185,8 @@ class VLLMEngine:
                 self._rpc("offgrpo_routing_begin", {})
             outputs = self._loop.generate(
                 [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
-                [self._params(params, n, i, output_kind=RequestOutputKind.FINAL_ONLY) for i in range(len(prompts))],
+                [self._params(p.sampling(params), n, i, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for i, p in enumerate(prompts)],
             )
             samples = self._samples(prompts, outputs, n)
             if hooks:

@@ -1,42 +1,93 @@
-"""``rollout.mode=async``: the engine generates the next steps' batches in a thread of its own while the trainer
-learns, as far ahead as the staleness bound allows, and the trainer takes each step's batch as soon as it is there.
+"""``rollout.mode=async``: the engine generates the next steps' batches while the trainer learns, as far ahead as the
+staleness bound allows, and the trainer takes each step's batch as soon as it is there.
 
 The rule (``rollout.max_staleness`` = B, in optimizer steps): the batch of step ``s`` is started only once the
 engine's verified version ``w`` has ``s - w <= B``, so every trained sample is at most B steps stale. Reaching the
 bound **pauses** generation until the next refresh; nothing is discarded, and the trainer consumes batches in the
 order their prompts were drawn (step order), so a slow, long group is never overtaken by shorter later ones: the
-trained data has the generated data's length distribution. (slime's ``train_async`` and NeMo-RL's k-step-off work at
-this granularity too; AReaL and PipelineRL go further, with partial rollouts across a refresh: not yet here.)
+trained data has the generated data's length distribution.
 
-The engine is one resource: a generation holds ``engine_lock`` for its batch, and the rollout side takes the same lock
-to install weights, verify them, evaluate or checkpoint, so those wait for the batch in flight (at most one) and
-never interleave with it. A checkpoint keeps the finished, untrained batches (``RolloutState.ready``) with the
-prompt stream's position after them: a resumed run trains every prompt of the stream exactly once.
+Several steps generate at once where the engine shares one batch between callers (``concurrent_generate``: the
+in-process vLLM engine, the fleet): every step the bound allows is started, each in a thread of its own, and the
+engine's continuous batching serves their requests first come, first served, so a slot freed by a short answer goes
+to the next step's request instead of idling until the step's longest answer ends. Steps draw their first prompts
+in step order (a step starts only after the one before it drew), so without dynamic sampling the batches are the
+lockstep run's; refill rounds of dynamic sampling draw when they are needed.
+
+The engine is one resource (``EngineGate``): generations share it; installing weights, verifying them, evaluating
+and checkpointing take it alone, after the steps in flight end and before any new one starts. A checkpoint then
+keeps the finished, untrained batches (``RolloutState.ready``) with the prompt stream's position after them: a
+resumed run trains every prompt of the stream exactly once. (slime's ``train_async`` and NeMo-RL's k-step-off work
+at batch granularity with one batch in flight; AReaL and PipelineRL also carry partial rollouts across a refresh:
+not yet here.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from megatron_offgrpo.train._sampling import RolloutBatch
 
+Generate = Callable[[int, Callable[[], None]], RolloutBatch]
+"""``generate(step, drawn)``: step ``step``'s scored batch; it calls ``drawn()`` once its first prompts are drawn."""
+
+
+class EngineGate:
+    """Generations share the engine; refresh, verification, evaluation and checkpoints take it alone. A waiting
+    exclusive user holds new generations back, so a refresh is never starved by the steps that follow it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._sharing = 0
+        self._exclusive = False
+        self._exclusive_waiting = 0
+
+    def enter_shared(self) -> None:
+        with self._cond:
+            while self._exclusive or self._exclusive_waiting:
+                self._cond.wait()
+            self._sharing += 1
+
+    def leave_shared(self) -> None:
+        with self._cond:
+            self._sharing -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._exclusive_waiting += 1
+            while self._exclusive or self._sharing:
+                self._cond.wait()
+            self._exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
 
 class AsyncGenerator:
-    """Batches of steps ``first, first + 1, ...`` (below ``last``), generated ahead by a thread under the bound."""
+    """Batches of steps ``first, first + 1, ...`` (below ``last``), generated ahead under the bound."""
 
-    def __init__(self, generate: Callable[[int], RolloutBatch], engine_lock: threading.Lock, bound: int,
-                 last: int) -> None:
-        self._generate, self.engine_lock = generate, engine_lock
-        self._bound, self._last = bound, last
+    def __init__(self, generate: Generate, gate: EngineGate, bound: int, last: int, concurrent: bool) -> None:
+        """Args: generate: see ``Generate``. gate: the engine's. bound: B. last: the run's step count.
+        concurrent: several steps may generate at once (the engine's ``concurrent_generate``); else one at a time."""
+        self._generate, self.gate = generate, gate
+        self._bound, self._last, self._most_in_flight = bound, last, (bound + 1 if concurrent else 1)
         self._ready: dict[int, RolloutBatch] = {}
         self._cond = threading.Condition()
-        self._next: int | None = None  # the next step to generate, set by the first take()
+        self._next: int | None = None  # the next step to start, set by the first take()
+        self._in_flight: set[int] = set()
         self._version: int | None = None  # the engine's verified version: generation waits for the first
-        self._error: BaseException | None = None
+        self._errors: dict[int, BaseException] = {}
         self._closed = False
-        self._paused_s = 0.0  # since the last take(): waiting for the bound (or for the first version)
+        self._paused_s = 0.0  # since the last take(): no step in flight, held by the bound (or the first version)
         self._thread: threading.Thread | None = None
 
     def set_version(self, version: int) -> None:
@@ -46,25 +97,26 @@ class AsyncGenerator:
             self._cond.notify_all()
 
     def take(self, step: int) -> RolloutBatch:
-        """Step ``step``'s batch, waiting for it if it is not ready (the thread starts at the first call).
+        """Step ``step``'s batch, waiting for it if it is not ready (generation starts at the first call).
 
         Raises:
-            whatever the generation raised (a dead engine: ``EngineDiedError``).
+            whatever its generation raised (a dead engine: ``EngineDiedError``), or the error that stopped
+            generation before this step started.
         """
         with self._cond:
             if self._thread is None:
                 self._next = max([step - 1, *self._ready]) + 1
-                self._thread = threading.Thread(target=self._run, name="offgrpo-async-rollout", daemon=True)
+                self._thread = threading.Thread(target=self._dispatch, name="offgrpo-async-rollout", daemon=True)
                 self._thread.start()
-            while step not in self._ready and self._error is None:
+            while step not in self._ready and not self._failed(step):
                 self._cond.wait()
             if step not in self._ready:
-                raise self._error
+                raise self._errors.get(step) or next(iter(self._errors.values()))
             batch = self._ready.pop(step)
             paused, self._paused_s = self._paused_s, 0.0
-            depth = len(self._ready)
+            depth, in_flight = len(self._ready), len(self._in_flight)
             self._cond.notify_all()
-        batch.timing.update(buffer_depth=depth, fleet_paused_s=paused)
+        batch.timing.update(buffer_depth=depth, steps_in_flight=in_flight, fleet_paused_s=paused)
         return batch
 
     def restore(self, ready: dict[int, RolloutBatch]) -> None:
@@ -73,42 +125,61 @@ class AsyncGenerator:
             self._ready.update(ready)
 
     def ready_batches(self) -> dict[int, RolloutBatch]:
-        """The finished, untrained batches (call with ``engine_lock`` held: then none is in flight, and the stream
+        """The finished, untrained batches (call inside ``gate.exclusive()``: then none is in flight, and the stream
         stands right after the last of them)."""
         with self._cond:
             return dict(self._ready)
 
     def close(self) -> None:
-        """Stop after the batch in flight; wait for the thread."""
+        """Start no more steps; wait for those in flight."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        with self._cond:
+            while self._in_flight:
+                self._cond.wait()
 
-    def _allowed(self) -> bool:
-        return (self._version is not None and self._next < self._last
-                and self._next - self._version <= self._bound)
+    def _failed(self, step: int) -> bool:
+        """Step ``step`` failed, or generation stopped on an error before starting it."""
+        return step in self._errors or (bool(self._errors) and step >= self._next and step not in self._in_flight)
 
-    def _run(self) -> None:
+    def _may_start(self) -> bool:
+        return (self._version is not None and self._next - self._version <= self._bound
+                and len(self._in_flight) < self._most_in_flight)
+
+    def _dispatch(self) -> None:
         while True:
             with self._cond:
-                start = time.perf_counter()
-                while not self._closed and not self._allowed() and self._next < self._last:
+                while not (self._closed or self._errors or self._next >= self._last or self._may_start()):
+                    idle, start = not self._in_flight, time.perf_counter()
                     self._cond.wait()
-                self._paused_s += time.perf_counter() - start
-                if self._closed or self._next >= self._last:
+                    if idle:  # the engine had nothing to generate: held by the bound (or the first version)
+                        self._paused_s += time.perf_counter() - start
+                if self._closed or self._errors or self._next >= self._last:
                     return
                 step = self._next
-            with self.engine_lock:
-                try:
-                    batch = self._generate(step)
-                except BaseException as exc:  # raised to the trainer by take()
-                    with self._cond:
-                        self._error = exc
-                        self._cond.notify_all()
-                    return
-                with self._cond:  # still under the engine lock: a checkpoint sees the batch and the stream agree
-                    self._ready[step] = batch
-                    self._next = step + 1
-                    self._cond.notify_all()
+                self._next += 1
+                self._in_flight.add(step)
+            self.gate.enter_shared()  # after a refresh or checkpoint that waits: they see no step half-started
+            drawn = threading.Event()
+            threading.Thread(target=self._work, args=(step, drawn), name=f"offgrpo-rollout-step-{step}",
+                             daemon=True).start()
+            drawn.wait()  # the next step draws after this one: batches keep the stream's order
+
+    def _work(self, step: int, drawn: threading.Event) -> None:
+        try:
+            batch = self._generate(step, drawn.set)
+        except BaseException as exc:  # raised to the trainer by take()
+            with self._cond:
+                self._errors[step] = exc
+        else:
+            with self._cond:
+                self._ready[step] = batch
+        finally:
+            drawn.set()
+            self.gate.leave_shared()  # after the batch is ready: a checkpoint that was waiting keeps it
+            with self._cond:
+                self._in_flight.discard(step)
+                self._cond.notify_all()

@@ -73,7 +73,7 @@ def build_prompts(config: Config, tokenizer, records: list[QARecord]) -> list[Pr
             raise ValueError(f"{record.where or record.record_id}: the prompt has {len(ids)} tokens > "
                              f"data.max_prompt_tokens={config.data.max_prompt_tokens}: shorten or remove the row, or "
                              "raise data.max_prompt_tokens")
-        prompts.append(Prompt(record.record_id, ids, record.question, record.answer))
+        prompts.append(Prompt(record.record_id, ids, record.question, record.answer, record.max_new_tokens))
     return prompts
 
 

@@ -18,7 +18,7 @@ from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
 from megatron_offgrpo.runtime import release_free_memory
-from megatron_offgrpo.train._async import AsyncGenerator
+from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._preflight import prompt_length_error
 from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
@@ -59,9 +59,10 @@ class RolloutSide:
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     # (step, its generation, the stream's position before it drew): a failed prefetch's prompts are drawn again
     _pending: tuple[int, concurrent.futures.Future, dict[str, int]] | None = None
-    # rollout.mode=async: the generation thread, and the lock every use of the engine takes (train._async)
+    # rollout.mode=async: the generation threads, and the gate every use of the engine passes (train._async)
     _async: AsyncGenerator | None = None
-    engine_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    gate: EngineGate = dataclasses.field(default_factory=EngineGate)
+    _stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # steps draw from threads
     _restored: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)  # a checkpoint's ready batches
 
     @classmethod
@@ -87,27 +88,28 @@ class RolloutSide:
         if config.rollout.overlap:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         if config.rollout.mode == "async":
-            side._async = AsyncGenerator(side.generate, side.engine_lock, config.rollout.staleness_bound(),
-                                         config.train.steps)
+            side._async = AsyncGenerator(side.generate, side.gate, config.rollout.staleness_bound(),
+                                         config.train.steps, getattr(engine, "concurrent_generate", False))
         return side
 
-    def generate(self, step: int) -> RolloutBatch:
+    def generate(self, step: int, drawn: Callable[[], None] = lambda: None) -> RolloutBatch:
         """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step (per round).
 
         With ``rollout.dynamic_sampling``, groups whose rewards are all equal are discarded and further rounds refill
         the batch from the stream (``train._sampling.fill_batch``). The engine is not refreshed during a step, so
-        every round's samples carry the version it reports.
+        every round's samples carry the version it reports. ``drawn()`` is called once the first round's prompts
+        are drawn (``rollout.mode=async`` starts the next step then).
         """
         start = time.perf_counter()
-        batch = self._fill(step)
+        batch = self._fill(step, drawn)
         batch.timing["generate_s"] = time.perf_counter() - start
         return batch
 
-    def _fill(self, step: int) -> RolloutBatch:
+    def _fill(self, step: int, drawn: Callable[[], None]) -> RolloutBatch:
         r = self.config.rollout
         if not r.dynamic_sampling:
-            return RolloutBatch(self._draw(step, 0, r.prompts_per_step))
-        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts), r.prompts_per_step,
+            return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn))
+        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn), r.prompts_per_step,
                            r.group_size, r.max_sampling_rounds, r.oversample, self.config.algo.advantage_params(), step)
         if batch.stats.degenerate_kept:
             logger.info("step %d: %d of %d groups without reward variance after %d sampling rounds (masked; "
@@ -115,11 +117,13 @@ class RolloutSide:
                         batch.stats.rounds)
         return batch
 
-    def _draw(self, step: int, round_: int, count: int) -> list[Sample]:
+    def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None]) -> list[Sample]:
         """The next ``count`` prompts of the stream, G scored samples each, group-major."""
         cfg = self.config
         params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_))
-        prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
+        with self._stream_lock:
+            prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
+        drawn()
         samples = self.engine.generate(prompts, group_size, params)
         release_free_memory()  # the decode steps' logits: not kept beside the optimizer step's buffers
         if len(samples) != len(prompts) * group_size:
@@ -162,7 +166,7 @@ class RolloutSide:
         stops the run.
         """
         try:
-            with self.engine_lock:  # async: after the batch in flight
+            with self.gate.exclusive():  # async: after the steps in flight
                 return self.engine.update_weights(buckets, version)
         except RefreshError as exc:
             if self.engine.version() != version:
@@ -174,7 +178,7 @@ class RolloutSide:
         """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
         ``expected`` (the trainer's log-probs) within the run's tolerance (``bound``: the model's derived one)."""
         atol = verify_tolerance(self.config.rollout, self.config.model.precision, bound)
-        with self.engine_lock:
+        with self.gate.exclusive():
             verify_refresh(self.engine, probe_ids, expected, version, atol)
         if self._async is not None:  # generation may now run up to version + the staleness bound
             self._async.set_version(version)
@@ -185,7 +189,7 @@ class RolloutSide:
         cfg = self.config
         if not cfg.train.eval_every:
             return {}
-        with self.engine_lock:
+        with self.gate.exclusive():
             return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer,
                             cfg.rollout.max_new_tokens, samples=cfg.train.eval_samples,
                             temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
@@ -193,8 +197,8 @@ class RolloutSide:
     def resume_state(self) -> RolloutState:
         """What a checkpoint keeps of this side: the batches generated but not trained, and the stream after them.
 
-        A batch in flight (``rollout.overlap``'s prefetch, the async thread's current batch) is waited for, so that
-        it is kept, and the stream's position is past it: at most one batch's generation.
+        Batches in flight (``rollout.overlap``'s prefetch, the async steps' generation) are waited for, so that they
+        are kept, and the stream's position is past them.
         """
         ready, rewind = dict(self._restored), None
         if self._pending is not None:
@@ -204,7 +208,7 @@ class RolloutSide:
                 ready[due] = future.result()
             else:  # its error is raised by batch(); a resume draws its prompts again
                 rewind = before
-        with self.engine_lock:
+        with self.gate.exclusive():
             if self._async is not None:
                 ready |= self._async.ready_batches()
             return RolloutState(rewind or self.stream.state_dict(), ready)

@@ -57,8 +57,9 @@ class RolloutBatch:
         stats: the dynamic-sampling counts; None without ``rollout.dynamic_sampling`` (one round of B groups).
         timing: ``generate_s``, the seconds its generation and scoring took (in any mode: with ``rollout.overlap``
             or ``mode=async`` it ran beside the trainer); in ``mode=async`` (``train._async``) also ``buffer_depth``
-            (batches ready behind it when it was taken) and ``fleet_paused_s`` (the generation thread's seconds held
-            by the staleness bound since the previous step's batch was taken).
+            (batches ready behind it when it was taken), ``steps_in_flight`` (steps generating then) and
+            ``fleet_paused_s`` (seconds since the previous step's batch was taken that no step was generating, held
+            by the staleness bound).
     """
 
     samples: list[Sample]

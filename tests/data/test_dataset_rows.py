@@ -54,3 +54,21 @@ def test_bundled_data_path_resolves_from_another_directory(tmp_path, monkeypatch
     assert len(records) == 1319 and records[0].answer.rstrip().split()[-1] == "18"
     with pytest.raises(FileNotFoundError, match="^megatron_offgrpo/assets/gsm8k/nope.jsonl: dataset file not found$"):
         load_local("megatron_offgrpo/assets/gsm8k/nope.jsonl")
+
+
+def test_a_row_may_cap_its_own_completions(tmp_path):
+    """``max_new_tokens`` in a row: the prompt's own cap, under the run's (``Prompt.sampling``); a bad one is one line
+    naming file:line."""
+    from megatron_offgrpo.data import Prompt, SamplingParams
+
+    path = _jsonl(tmp_path / "d.jsonl", [{"question": "a", "answer": "1", "max_new_tokens": 5},
+                                        {"question": "b", "answer": "2"}])
+    assert [r.max_new_tokens for r in load_local(path)] == [5, None]
+    run = SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    assert Prompt("p", (1,), max_new_tokens=5).sampling(run) == SamplingParams(16 - 11, 1.0, seed=3)
+    assert Prompt("p", (1,), max_new_tokens=64).sampling(run) is run and Prompt("p", (1,)).sampling(run) is run
+    for bad in (0, -3, "5", 2.5, True):
+        path = _jsonl(tmp_path / "bad.jsonl", [{"question": "a", "answer": "1", "max_new_tokens": bad}])
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:1: max_new_tokens={re.escape(repr(bad))}: "
+                                             "give a positive integer"):
+            load_local(path)

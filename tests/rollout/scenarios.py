@@ -142,3 +142,14 @@ def check_concurrent_generate(engine) -> None:
     if getattr(engine, "concurrent_generate", False):
         assert longest > 50, f"the long generation ended after {longest} tokens: too short to tell"
         assert finished["short"] < finished["long"], "the short generation waited for the long one"
+
+
+def check_prompt_caps(engine) -> None:
+    """A prompt's own ``max_new_tokens`` caps its completions under the call's ``max_tokens`` (a data row's cap)."""
+    import dataclasses
+
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5)
+    prompts = [dataclasses.replace(PROMPTS[0], max_new_tokens=3), PROMPTS[1]]
+    samples = engine.generate(prompts, 2, params)
+    assert all(len(s.response_ids) <= 3 for s in samples[:2])
+    assert max(len(s.response_ids) for s in samples[2:]) > 3

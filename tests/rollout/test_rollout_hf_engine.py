@@ -32,6 +32,10 @@ def test_generations_from_two_threads(engine):
     scenarios.check_concurrent_generate(engine)
 
 
+def test_a_prompt_caps_its_own_completions(engine):
+    scenarios.check_prompt_caps(engine)
+
+
 def test_behavior_logprobs_are_the_sampled_distribution(engine, tiny_dir):
     scenarios.check_behavior_logprobs(engine, tiny_dir, None)
 

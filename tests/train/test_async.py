@@ -13,22 +13,28 @@ import time
 import pytest
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._async import AsyncGenerator
+from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
 from megatron_offgrpo.train._sampling import RolloutBatch
 from tests.helpers import REPO
 from tests.train.conftest import kill_tree, metrics, train_cmd, train_env, train_proc
 
 
 class Recorder:
-    """A generate function: one sample per step, tagged with the version the engine serves, recording the order."""
+    """A generate function: one sample per step, tagged with the version the engine serves, recording the order the
+    steps drew in; a step in ``hold`` waits for its event (a long generation)."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.version, self.started, self.fail_at = 0, [], fail_at
+    def __init__(self, fail_at: int | None = None, hold: dict[int, threading.Event] | None = None) -> None:
+        self.version, self.started, self.fail_at, self.hold = 0, [], fail_at, hold or {}
+        self.finished: list[int] = []
 
-    def __call__(self, step: int) -> RolloutBatch:
+    def __call__(self, step: int, drawn) -> RolloutBatch:
         self.started.append(step)
+        drawn()
         if step == self.fail_at:
             raise RuntimeError(f"engine died at step {step}")
+        if step in self.hold:
+            assert self.hold[step].wait(10)
+        self.finished.append(step)
         return RolloutBatch([Sample(f"p{step}", 0, [1], [2], [-0.1], self.version, "stop", reward=1.0)])
 
 
@@ -39,9 +45,10 @@ def _wait_for(condition, seconds: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_generation_runs_ahead_to_the_bound_pauses_there_and_resumes_after_a_refresh():
-    gen, lock = Recorder(), threading.Lock()
-    producer = AsyncGenerator(gen, lock, bound=2, last=10)
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_generation_runs_ahead_to_the_bound_pauses_there_and_resumes_after_a_refresh(concurrent):
+    gen = Recorder()
+    producer = AsyncGenerator(gen, EngineGate(), bound=2, last=10, concurrent=concurrent)
     try:
         producer.set_version(0)
         assert producer.take(0).samples[0].prompt_id == "p0"
@@ -60,31 +67,86 @@ def test_generation_runs_ahead_to_the_bound_pauses_there_and_resumes_after_a_ref
         producer.close()
 
 
-def test_a_generation_error_is_raised_by_the_take_of_its_step_and_the_engine_lock_orders_the_refresh():
-    gen, lock = Recorder(fail_at=1), threading.Lock()
-    producer = AsyncGenerator(gen, lock, bound=1, last=10)
+def test_a_concurrent_engine_generates_every_step_the_bound_allows_at_once_and_they_are_taken_in_step_order():
+    """Step 0 is long: steps 1..3 start beside it (their requests share the engine's batch), finish first, and
+    still reach the trainer after it; the draws are in step order; a fourth step waits for the bound."""
+    release = threading.Event()
+    gen = Recorder(hold={0: release})
+    producer = AsyncGenerator(gen, EngineGate(), bound=3, last=10, concurrent=True)
+    try:
+        producer.set_version(0)
+        taker = threading.Thread(target=producer.take, args=(0,), daemon=True)
+        taker.start()
+        _wait_for(lambda: gen.finished == [1, 2, 3])
+        assert gen.started == [0, 1, 2, 3] and taker.is_alive()  # step 4 is 4 ahead of version 0: not started
+        release.set()
+        taker.join(10)
+        assert [producer.take(step).samples[0].prompt_id for step in (1, 2, 3)] == ["p1", "p2", "p3"]
+    finally:
+        release.set()
+        producer.close()
+
+
+def test_one_step_at_a_time_on_an_engine_without_a_shared_batch():
+    release = threading.Event()
+    gen = Recorder(hold={0: release})
+    producer = AsyncGenerator(gen, EngineGate(), bound=3, last=10, concurrent=False)
+    try:
+        producer.set_version(0)
+        threading.Thread(target=producer.take, args=(0,), daemon=True).start()
+        _wait_for(lambda: gen.started == [0])
+        time.sleep(0.2)
+        assert gen.started == [0]
+    finally:
+        release.set()
+        producer.close()
+
+
+def test_a_generation_error_is_raised_by_the_take_of_its_step():
+    producer = AsyncGenerator(Recorder(fail_at=1), EngineGate(), bound=1, last=10, concurrent=True)
     try:
         producer.set_version(0)
         producer.take(0)
         with pytest.raises(RuntimeError, match="engine died at step 1"):
             producer.take(1)
+        with pytest.raises(RuntimeError, match="engine died at step 1"):  # nothing after it was started
+            producer.take(2)
     finally:
         producer.close()
-    held = threading.Lock()
-    with held:  # the rollout side holds the engine lock to install weights: nothing is generated meanwhile
-        producer = AsyncGenerator(Recorder(), held, bound=4, last=3)
+
+
+def test_the_gate_holds_new_steps_while_a_refresh_waits_and_the_refresh_waits_for_the_steps_in_flight():
+    release, gate = threading.Event(), EngineGate()
+    gen = Recorder(hold={1: release})
+    producer = AsyncGenerator(gen, gate, bound=2, last=10, concurrent=True)
+    try:
         producer.set_version(0)
-        taker = threading.Thread(target=producer.take, args=(0,), daemon=True)
-        taker.start()
+        producer.take(0)
+        _wait_for(lambda: gen.finished == [0, 2])  # step 1 is long, step 2 done beside it; step 3 is past the bound
+        seen: list[tuple[list[int], list[int]]] = []
+
+        def refresh() -> None:
+            with gate.exclusive():  # what RolloutSide.install does
+                time.sleep(0.1)
+                seen.append((list(gen.started), sorted(producer.ready_batches())))
+
+        refresher = threading.Thread(target=refresh, daemon=True)
+        refresher.start()
+        time.sleep(0.1)
+        producer.set_version(2)  # steps 3 and 4 are allowed now, but the waiting refresh holds them back
         time.sleep(0.2)
-        assert producer.ready_batches() == {} and taker.is_alive()
-    taker.join(10)
-    assert not taker.is_alive()
-    producer.close()
+        assert gen.started == [0, 1, 2] and not seen  # the refresh waits for step 1
+        release.set()
+        refresher.join(10)
+        assert seen == [([0, 1, 2], [1, 2])]  # it ran after step 1 ended, before step 3 began
+        _wait_for(lambda: gen.started == [0, 1, 2, 3, 4])
+    finally:
+        release.set()
+        producer.close()
 
 
 def test_close_while_paused_at_the_bound_returns():
-    producer = AsyncGenerator(Recorder(), threading.Lock(), bound=0, last=10)
+    producer = AsyncGenerator(Recorder(), EngineGate(), bound=0, last=10, concurrent=True)
     producer.set_version(0)
     producer.take(0)
     start = time.monotonic()

@@ -87,6 +87,7 @@ def main() -> None:
     assert engine._rpc("offgrpo_info", {}).sampler == "offgrpo-inverse-cdf"  # fleet._cpu_sampler is in place
     scenarios.check_groups(engine)
     scenarios.check_concurrent_generate(engine)
+    scenarios.check_prompt_caps(engine)
     scenarios.check_behavior_logprobs(engine, model_dir, None)
     assert scenarios.greedy(engine) != fresh["memory"]
     report = scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
