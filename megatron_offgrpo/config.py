@@ -90,7 +90,7 @@ class DataConfig:
     path: str | None = None
     """Local JSONL/JSON/Parquet overriding the bundled copy (or the arithmetic task). Without data.eval_path, a fifth
     of its distinct questions (by a hash of the question) is held out for evaluation and never trained on (the start
-    log says so)."""
+    log says so). A row may carry ``max_new_tokens``: its own cap on its completions, under rollout.max_new_tokens."""
     eval_path: str | None = None
     """Local JSONL/JSON/Parquet file to evaluate on (`offgrpo eval` and periodic evaluation), instead of
     data.eval_split or data.path's held-out slice. Questions it shares with the training data are counted
