@@ -1,24 +1,35 @@
-"""Benchmark: lockstep vs ``rollout.overlap`` vs ``rollout.mode=async`` on the demo task (CPU), one run each.
+"""Benchmark: lockstep vs ``rollout.overlap`` vs ``rollout.mode=async`` (CPU), one run each, in one table.
 
-One warm-up (``configs/tiny-cpu-sft.yaml``), then ``configs/tiny-cpu.yaml`` from it once per variant at the same v
-and the same staleness budget (lockstep: v - 1, overlap: v, async: ``rollout.max_staleness`` = v), evaluation and
-checkpoints off: only the loop's throughput is compared (a finished run in ``--out`` is reused). The in-process
-vLLM engine's core is a process of its own, so generation and training run on the machine's two cores side by side
-whenever the loop lets them.
+Two workloads (``--lengths``):
+- ``demo``: one warm-up (``configs/tiny-cpu-sft.yaml``), then ``configs/tiny-cpu.yaml`` from it: short answers of
+  nearly equal length (the README's demo task);
+- ``long-tail``: the tiny model with random weights (it almost never stops by itself) on prompts whose completion
+  caps (a data row's ``max_new_tokens``) are drawn from a log-normal (``--median-tokens``, ``--sigma``; capped at
+  ``--max-tokens``): the long-tailed lengths of reasoning answers, where a batch waits for its longest response. The
+  reward is constant, so ``algo.mask_zero_variance=false`` keeps every sample in the (zero) loss: the trainer still
+  runs every forward and backward; only throughput is compared.
+
+Every variant runs at the same v and the same staleness budget (lockstep: v - 1, overlap: v, async:
+``rollout.max_staleness`` = v), evaluation and checkpoints off (a finished run in ``--out`` is reused). The
+in-process vLLM engine serves generation in the training process, so both share the machine's cores.
 
 Per variant, over the steps after the first (engine warm-up out): completion tokens per second of the training loop,
 its ratio to lockstep, the trainer's busy share (``time_train_s`` over the loop's wall time), the generation's busy
-share (``generate_s``: every batch's generation and scoring, whichever thread ran it), the trainer's wait for data
-(``time_generate_s``), the mean staleness of the trained samples and, async only, the seconds generation was held
-by the bound (``fleet_paused_s``). Writes the table to ``OUT/async_rollout.md`` and the numbers to ``.json``.
+share (``generate_s``: every batch's generation and scoring, whichever thread ran it; above 100% when several steps
+generate at once), the trainer's wait for data (``time_generate_s``), the mean staleness of the trained samples and,
+async only, the mean steps generating at once (``steps_in_flight``) and the seconds the engine had nothing to
+generate, held by the bound (``fleet_paused_s``). Writes the table to ``OUT/async_rollout.md`` and the numbers to
+``.json``.
 
-Usage: python benchmarks/async_rollout.py [--steps 24] [--v 4] [--out runs/async-rollout] [--variants ...]
+Usage: python benchmarks/async_rollout.py [--lengths demo|long-tail] [--steps 24] [--v 4] [--out DIR] [--variants ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +43,8 @@ VARIANTS = {"lockstep": [], "overlap": ["rollout.overlap=true"], "async": ["roll
 BOUNDS = {"lockstep": lambda v: v - 1, "overlap": lambda v: v, "async": lambda v: v}
 """Each mode's staleness bound at refresh interval v (async: ``rollout.max_staleness``'s default)."""
 COLUMNS = ["variant", "staleness bound", "tokens/s", "vs lockstep", "trainer busy", "generation busy",
-           "trainer waits s/step", "staleness mean", "paused by bound s/step"]
+           "trainer waits s/step", "staleness mean", "steps in flight", "paused by bound s/step"]
+TINY = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
 
 
 def _offgrpo(*args: str) -> None:
@@ -55,43 +67,72 @@ def summarise(records: list[dict], variant: str, bound: int, samples_per_step: i
             "generation busy": f"{100 * sum(r['generate_s'] for r in timed) / wall:.0f}%",
             "trainer waits s/step": round(sum(r["time_generate_s"] for r in timed) / n, 2),
             "staleness mean": round(sum(r["staleness_mean"] for r in timed) / n, 2),
+            "steps in flight": round(sum(r.get("steps_in_flight", 0.0) for r in timed) / n, 2),
             "paused by bound s/step": round(sum(r.get("fleet_paused_s", 0.0) for r in timed) / n, 2)}
+
+
+def long_tail_data(path: Path, rows: int, median: float, sigma: float, most: int, seed: int) -> dict[str, float]:
+    """A JSONL of ``rows`` prompts whose ``max_new_tokens`` are log-normal (median, sigma) in [1, most]; returns the
+    caps' median, p90, p99 and max."""
+    rng = random.Random(seed)
+    caps = sorted(min(most, max(1, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(rows))
+    path.write_text("".join(json.dumps({"question": f"Continue the story number {i}.", "answer": "0",
+                                        "max_new_tokens": cap}) + "\n" for i, cap in enumerate(rng.sample(caps, rows))))
+    return {q: caps[min(rows - 1, int(f * rows))] for q, f in (("median", 0.5), ("p90", 0.9), ("p99", 0.99))} | {
+        "max": caps[-1]}
+
+
+def workload(args, out: Path) -> tuple[list[str], str]:
+    """The train command's model and data arguments of ``--lengths``, and the table's title."""
+    if args.lengths == "demo":
+        sft = out / "sft"
+        if not (sft / "hf").is_dir():
+            print(f"async_rollout: warm-up into {sft}", flush=True)
+            _offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
+        return [f"model.hf_path={sft / 'hf'}"], "demo task"
+    data = out / "long_tail.jsonl"
+    caps = long_tail_data(data, 2000, args.median_tokens, args.sigma, args.max_tokens, seed=0)
+    return ([f"model.hf_path={TINY}", "model.init=random", f"data.path={data}", "data.reward=math_exact",
+             f"rollout.max_new_tokens={args.max_tokens}", "algo.mask_zero_variance=false"],
+            "long-tailed lengths (caps: " + ", ".join(f"{k} {v}" for k, v in caps.items()) + " tokens)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", choices=["demo", "long-tail"], default="demo",
+                        help="the workload: the demo task, or long-tailed completion lengths")
     parser.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
     parser.add_argument("--v", type=int, default=4, help="rollout.refresh_every of every run")
+    parser.add_argument("--median-tokens", type=float, default=24.0, help="long-tail: the caps' median")
+    parser.add_argument("--sigma", type=float, default=0.9, help="long-tail: the caps' log-normal sigma")
+    parser.add_argument("--max-tokens", type=int, default=192, help="long-tail: the largest cap")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("runs/async-rollout"), help="runs and the table go here")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error(f"--steps {args.steps}: at least 3 (the first step is left out of the timing)")
     out = args.out.resolve()
-    sft = out / "sft"
-    if not (sft / "hf").is_dir():
-        print(f"async_rollout: warm-up into {sft}", flush=True)
-        _offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
+    out.mkdir(parents=True, exist_ok=True)
+    model_and_data, title = workload(args, out)
     rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", []).rollout
+    samples_per_step = rollout.prompts_per_step * rollout.group_size
     rows = []
     for variant in args.variants:
         run = out / variant
         done = run / "metrics.jsonl"
         if done.exists() and len(_records(run)) == args.steps and (run / "summary.json").exists():
             print(f"async_rollout: {variant}: reusing the finished run in {run}", flush=True)
-            rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v),
-                                  rollout.prompts_per_step * rollout.group_size))
+            rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v), samples_per_step))
             continue
         print(f"async_rollout: {variant} ({args.steps} steps, v={args.v})", flush=True)
-        _offgrpo("train", "--config", "configs/tiny-cpu.yaml", f"model.hf_path={sft / 'hf'}", f"train.out_dir={run}",
+        _offgrpo("train", "--config", "configs/tiny-cpu.yaml", *model_and_data, f"train.out_dir={run}",
                  f"train.steps={args.steps}", f"rollout.refresh_every={args.v}", "train.eval_every=0",
                  "train.save_every=0", "train.overwrite=true", *VARIANTS[variant])
-        rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v),
-                              rollout.prompts_per_step * rollout.group_size))
+        rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v), samples_per_step))
     base = next((r["tokens/s"] for r in rows if r["variant"] == "lockstep"), None)
     for row in rows:
         row["vs lockstep"] = f"{row['tokens/s'] / base:.2f}x" if base else "-"
-    text = "\n".join([f"## Rollout modes, demo task, v = {args.v}, {args.steps} steps (step 0 left out)", "",
+    text = "\n".join([f"## Rollout modes, {title}, v = {args.v}, {args.steps} steps (step 0 left out)", "",
                       markdown(COLUMNS, rows), ""])
     print(text)
     (out / "async_rollout.md").write_text(text)
