@@ -62,10 +62,11 @@ def collect_errors(config: Any) -> list[str]:
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: "
                       "need temperature > 0, 0 < top_p <= 1")
-    if r.top_p < 1 and (r.behavior_logprobs == "recompute" or r.engine in ("transformers", "auto")):
-        errors.append(f"rollout.top_p={r.top_p} needs the log-probs of the truncated distribution the tokens were "
-                      "sampled from, which only vLLM gives (rollout.engine=vllm or fleet, behavior_logprobs=fleet): "
-                      "anything else biases the importance ratio; or use top_p=1")
+    if 0 < r.top_p < 1:
+        errors.append(f"rollout.top_p={r.top_p}: the trainer scores tokens under the whole softmax(logits / "
+                      "temperature), so an unchanged policy's ratio to a nucleus-sampled token would be the nucleus's "
+                      "mass, not 1, and the clip would act off-centre; use top_p=1 (temperature is applied on both "
+                      "sides)")
     if not 0 <= r.overlong_buffer <= r.max_new_tokens:
         errors.append(f"rollout.overlong_buffer={r.overlong_buffer}: must be in [0, rollout.max_new_tokens="
                       f"{r.max_new_tokens}] (the last tokens before the limit where the length penalty grows)")

@@ -139,7 +139,8 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the loss uses the same temperature for log-probs)."""
     top_p: float = 1.0
-    """Nucleus sampling (1.0 = off; must be 1.0 for exact behavior log-probs)."""
+    """Nucleus sampling: must be 1.0 (off): the trainer scores tokens under the whole softmax(logits / temperature),
+    so an unchanged policy's ratio to a nucleus-sampled token would be the nucleus's mass, not 1."""
     refresh_every: int = 1
     """v: refresh the engine's weights every v optimizer steps (1 = on-policy)."""
     transport: str = "disk"

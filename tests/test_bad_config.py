@@ -36,7 +36,7 @@ CASES = [  # (overrides, what the message must name)
     (["model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "parallel.tp=2", "parallel.sequence_parallel=false"],
      "parallel.sequence_parallel=false with parallel.tp=2: megatron trains mixture-of-experts layers with tp > 1 "
      "only under sequence parallelism"),
-    (["rollout.top_p=0.9", "rollout.engine=transformers"], "rollout.top_p=0.9 needs the log-probs of the truncated"),
+    (["rollout.top_p=0.9"], "rollout.top_p=0.9: the trainer scores tokens under the whole softmax"),
     (["parallel.tp=3"], "num_attention_heads=2 is not divisible by tp=3"),
     (["parallel.pp=3"], "num_hidden_layers=2 is not divisible by pp=3"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path=/nonexistent/model: "),

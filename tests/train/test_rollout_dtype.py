@@ -37,3 +37,17 @@ def test_an_fp32_trainer_trains_with_a_bf16_engine(tmp_path):
     # rounding (measured with vLLM: fp32 3.4e-7, bf16 9.1e-4 nats per token on the random-init tiny model)
     assert gap["float32"] < 1e-5 and 100 * gap["float32"] < gap["bfloat16"] < 0.5, gap
     assert all(r["policy_version"] == r["step"] for records in runs.values() for r in records)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.6])  # 1.0: the float32 run above
+def test_an_unchanged_policys_ratio_is_one_at_every_allowed_temperature(tmp_path, temperature):
+    """Step 0 trains on samples of the weights it holds (v = 1, fp32): the engine's behavior log-probs (vLLM's
+    processed log-probs: softmax(logits / temperature)) equal the trainer's to rounding, so every ratio is 1. top_p
+    < 1 is refused (tests/test_bad_config.py): there the ratio would be the nucleus's mass."""
+    engine = "vllm" if have_vllm() else "transformers"
+    train_proc(1, tmp_path, f"rollout.engine={engine}", f"rollout.temperature={temperature}", "train.steps=1")
+    (step0,) = metrics(tmp_path)
+    assert step0["staleness_max"] == 0 and step0["log_ratio_abs_mean"] < 1e-5, step0["log_ratio_abs_mean"]
+    assert step0["clip_fraction"] == 0.0
