@@ -139,8 +139,7 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature (the loss uses the same temperature for log-probs)."""
     top_p: float = 1.0
-    """Nucleus sampling: must be 1.0 (off): the trainer scores tokens under the whole softmax(logits / temperature),
-    so an unchanged policy's ratio to a nucleus-sampled token would be the nucleus's mass, not 1."""
+    """Must be 1.0 (no nucleus): an unchanged policy's ratio to a nucleus-sampled token would be the nucleus's mass."""
     refresh_every: int = 1
     """v: refresh the engine's weights every v optimizer steps (1 = on-policy)."""
     transport: str = "disk"
@@ -150,20 +149,20 @@ class RolloutConfig:
     shm_dir: str = "/dev/shm"
     """RAM-backed directory the shm transport keeps one copy of the model in (the servers must see it too)."""
     collective_host: str | None = None
-    """Address the fleet's workers use to reach the trainer's rank 0 for the collective refresh (transport=collective):
-    a host name or IP of rank 0's node that the fleet nodes can reach. None: 127.0.0.1 when every server is on this
-    machine, else rank 0's host name."""
+    """transport=collective: the host name or IP of rank 0's node that the fleet's workers dial. None: 127.0.0.1 when
+    every server is on this machine, else rank 0's host name."""
     behavior_logprobs: str = "fleet"
-    """"fleet": the engine's log-probs; "recompute": the trainer recomputes them from a snapshot of the pushed weights
-    (exact)."""
+    """"fleet": the engine's log-probs; "recompute": recomputed from a snapshot of the pushed weights (exact)."""
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
     mode: str = "lockstep"
-    """"lockstep": each step generates its batch (or prefetches one: ``overlap``), then learns. "async": the engine
-    generates the next steps' batches while the trainer learns, as far ahead as ``max_staleness`` allows (it pauses
-    there, nothing is discarded), all of them at once on an engine that shares one batch between callers (vLLM,
-    the fleet); batches are trained in the order their prompts were drawn, and a checkpoint keeps the untrained ones
-    (``train._async``)."""
+    """"lockstep": each step generates its batch (or prefetches one: ``overlap``), then learns. "async": the next
+    steps generate while the trainer learns, as far ahead as ``max_staleness`` allows (then it pauses, nothing is
+    discarded), at once on vLLM and the fleet; trained in draw order; checkpoints keep the untrained batches."""
+    partial_rollouts: bool = False
+    """mode=async, in-process vLLM: a refresh comes between two decode steps of the steps in flight, which go on under
+    the new weights (PipelineRL, AReaL); each token keeps its version and behavior log-prob (the ratio's), the bound
+    holds on a sample's oldest token. Prefix caching is off; not with router replay (docs/guide.md)."""
     max_staleness: int | None = None
     """mode=async: the oldest a trained sample may be, in optimizer steps (>= v - 1; null: v). Generation of step
     s waits until the engine's version w has s - w <= max_staleness."""

@@ -108,10 +108,12 @@ def progress_curves(records: list[dict], window: int) -> list[Curve]:
 
 
 def staleness_curves(records: list[dict], window: int) -> list[Curve]:
-    """``staleness_mean`` and ``staleness_max`` (steps), and ``policy_version`` on the second axis; unsmoothed: the
-    saw-tooth of every v steps is the point (``window`` unused)."""
-    return _curves(records, ["staleness_mean", "staleness_max"], 1) + _curves(records, ["policy_version"], 1,
-                                                                             right=True)
+    """``staleness_mean`` and ``staleness_max`` (steps), ``token_staleness_mean`` when a refresh came in the middle
+    of samples (partial rollouts), and ``policy_version`` on the second axis; unsmoothed: the saw-tooth of every v
+    steps is the point (``window`` unused)."""
+    partial = any(_number(r.get("partial_fraction")) and r["partial_fraction"] > 0 for r in records)
+    keys = ["staleness_mean", "staleness_max"] + (["token_staleness_mean"] if partial else [])
+    return _curves(records, keys, 1) + _curves(records, ["policy_version"], 1, right=True)
 
 
 def clip_curves(records: list[dict], window: int) -> list[Curve]:

@@ -64,7 +64,10 @@ class Sample:
         behavior_logprobs: [T_resp] the fleet's log-prob of each sampled token (the behavior policy's).
         reward: set by the scorer (None before scoring), shaping included.
         shaping: the part of ``reward`` that is shaping, not the task's score (e.g. the overlong penalty, <= 0).
-        policy_version: the trainer step whose weights generated every token of this sample.
+        policy_version: the trainer step whose weights generated every token of this sample; with
+            ``token_versions``, the oldest of them (the staleness bound holds on it).
+        token_versions: [T_resp] the version that sampled each response token, when a refresh came while the
+            sample was being generated (``rollout.partial_rollouts``); None when one version made them all.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
         server: which engine/server produced it (for logs and failover checks).
         routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
@@ -83,6 +86,7 @@ class Sample:
     server: str = ""
     shaping: float = 0.0
     routed_experts: Any = None  # torch.Tensor | None (this room's types stay importable without torch)
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -90,6 +94,11 @@ class Sample:
                 f"sample {self.prompt_id}/{self.group_id}: {len(self.behavior_logprobs)} log-probs for "
                 f"{len(self.response_ids)} response tokens: the engine must return one log-prob per sampled token"
             )
+        if self.token_versions is not None and (len(self.token_versions) != len(self.response_ids)
+                                                or min(self.token_versions) != self.policy_version):
+            raise ValueError(f"sample {self.prompt_id}/{self.group_id}: {len(self.token_versions)} token versions "
+                             f"(oldest {min(self.token_versions, default=None)}) for {len(self.response_ids)} response "
+                             f"tokens of policy_version {self.policy_version}")
         positions = len(self.prompt_ids) + len(self.response_ids) - 1
         if self.routed_experts is not None and self.routed_experts.shape[0] != positions:
             raise ValueError(f"sample {self.prompt_id}/{self.group_id}: routing of {self.routed_experts.shape[0]} "

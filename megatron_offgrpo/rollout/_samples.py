@@ -88,6 +88,25 @@ def parse_version(spans: list[dict[str, Any]] | None, where: str) -> int:
         ) from None
 
 
+def parse_token_versions(spans: list[dict[str, Any]], tokens: int, where: str) -> tuple[int, list[int] | None]:
+    """A completion's version and, when a refresh came while it was generated (``rollout.partial_rollouts``),
+    the version of each of its ``tokens`` tokens: (the oldest version, per-token versions or None for one version).
+
+    Raises:
+        BadResponse: spans that do not tile ``[0, tokens)`` in order, or a label that is not an integer.
+    """
+    if len({str(span["version"]) for span in spans}) <= 1:
+        return parse_version(spans, where), None
+    versions: list[int] = []
+    for span in spans:
+        if span["start"] != len(versions) or span["end"] < span["start"]:
+            raise BadResponse(f"{where}: weight version spans {spans} do not tile the {tokens} tokens in order")
+        versions += [parse_version([span], where)] * (span["end"] - span["start"])
+    if len(versions) != tokens:
+        raise BadResponse(f"{where}: weight version spans cover {len(versions)} of {tokens} tokens")
+    return min(versions), versions
+
+
 def routing_tensor(routing: np.ndarray | None) -> torch.Tensor | None:
     """vLLM's routed experts (uint8, uint16 or int32 by the expert count) as the int16 tensor every engine gives."""
     return None if routing is None else torch.from_numpy(np.asarray(routing).astype(np.int16))

@@ -27,7 +27,14 @@ from megatron_offgrpo.rollout._engine_loop import EngineLoop
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
-from megatron_offgrpo.rollout._samples import BadResponse, fill_group, parse_version, routing_tensor, sampling_body
+from megatron_offgrpo.rollout._samples import (
+    BadResponse,
+    fill_group,
+    parse_token_versions,
+    parse_version,
+    routing_tensor,
+    sampling_body,
+)
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import (
     WORKER_EXTENSION,
@@ -78,6 +85,7 @@ class VLLMEngine:
         max_num_seqs: int = 256,
         in_process: bool = True,
         record_routing: bool = False,
+        partial_rollouts: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``).
@@ -94,9 +102,18 @@ class VLLMEngine:
                 (``enable_return_routed_experts``); on CPU the worker records them (``fleet.RoutingCapture``), which
                 turns prefix caching off (each sample computes its own prompt) and needs eager execution.
 
+            partial_rollouts: refreshes may come while generations are in flight (``rollout.partial_rollouts``):
+                they go on under the new weights, each token tagged with its version. Prefix caching is off, so no
+                request reads a prompt's KV cache that an older version computed for another request (the requests
+                in flight keep their own).
+
         Raises:
-            ValueError: ``record_routing`` on a model without routers, or on CPU with ``enforce_eager=False``.
+            ValueError: ``record_routing`` on a model without routers, or on CPU with ``enforce_eager=False``, or
+                with ``partial_rollouts`` (the routing a refresh changes halfway cannot be replayed).
         """
+        if partial_rollouts and record_routing:
+            raise ValueError("VLLMEngine partial_rollouts=True with record_routing=True: a sample's routing would "
+                             "change at the refresh and router replay could not reproduce it")
         if in_process and _world_size() > 1:
             in_process = False
         if in_process:
@@ -116,6 +133,9 @@ class VLLMEngine:
             if not llm_kwargs["enforce_eager"]:
                 raise ValueError("VLLMEngine record_routing=True needs enforce_eager=True (graphs skip the hooks)")
             llm_kwargs["enable_prefix_caching"] = False
+        if partial_rollouts:
+            llm_kwargs["enable_prefix_caching"] = False
+        self.partial_rollouts = partial_rollouts
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards
         llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
         hf_config = json.loads((model_dir / "config.json").read_text())
@@ -206,10 +226,12 @@ class VLLMEngine:
             group = []
             for completion in output.outputs:
                 where = f"prompt {prompt.prompt_id} (group {index})"
-                spans = [{"version": s.version} for s in completion.weight_versions or []]
+                spans = [{"version": s.version, "start": s.start, "end": s.end}
+                         for s in completion.weight_versions or []]
                 logprobs = [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
                 if completion.finish_reason not in ("stop", "length"):
                     raise BadResponse(f"{where}: finish_reason {completion.finish_reason!r}")
+                version, token_versions = parse_token_versions(spans, len(completion.token_ids), where)
                 group.append(
                     Sample(
                         prompt.prompt_id,
@@ -217,10 +239,11 @@ class VLLMEngine:
                         list(prompt.prompt_ids),
                         list(completion.token_ids),
                         logprobs,
-                        parse_version(spans, where),
+                        version,
                         completion.finish_reason,
                         server=self.name,
                         routed_experts=routing_tensor(completion.routed_experts),
+                        token_versions=token_versions,
                     )
                 )
             samples.extend(fill_group(group, n))
@@ -229,6 +252,10 @@ class VLLMEngine:
     def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
         """Install ``version`` (a directory, or buckets in memory / via a temporary directory), reset the cache.
 
+        The install, the cache reset and the new version label are one call on the engine's loop, between two
+        decode steps: generations in flight (``partial_rollouts``) go on under the new weights, and every token
+        sampled from then on carries the new version.
+
         Raises:
             ValueError: a version that does not increase. RefreshError: the worker rejected the weights.
         """
@@ -236,24 +263,28 @@ class VLLMEngine:
             require_newer(version, self._version)
             start = time.perf_counter()
             if isinstance(weights, (str, Path)):
-                answer, transport = (
-                    self._rpc("offgrpo_load_dir", {"path": str(Path(weights).resolve()), "version": int(version)}),
-                    "disk",
-                )
+                transport, load = "disk", ("offgrpo_load_dir", {"path": str(Path(weights).resolve())})
             elif self.in_process:
-                tensors = [t for bucket in weights for t in bucket]
-                answer, transport = (
-                    summarize(self._call(self.llm.collective_rpc, "offgrpo_install_tensors",
-                                         args=(tensors, int(version)))),
-                    "memory",
-                )
+                transport, load = "memory", ("offgrpo_install_tensors", [t for bucket in weights for t in bucket])
             else:
                 path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
-                answer, transport = self._rpc("offgrpo_load_dir", {"path": str(path), "version": int(version)}), "disk"
+                transport, load = "disk", ("offgrpo_load_dir", {"path": str(path)})
+
+            def install() -> WorkerAnswer:
+                method, what = load
+                if method == "offgrpo_install_tensors":
+                    answer = summarize(self.llm.collective_rpc(method, args=(what, int(version))))
+                else:
+                    answer = summarize(self.llm.collective_rpc(
+                        method, kwargs={"payload": json.dumps({**what, "version": int(version)})}))
+                if answer.ok:
+                    self.llm.reset_prefix_cache()
+                    self.llm.llm_engine.set_weight_version(str(int(version)))
+                return answer
+
+            answer = self._loop.run(install)
             if not answer.ok:
                 raise RefreshError(int(version), {self.name: str(answer.error)})
-            self._call(self.llm.reset_prefix_cache)
-            self._call(self.llm.llm_engine.set_weight_version, str(int(version)))
             self._version = int(version)
             detail = {f"{phase}_s": seconds for phase, seconds in answer.seconds.items()}
             return RefreshReport(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -83,6 +84,10 @@ class RolloutSide:
                 raise ConfigError(error)
         stream = PromptStream(train_prompts, config.parallel.seed)
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
+        if config.rollout.partial_rollouts and not getattr(engine, "partial_rollouts", False):
+            engine.close()  # rollout.engine=auto fell back (its warning says why)
+            raise ConfigError(f"rollout.partial_rollouts=true needs the in-process vLLM engine; the run got the "
+                              f"{engine.name} engine: install vLLM, or set partial_rollouts=false")
         side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts,
                    log_data(config, data))
         if config.rollout.overlap:
@@ -166,7 +171,7 @@ class RolloutSide:
         stops the run.
         """
         try:
-            with self.gate.exclusive():  # async: after the steps in flight
+            with self._refresh_access():
                 return self.engine.update_weights(buckets, version)
         except RefreshError as exc:
             if self.engine.version() != version:
@@ -178,10 +183,15 @@ class RolloutSide:
         """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
         ``expected`` (the trainer's log-probs) within the run's tolerance (``bound``: the model's derived one)."""
         atol = verify_tolerance(self.config.rollout, self.config.model.precision, bound)
-        with self.gate.exclusive():
+        with self._refresh_access():
             verify_refresh(self.engine, probe_ids, expected, version, atol)
         if self._async is not None:  # generation may now run up to version + the staleness bound
             self._async.set_version(version)
+
+    def _refresh_access(self):
+        """Async: a refresh waits for the steps in flight and holds new ones back, unless ``partial_rollouts``
+        lets it come between two of their decode steps."""
+        return contextlib.nullcontext() if self.config.rollout.partial_rollouts else self.gate.exclusive()
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy of the engine's weights on the eval prompts, and pass@k / avg@n with
@@ -247,7 +257,8 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
         return make_engine(r.engine, model_dir, dtype=serving_dtype(r, config.model.precision),
                            max_model_len=generation_length(config, max_positions),
-                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing)
+                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
+                           partial_rollouts=r.partial_rollouts)
     import torch
 
     return make_engine(r.engine, model_dir, dtype=getattr(torch, serving_dtype(r, config.model.precision)),
@@ -306,4 +317,14 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
-            **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)}}
+            **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)},
+            **token_staleness_metrics(samples, step)}
+
+
+def token_staleness_metrics(samples: Sequence[Sample], step: int) -> dict[str, float]:
+    """Per response token, step - the version that sampled it (``token_staleness_mean``; with partial rollouts a
+    sample's tokens after a refresh are fresher than its first), and the share of samples a refresh came in the
+    middle of (``partial_fraction``)."""
+    tokens = [step - v for s in samples for v in (s.token_versions or [s.policy_version] * len(s.response_ids))]
+    return {"token_staleness_mean": sum(tokens) / max(1, len(tokens)),
+            "partial_fraction": sum(s.token_versions is not None for s in samples) / max(1, len(samples))}

@@ -15,7 +15,13 @@ import torch
 from checkpoint_tools import CheckpointError, rebucket
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.fleet import ControlTokenMiddleware
-from megatron_offgrpo.rollout._samples import BadResponse, parse_group, parse_prompt_logprobs, sampling_body
+from megatron_offgrpo.rollout._samples import (
+    BadResponse,
+    parse_group,
+    parse_prompt_logprobs,
+    parse_token_versions,
+    sampling_body,
+)
 from megatron_offgrpo.transports import (
     ABORT,
     BUCKET,
@@ -457,3 +463,18 @@ def test_routed_experts_from_the_answer_are_decoded():
     source = WorkerAnswer(ok=True, version=1, routing_source="vllm")
     assert WorkerAnswer.from_wire(json.loads(json.dumps(source.to_wire()))) == source
     assert summarize([source.to_wire(), source.to_wire()]).routing_source == "vllm"
+
+
+def test_token_versions_of_a_completion_a_refresh_came_in_the_middle_of():
+    """One version: (it, None). Several (``rollout.partial_rollouts``): the oldest and one version per token; spans
+    that do not tile the tokens in order are refused."""
+    assert parse_token_versions([{"version": "3", "start": 0, "end": 4}], 4, "w") == (3, None)
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert parse_token_versions(spans, 5, "w") == (3, [3, 3, 4, 4, 4])
+    for bad, tokens in ((spans, 6), ([spans[1], spans[0]], 5), ([spans[0], dict(spans[1], start=3)], 5)):
+        with pytest.raises(BadResponse, match="^w: weight version spans"):
+            parse_token_versions(bad, tokens, "w")
+    from megatron_offgrpo.data import Sample
+
+    with pytest.raises(ValueError, match="token versions"):  # the oldest token's version is the sample's
+        Sample("p", 0, [1], [2, 3], [-0.1, -0.2], 4, "stop", token_versions=[3, 4])
