@@ -101,9 +101,10 @@ class RolloutSide:
         """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step (per round).
 
         With ``rollout.dynamic_sampling``, groups whose rewards are all equal are discarded and further rounds refill
-        the batch from the stream (``train._sampling.fill_batch``). The engine is not refreshed during a step, so
-        every round's samples carry the version it reports. ``drawn()`` is called once the first round's prompts
-        are drawn (``rollout.mode=async`` starts the next step then).
+        the batch from the stream (``train._sampling.fill_batch``). Samples carry the version that generated them
+        (with ``rollout.partial_rollouts`` a refresh may come during a step: then each token carries its own).
+        ``drawn()`` is called once the first round's prompts are drawn (``rollout.mode=async`` starts the next step
+        then).
         """
         start = time.perf_counter()
         batch = self._fill(step, drawn)
