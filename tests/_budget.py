@@ -2,7 +2,7 @@
 
 CI runs the whole suite on a clean clone of a 2-core machine before anything lands, so its wall time is a cost every
 change pays. This plugin:
-- orders the heaviest files first (the documented commands with ``make demo``, the end-to-end runs, ...), the rest by
+- orders the heaviest files first (``make demo`` and the documented commands, the end-to-end runs, ...), the rest by
   their number of tests, most first. Under pytest-xdist's ``--dist loadfile`` (``make test``) a file is one unit of
   work, and xdist 3 by default hands the files out by their number of tests alone: the demo (one test, ~13 min) went
   out last and ran alone at the end while the other worker idled (49.8 min, 2026-11-26). This plugin turns that
@@ -27,11 +27,13 @@ import pytest
 TARGET_S = 30 * 60  # what the suite should take on the 2-core CI machine
 SLOW_UNMARKED_S = 60.0
 TOP_FILES = 8
-# Files run first, heaviest first: their summed test time in the clean-clone suite of 2026-11-26 (2 workers on the
-# 2-core machine), in minutes: the documented commands 15.9 and `make demo` 12.9 (one file since: the commands reuse
-# the demo's runs), the end-to-end runs 20.1, then 4.3, 3.6, 3.5; the fleet tests, a few minutes.
-HEAVY_FIRST = ("tests/test_docs_commands.py", "tests/train/test_e2e.py", "tests/train/test_signals.py",
-               "tests/model/test_moe.py", "tests/train/test_fleet_run.py", "tests/rollout/test_rollout_fleet.py")
+# Files run first, heaviest first. Their summed test time in the clean-clone suite of 2026-11-26 (2 workers on the
+# 2-core machine), in minutes, was: the documented commands 26.8 in one file (`make demo` 13.3 of it), the end-to-end
+# runs 19.2, then 4.6, 2.8, 2.8; both are two files since, each a unit a worker takes whole: `make demo` with the
+# commands that reuse its runs, the other documented commands; the end-to-end runs, their whole-job gradient checks.
+HEAVY_FIRST = ("tests/test_docs_demo.py", "tests/train/test_e2e.py", "tests/test_docs_commands.py",
+               "tests/train/test_e2e_gradients.py", "tests/train/test_signals.py", "tests/model/test_moe.py",
+               "tests/train/test_fleet_run.py", "tests/rollout/test_rollout_fleet.py")
 
 
 class SuiteBudget:

@@ -141,6 +141,28 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+# The commands split into two units, one test file each, so the suite's two workers share them (tests/_budget.py):
+# "demo", tests/test_docs_demo.py: `make demo` and every command that needs or makes one of its runs (its command
+# lines, the resume, the evaluation and conversion of its trained policy, its reports); "rest",
+# tests/test_docs_commands.py: everything else (the MoE runs, the torchrun and fleet runs and the evaluations of a
+# warm-up, which its own unit makes with the recipe header's 2-step warm-up, every dry and help check). No state
+# crosses units: each unit's workspace makes what its commands need (test_every_needed_state_is_made_in_its_unit).
+DEMO_STATES = ("demo", "rl-run", "rl-run-v1")
+UNITS = ("demo", "rest")
+
+
+def unit_of(rule: Rule) -> str:
+    """The unit a rule's commands run in: "demo" when it needs or makes a state of `make demo`'s runs."""
+    states = {*rule.needs, rule.provides, rule.ends}
+    return "demo" if states & set(DEMO_STATES) else "rest"
+
+
+def command_unit(command: DocCommand) -> str:
+    """The unit a command runs in; one that matches no rule is in "rest", whose test fails it for that."""
+    rule = match_rule(command)
+    return "rest" if rule is None else unit_of(rule)
+
+
 def make_target_commands(makefile: Path, target: str) -> list[list[str]]:
     """The command lines of a Makefile target's recipe as argv lists, ``$(VENV)/bin/`` dropped (the docs' own
     spelling: the workspace's PATH starts with the virtualenv's bin)."""

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import REPO
 
 # path -> number of tests; test_many has the most, so xdist's own order would hand it out first
-TREE = {"tests/test_many.py": 6, "tests/train/test_signals.py": 1, "tests/test_docs_commands.py": 1,
+TREE = {"tests/test_many.py": 6, "tests/train/test_signals.py": 1, "tests/test_docs_demo.py": 1,
         "tests/train/test_e2e.py": 1}
 TEST = """import os
 def test_{i}():
@@ -56,12 +56,12 @@ def tree(tmp_path_factory):
 def test_loadfile_hands_out_the_heaviest_files_first(tree):
     pytest.importorskip("xdist")
     ran = _run(tree, "-n", "2", "--dist", "loadfile")
-    # the first worker up gets the documented commands then (a one-test file: a worker needs its next test before it
+    # the first worker up gets the demo then (a one-test file: a worker needs its next test before it
     # runs its last) the signals; the second e2e, then the rest
-    assert sorted(ran.values()) == [["tests/test_docs_commands.py", "tests/train/test_signals.py"],
+    assert sorted(ran.values()) == [["tests/test_docs_demo.py", "tests/train/test_signals.py"],
                                     ["tests/train/test_e2e.py", "tests/test_many.py"]], ran
 
 
 def test_without_xdist_the_order_is_the_same(tree):
-    assert _run(tree, "-p", "no:xdist") == {"main": ["tests/test_docs_commands.py", "tests/train/test_e2e.py",
+    assert _run(tree, "-p", "no:xdist") == {"main": ["tests/test_docs_demo.py", "tests/train/test_e2e.py",
                                                      "tests/train/test_signals.py", "tests/test_many.py"]}

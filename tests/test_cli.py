@@ -29,3 +29,16 @@ def test_convert_without_a_sub_command_lists_them_and_fails(capsys):
         main(["convert"])
     err = capsys.readouterr().err
     assert caught.value.code == 2 and "reshard" in err and "name a convert sub-command" in err
+
+
+def test_end_process_runs_the_exit_handlers_flushes_and_keeps_the_status():
+    """How a heavy sub-command's process ends (no interpreter teardown): the atexit handlers still run, buffered
+    output still arrives, and the exit status is the command's."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys; atexit.register(lambda: print('handler ran'))\n"
+            "from megatron_offgrpo.cli import end_process\n"
+            "print('buffered', end=' '); print('to stderr', file=sys.stderr, end=''); end_process(3)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "buffered handler ran\n", "to stderr")

@@ -2,299 +2,45 @@
 are collected (tests/doc_commands.py) and checked the way its rule in ``RULES`` says, so a command that drifts from
 the code fails CI with its source line, its exit code and the end of its output.
 
-The commands run in order in one shared working directory, a temporary mirror of the repo root (symlinks to
-configs/, megatron_offgrpo/, launch/, ...), so the docs' relative paths resolve and their outputs (runs/) land there.
-A command that needs another's output (train needs the warm-up's runs/tiny-cpu-sft/hf, report a finished run,
-fleet status a started fleet) first runs the documented command that produces it; a command line that ends up
-with the same arguments and the same loaded recipe as one already run is not run twice. `make demo` runs first
-(test_make_demo, which checks what it trains): the documented commands that are its command lines (the warm-up,
-both RL runs, the report) are found done, and the others that need a warm-up or a run use its runs.
+The commands run in two units, each in order in a working directory of its own (tests/docs_workspace.py), so that
+the suite's two workers share them: this file runs the "rest" unit (everything that neither needs nor makes `make
+demo`'s runs: the MoE runs, the torchrun and fleet runs on a 2-step warm-up, every dry and help check) and checks
+the rule table itself; tests/test_docs_demo.py runs `make demo` and the commands that reuse its runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import shlex
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 
-from tests.doc_commands import (GENERATED_DOCS, OVERRIDE, RULES, DocCommand, Rule, docker_inner, extract_all,
-                                extras_problems, flag_problems, flag_value, help_calls, make_target_commands,
-                                match_rule, peel_env, synopsis_variants)
-from tests.helpers import REPO, _free_port
+from tests.doc_commands import GENERATED_DOCS, RULES, UNITS, DocCommand, command_unit, match_rule, unit_of
+from tests.docs_workspace import COMMANDS, DocsWorkspace, check_command, param, provider_of, workspace_fixture
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-COMMANDS = extract_all(REPO)
-BIN = Path(sys.executable).parent  # the virtualenv's offgrpo, python, torchrun
-TAIL = 30
-HELP_TIMEOUT = 120
-
-
-@dataclass
-class Outcome:
-    """What one subprocess did."""
-
-    argv: list[str]
-    env: dict[str, str]
-    returncode: int | None  # None: it did not start, or it ran out of time and was killed
-    output: str  # stdout and stderr together
-    seconds: float
-    killed: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-    def report(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        tail = "\n".join(self.output.rstrip().splitlines()[-TAIL:])
-        code = self.returncode
-        if code is None:
-            code = "none, killed" if self.killed else "none, did not start"
-        return (f"ran: {env + ' ' if env else ''}{shlex.join(self.argv)}  ({self.seconds:.0f} s)\n"
-                f"exit code: {code}\n--- last {TAIL} lines of output ---\n{tail}")
-
-
-def header(cmd: DocCommand, rule: Rule) -> str:
-    return f"{cmd.id}: `{cmd.text}`  [{rule.mode}: {rule.reason}]"
-
-
-class DocsWorkspace:
-    """The shared working directory: runs commands there once each and remembers what they left behind."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        for entry in REPO.iterdir():
-            if entry.name not in (".git", "runs"):
-                (root / entry.name).symlink_to(entry)
-        self.env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
-        self.cache: dict[tuple, Outcome] = {}
-        self.states: dict[str, tuple] = {}  # state name -> cache key of the run that made it
-        self.fleet_dirs: list[str] = []
-
-    def run(self, argv: list[str], env: dict[str, str], timeout: float, key: tuple | None = None) -> Outcome:
-        """Run ``argv`` in the workspace (once per ``key``); kill its whole process group after ``timeout`` s."""
-        key = key or (tuple(argv), tuple(sorted(env.items())))
-        if key in self.cache:
-            return self.cache[key]
-        full = {**self.env, **env}
-        if argv[0] == "torchrun":  # torchrun's default port 29500 may be taken by another test on this machine
-            full.setdefault("PET_MASTER_PORT", str(_free_port()))
-        start = time.monotonic()
-        try:
-            proc = subprocess.Popen(argv, cwd=self.root, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True)
-        except OSError as exc:
-            outcome = Outcome(argv, env, None, f"cannot start {argv[0]!r}: {exc}", 0.0)
-        else:
-            killed = False
-            try:
-                output, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                output, killed = proc.communicate()[0] + f"\n[killed after {timeout} s]", True
-            rc = None if killed else proc.returncode
-            outcome = Outcome(argv, env, rc, output, time.monotonic() - start, killed)
-        self.cache[key] = outcome
-        return outcome
-
-    # ---- run / run-shortened --------------------------------------------------------------------------------
-    def execute(self, cmd: DocCommand, rule: Rule) -> Outcome:
-        """Run a documented command as written plus the rule's appended overrides, after what it needs."""
-        for state in rule.needs:
-            self.ensure(state, cmd)
-        env, argv = peel_env(shlex.split(cmd.text))
-        argv = argv + list(rule.append)
-        key = self.run_key(argv, env)
-        outcome = self.run(argv, env, rule.timeout, key)
-        if outcome.ok and rule.provides:
-            self.states[rule.provides] = key
-            if rule.provides == "demo":  # its command lines are documented too: found here, not run again
-                for line in make_target_commands(self.root / "Makefile", "demo"):
-                    self.cache[self.run_key(line, {})] = outcome
-            if rule.provides == "fleet":
-                self.fleet_dirs.append(flag_value(argv, "--state-dir") or "runs/fleet")
-        if outcome.ok and rule.ends in self.states:
-            self.cache.pop(self.states.pop(rule.ends), None)  # a later command that needs it starts it again
-        return outcome
-
-    def run_key(self, argv: list[str], env: dict[str, str]) -> tuple:
-        """Commands with a recipe are the same run when their other arguments and the loaded config are equal
-        (`train.steps=100 train.steps=2` is `train.steps=2`)."""
-        recipe = flag_value(argv, "--config")
-        if recipe is None:
-            return (tuple(argv), tuple(sorted(env.items())))
-        from megatron_offgrpo.config import load_config
-
-        overrides = [a for a in argv if OVERRIDE.match(a)]
-        try:
-            config = repr(dataclasses.asdict(load_config(self.root / recipe, overrides)))
-        except Exception:  # noqa: BLE001 - the command itself reports the error when it runs
-            return (tuple(argv), tuple(sorted(env.items())))
-        rest = tuple(a for a in argv if not OVERRIDE.match(a))
-        return (rest, config, tuple(sorted(env.items())))
-
-    def ensure(self, state: str, cmd: DocCommand) -> None:
-        """Make ``state`` by running the first documented command whose rule provides it."""
-        if state in self.states:
-            return
-        provider = next(((c, r) for c in COMMANDS if (r := match_rule(c)) and r.provides == state), None)
-        if provider is None:
-            pytest.fail(f"{cmd.id}: `{cmd.text}` needs {state!r}, and no documented command provides it")
-        outcome = self.execute(*provider)
-        if not outcome.ok:
-            pytest.fail(f"{cmd.id}: `{cmd.text}` needs {state!r}, whose command failed:\n"
-                        f"{header(*provider)}\n{outcome.report()}")
-
-    # ---- dry / help -------------------------------------------------------------------------------------------
-    def dry(self, cmd: DocCommand) -> list[str]:
-        """Problems of a command that is not run: flags, recipe keys, Makefile target, Slurm or Docker dry forms."""
-        env, argv = peel_env(shlex.split(cmd.text))
-        if argv[0] == "...":  # a recipe header's override example
-            return self.config_problems(["--config", cmd.path, *argv[1:]])
-        if argv[0] == "make":
-            return self.expect_ok(["make", "-n", *argv[1:]], {})
-        if argv[0] == "sbatch":
-            return self.slurm(argv, env)
-        if argv[:2] == ["docker", "build"]:
-            dockerfile = flag_value(argv, "-f", "--file") or str(Path(argv[-1]) / "Dockerfile")
-            return [] if (self.root / dockerfile).is_file() else [f"{dockerfile}: no such file in the build context"]
-        if argv[:2] == ["docker", "run"]:
-            argv = docker_inner(argv)
-        if argv[0] == "pip":
-            import tomllib  # Python >= 3.11, as CI
-
-            extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-            return self.static(argv) + extras_problems(argv, extras)
-        return self.static(argv)
-
-    def static(self, argv: list[str]) -> list[str]:
-        """Each --help the command line reaches exits 0 and lists its flags; its recipe and overrides load."""
-        problems = []
-        for help_argv, args in help_calls(argv):
-            outcome = self.run(help_argv, {}, HELP_TIMEOUT)
-            program = shlex.join(help_argv[:-1])
-            problems += flag_problems(args, outcome.output, program) if outcome.ok else [outcome.report()]
-        return problems + self.config_problems(argv)
-
-    def config_problems(self, argv: list[str]) -> list[str]:
-        recipe, overrides = flag_value(argv, "--config"), [a for a in argv if OVERRIDE.match(a)]
-        if recipe is not None and not recipe.endswith((".yaml", ".yml")):  # a benchmark's HF config directory
-            return [] if (REPO / recipe).is_dir() else [f"--config {recipe}: no such directory in the repository"]
-        if recipe is None and not overrides:
-            return []
-        from megatron_offgrpo.config import load_config
-
-        try:
-            load_config(self.root / recipe if recipe else None, overrides)
-        except Exception as exc:  # noqa: BLE001 - any error is the finding
-            return [f"load_config({recipe!r}, {overrides}): {type(exc).__name__}: {exc}"]
-        return []
-
-    def expect_ok(self, argv: list[str], env: dict[str, str]) -> list[str]:
-        outcome = self.run(argv, env, HELP_TIMEOUT)
-        return [] if outcome.ok else [outcome.report()]
-
-    def slurm(self, argv: list[str], env: dict[str, str]) -> list[str]:
-        """`sbatch [opts] SCRIPT RECIPE [k=v ...]` -> the script's DRY_RUN=1 on NODES named after --nodes."""
-        script = next(i for i, tok in enumerate(argv) if tok.endswith((".sbatch", ".sh")))
-        nodes = int(flag_value(argv[:script], "--nodes", "-N") or 1)
-        env = {**env, "DRY_RUN": "1", "NODES": " ".join(f"node{i:02d}" for i in range(nodes))}
-        args = argv[script + 1:]
-        return self.expect_ok(["bash", *argv[script:]], env) + self.config_problems(["--config", *args])
-
-    def help(self, cmd: DocCommand, rule: Rule) -> list[str]:
-        """A name or synopsis: the sub-command's --help exits 0 and lists the flags shown; a script exists."""
-        problems = []
-        for argv in synopsis_variants(rule.help_as or cmd.text):
-            if len(argv) == 1 and "/" in argv[0]:
-                path = self.root / argv[0]
-                if not path.is_file():
-                    problems.append(f"{argv[0]}: no such file")
-                elif path.suffix in (".sh", ".sbatch"):
-                    problems += self.expect_ok(["bash", "-n", argv[0]], {})
-            else:
-                problems += self.static(argv)
-        return problems
-
-    def stop_fleets(self) -> None:
-        """Teardown: stop a fleet a documented command started and none stopped."""
-        for state_dir in self.fleet_dirs if "fleet" in self.states else []:
-            if (self.root / state_dir / "fleet.json").exists():
-                argv = ["offgrpo", "fleet", "stop", "--state-dir", state_dir]
-                self.run(argv, {}, HELP_TIMEOUT, key=("teardown", state_dir))
 
 
 @pytest.fixture(scope="module")
 def docs_cwd(tmp_path_factory):
-    """One mirror of the repo root for every documented command of this module, in order."""
-    workspace = DocsWorkspace(tmp_path_factory.mktemp("docs-cwd"))
-    yield workspace
-    workspace.stop_fleets()
-    # about 5 GB of runs by the end: a failing command's output is already in its report
-    shutil.rmtree(workspace.root, ignore_errors=True)
+    """One mirror of the repo root for every command of the "rest" unit, in order."""
+    yield from workspace_fixture(tmp_path_factory, "rest")
 
 
-@pytest.mark.multiproc
-def test_make_demo(docs_cwd: DocsWorkspace) -> None:
-    """`make demo`, the README's first command, run for real as a user runs it, first in the workspace: warm-up,
-    GRPO at v=4 and v=1, report. Every stage exits 0; the first RL run is off-policy (v = 4) and the second on-policy
-    (v = 1); each is evaluated before and after on the 20 held-out questions neither stage trains on, and raises
-    greedy accuracy there by at least 0.2 (the warm-up's teacher gave a + b + 1 more often than a + b: seed 1234
-    starts at 0.50 and ends at 0.80 after either run, measured 2026-11-26); the trained policy is exported as HF
-    weights and the report names both runs' accuracies."""
-    cmd = next(c for c in COMMANDS if c.text == "make demo")
-    outcome = docs_cwd.execute(cmd, match_rule(cmd))
-    assert outcome.ok, outcome.report()
-    for name, v in (("tiny-cpu", 4), ("tiny-cpu-v1", 1)):
-        run = docs_cwd.root / "runs" / name
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        versions = sorted({r["policy_version"] for r in records})
-        assert versions == list(range(0, len(records), v)), (name, versions)  # refreshed every v steps
-        start, end = records[0]["eval_start_accuracy"], records[-1]["eval_accuracy"]
-        assert end >= start + 0.2, f"{name}: greedy held-out accuracy {start} -> {end}: RL gained less than 0.2"
-        assert records[-1]["eval_version"] == len(records)  # the trained policy itself was evaluated
-        assert f"greedy held-out accuracy {start:.3f} (step 0) -> {end:.3f} (step {len(records)})" in outcome.output
-        assert (run / "hf" / "model.safetensors").exists()
-    assert (docs_cwd.root / "runs" / "tiny-cpu" / "report.png").exists()
-    assert "Traceback" not in outcome.output
-
-
-def _param(cmd: DocCommand):
-    rule = match_rule(cmd)
-    return pytest.param(cmd, id=cmd.id, marks=[pytest.mark.multiproc] if rule and rule.multiproc else [])
-
-
-@pytest.mark.parametrize("cmd", [_param(c) for c in COMMANDS])
+@pytest.mark.parametrize("cmd", [param(c) for c in COMMANDS if command_unit(c) == "rest"])
 def test_documented_command(cmd: DocCommand, docs_cwd: DocsWorkspace) -> None:
-    rule = match_rule(cmd)
-    if rule is None:
-        pytest.fail(f"{cmd.id}: `{cmd.text}` matches no rule: add one to RULES in tests/doc_commands.py saying how "
-                    "CI runs it (run / run-shortened / dry / help / skip) and why")
-    if rule.mode == "skip":
-        pytest.skip(f"{cmd.id}: {rule.reason}")
-    if rule.mode in ("run", "run-shortened"):
-        outcome = docs_cwd.execute(cmd, rule)
-        seen = [text for text in rule.forbid if text in outcome.output]
-        if not outcome.ok or seen:
-            note = f"its output says {seen}\n" if seen else ""
-            pytest.fail(f"{header(cmd, rule)}\n{note}{outcome.report()}", pytrace=False)
-    elif rule.mode in ("dry", "help"):
-        problems = docs_cwd.dry(cmd) if rule.mode == "dry" else docs_cwd.help(cmd, rule)
-        if problems:
-            pytest.fail(header(cmd, rule) + "".join(f"\n- {p}" for p in problems), pytrace=False)
-    else:
-        assert rule.mode == "none", f"{rule.pattern}: unknown mode {rule.mode!r}"
+    check_command(cmd, docs_cwd)
+
+
+def test_every_needed_state_is_made_in_its_unit() -> None:
+    """Each unit makes what its commands need: a state one unit's command needs is provided by a command of the
+    same unit (the two units run in different workers and directories), and both units have commands."""
+    units = {command_unit(c) for c in COMMANDS}
+    assert units == set(UNITS), units
+    for cmd in COMMANDS:
+        rule = match_rule(cmd)
+        for state in rule.needs if rule else ():
+            provider = provider_of(state, unit_of(rule))
+            assert provider is not None, f"{cmd.id}: needs {state!r}, made by no command of its unit {unit_of(rule)}"
+            assert unit_of(provider[1]) == unit_of(rule)
 
 
 def test_every_source_shows_commands() -> None:

@@ -33,5 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         print(result.summary)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m megatron_offgrpo.train`, every torchrun rank: the run is done and closed
+    from megatron_offgrpo.cli import end_process
+
     main()
+    end_process(0)

@@ -5,6 +5,7 @@ from megatron_offgrpo.runtime._device import default_backend, has_cuda, have_te,
 from megatron_offgrpo.runtime._distributed import ParallelContext, destroy_parallel, init_parallel
 from megatron_offgrpo.runtime._memory import release_free_memory, tune_cpu_memory
 from megatron_offgrpo.runtime._processes import process_alive
+from megatron_offgrpo.runtime._save_queue import use_in_process_save_queue
 
 __all__ = [
     "ParallelContext",
@@ -19,4 +20,5 @@ __all__ = [
     "release_free_memory",
     "te_status",
     "tune_cpu_memory",
+    "use_in_process_save_queue",
 ]

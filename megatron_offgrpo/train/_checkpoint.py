@@ -109,6 +109,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_offgrpo.runtime import use_in_process_save_queue
+
+    use_in_process_save_queue()  # megatron's own spawns a server that imports torch: 3 s on the first save
     root = Path(run_dir) / "checkpoints"
     final = _step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")

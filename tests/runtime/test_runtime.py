@@ -101,3 +101,27 @@ def test_one_process_group_leaves_no_rendezvous_in_the_environment():
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-3:] == ["1", "None", "None"]
+
+
+def test_a_checkpoint_save_hands_its_results_back_in_process():
+    """megatron's first save spawns a results server that imports torch (3 s); with the in-process queue the save
+    and its load are the same and no process is left behind (megatron's server would be a live child)."""
+    proc = run_python("""
+        import multiprocessing, tempfile
+        import torch
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron_offgrpo.runtime import init_parallel, use_in_process_save_queue
+
+        init_parallel(1, 1)
+        assert use_in_process_save_queue() and use_in_process_save_queue()  # idempotent
+        weight = torch.arange(12.0).reshape(3, 4)
+        for _ in range(2):  # the queue is megatron's per process: the second save reuses it
+            with tempfile.TemporaryDirectory() as out:
+                dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, out)
+                empty = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}
+                assert torch.equal(dist_checkpointing.load(empty, out)["w"], weight)
+        print("CHILDREN", multiprocessing.active_children())
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHILDREN []" in proc.stdout, proc.stdout

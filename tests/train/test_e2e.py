@@ -1,4 +1,6 @@
-"""End-to-end CPU runs of the trainer under torchrun (gloo): layouts, refresh cadence, staleness, resume."""
+"""End-to-end CPU runs of the trainer under torchrun (gloo): layouts, refresh cadence, staleness, resume. The
+gradient checks of whole jobs (tests/workers/train_*_worker.py) are tests/train/test_e2e_gradients.py: a file is one
+unit of the suite's two workers (tests/_budget.py), and together they took 19 min."""
 
 from __future__ import annotations
 
@@ -106,57 +108,11 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(tmp_path, un
     assert not list((out / "checkpoints").glob("*.tmp"))
 
 
-def test_v1_exact_behavior_update_equals_on_policy_grpo_and_nonfinite_steps_are_skipped(tmp_path):
-    from tests.helpers import run_torchrun
-
-    proc = run_torchrun(REPO / "tests" / "workers" / "train_worker.py", 1, [str(tmp_path)])
-    assert "IDENTICAL" in proc.stdout and "SKIPPED non-finite step" in proc.stdout
-    assert "IDENTICAL cispo" in proc.stdout and "IDENTICAL gspo" in proc.stdout
-
-
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_step_gradient_equals_reference_loss_over_micro_batches_and_dp(tmp_path, layout):
-    """Both aggregations in one job: one set-up and rollout, then each aggregation's objective (the only thing
-    algo.aggregation changes) against the reference."""
-    from tests.helpers import run_torchrun
-
-    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2,
-                        [str(tmp_path), "token_mean,seq_mean_token_mean", layout])
-    for aggregation in ("token_mean", "seq_mean_token_mean"):
-        assert f"packed={layout == 'packed'} aggregation={aggregation}" in proc.stdout, proc.stdout[-2000:]
-    assert "MATCH dp=2" in proc.stdout
-
-
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_groups_dealt_unevenly_over_dp_give_the_whole_batchs_gradient(tmp_path, layout):
-    """rollout.prompts_per_step=3 over DP 2 (groups dealt 2 and 1): the step's gradient is still the whole batch's
-    (was an IndexError at step 0). One group over DP 2 (1 and none) has no reward variance in this task: its
-    dealing is tests/train/test_packing.py's, its run the next test's."""
-    from tests.helpers import run_torchrun
-
-    proc = run_torchrun(REPO / "tests" / "workers" / "train_grad_worker.py", 2,
-                        [str(tmp_path), "token_mean", layout, "rollout.prompts_per_step=3"])
-    assert "MATCH dp=2 groups=3" in proc.stdout and f"packed={layout == 'packed'}" in proc.stdout
-
-
 @pytest.mark.parametrize("prompts", [3, 1])
 def test_a_dp2_run_with_prompts_not_a_multiple_of_dp_trains(tmp_path, prompts):
     """The issue's command (torchrun DP 2, rollout.prompts_per_step=3; 1: a rank with no group) runs every step."""
     records = run_train(2, tmp_path, f"rollout.prompts_per_step={prompts}", "train.steps=2")
     assert [r["step"] for r in records] == [0, 1] and all(math.isfinite(r["loss"]) for r in records)
-
-
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
-                                    ["parallel.pp=2"], []], ids=["tp2", "tp2-sp", "pp2", "dp2"])
-def test_packed_gradient_equals_padded(tmp_path, layout):
-    """Packed and shared-prompt micro-batches give the padded layout's gradient (tests/workers/train_pack_worker.py),
-    with token_mean and seq_mean_token_mean aggregation in each job."""
-    from tests.helpers import run_torchrun
-
-    proc = run_torchrun(REPO / "tests" / "workers" / "train_pack_worker.py", 2, [str(tmp_path), *layout])
-    for aggregation in ("token_mean", "seq_mean_token_mean"):  # packed and shared-prompt, each against padded
-        assert f"aggregation={aggregation} micro-batches" in proc.stdout and "shared=" in proc.stdout, (
-            proc.stdout[-2000:])
 
 
 def _train(out, *overrides: str) -> subprocess.CompletedProcess:

@@ -1,9 +1,10 @@
 """torchrun worker: the trainer's gradient (micro-batches x DP ranks, fused kernel, megatron DDP) equals the
 gradient of ``algo.reference_loss`` over the whole step on materialised logits (one process, plain autograd), with
-padded micro-batches or packed ones (argv[3] = "packed": several sequences per row, block-diagonal causal mask), for
-each aggregation of argv[2] (comma-separated: one set-up and rollout, then the objective with each aggregation, the
-only thing ``algo.aggregation`` changes). Further arguments are config overrides (``rollout.prompts_per_step=3``:
-groups dealt unevenly over DP 2)."""
+padded micro-batches or packed ones (argv[3]: "padded", "packed" (several sequences per row, block-diagonal causal
+mask) or both, comma-separated), for each aggregation of argv[2] (comma-separated): one set-up and rollout, then
+each layout with each aggregation (the micro-batches' layout and the objective's aggregation are all that change,
+and each backward pass starts from zeroed gradients). Further arguments are config overrides
+(``rollout.prompts_per_step=3``: groups dealt unevenly over DP 2)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def reference_grads(trainer, samples, adv, params) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out_dir, aggregations = sys.argv[1], sys.argv[2].split(",")
-    packed, overrides = sys.argv[3:4] == ["packed"], sys.argv[4:]
+    layouts, overrides = sys.argv[3].split(","), sys.argv[4:]
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregations[0]}", *overrides])
     trainer, rollout, log = setup(config)
     samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
@@ -48,9 +49,10 @@ def main() -> None:
     assert int(adv.sample_valid.sum()) >= G, "need groups with reward variance"
     for s in samples:  # off-policy: behavior log-probs that differ from the current policy, so ratios clip
         s.behavior_logprobs = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.behavior_logprobs)]
-    for aggregation in aggregations:
-        check(trainer, samples, adv, dataclasses.replace(trainer.objective, aggregation=aggregation), packed,
-              config.rollout.prompts_per_step)
+    for layout in layouts:
+        for aggregation in aggregations:
+            check(trainer, samples, adv, dataclasses.replace(trainer.objective, aggregation=aggregation),
+                  layout == "packed", config.rollout.prompts_per_step)
     if rollout is not None:
         rollout.close()
         log.close()
