@@ -201,13 +201,15 @@ def test_an_async_run_killed_after_a_checkpoint_resumes_and_trains_every_prompt_
 
 @pytest.mark.slow
 def test_an_async_run_with_partial_rollouts_refreshes_between_decode_steps(tmp_path):
-    """v = 1 (a refresh every step) with long answers (random weights): refreshes come while the next steps
-    generate, which go on under the new weights. Every step trains, the bound holds on each sample's oldest token,
-    and the tokens after a refresh are fresher than the sample (``token_staleness_mean``)."""
+    """v = 1 (a refresh every step), generation-bound: 4 answers of up to 400 tokens a step (random weights rarely
+    stop), whose decode steps take longer than training on them, so each refresh comes while the next step
+    generates, which goes on under the new weights. Every step trains, the bound holds on each sample's oldest
+    token, and the tokens after a refresh are fresher than the sample (``token_staleness_mean``)."""
     train_proc(1, tmp_path, "rollout.mode=async", "rollout.partial_rollouts=true", "rollout.engine=vllm",
-               "rollout.refresh_every=1", "rollout.max_new_tokens=96", "train.steps=6", "algo.mask_zero_variance=false")
+               "rollout.refresh_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
+               "rollout.max_new_tokens=400", "train.steps=4")
     records = metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(4))
     for r in records:
         assert 0 <= r["staleness_max"] <= 1 and r["token_staleness_mean"] <= r["staleness_mean"] + 1e-9
     assert any(r["partial_fraction"] > 0 for r in records), [r["partial_fraction"] for r in records]
