@@ -176,7 +176,11 @@ class VLLMEngine:
         self.concurrent_generate = self._routing_source != "hooks"
 
     def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
-        return summarize(self._call(self.llm.collective_rpc, method, kwargs={"payload": json.dumps(kwargs)}))
+        return self._loop.run(lambda: self._rpc_now(method, kwargs))
+
+    def _rpc_now(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
+        """A worker-extension call from the engine's loop thread itself (inside a ``_loop.run`` job)."""
+        return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
 
     def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the engine's loop between decode steps, ended by ``EngineDiedError`` if the
@@ -262,21 +266,20 @@ class VLLMEngine:
         with self._routing_lock:  # refreshes come from one thread; this only orders them against hooks routing
             require_newer(version, self._version)
             start = time.perf_counter()
+            tensors, path = None, None
             if isinstance(weights, (str, Path)):
-                transport, load = "disk", ("offgrpo_load_dir", {"path": str(Path(weights).resolve())})
+                transport, path = "disk", Path(weights).resolve()
             elif self.in_process:
-                transport, load = "memory", ("offgrpo_install_tensors", [t for bucket in weights for t in bucket])
+                transport, tensors = "memory", [t for bucket in weights for t in bucket]
             else:
+                transport = "disk"
                 path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
-                transport, load = "disk", ("offgrpo_load_dir", {"path": str(path)})
 
             def install() -> WorkerAnswer:
-                method, what = load
-                if method == "offgrpo_install_tensors":
-                    answer = summarize(self.llm.collective_rpc(method, args=(what, int(version))))
+                if tensors is not None:
+                    answer = summarize(self.llm.collective_rpc("offgrpo_install_tensors", args=(tensors, int(version))))
                 else:
-                    answer = summarize(self.llm.collective_rpc(
-                        method, kwargs={"payload": json.dumps({**what, "version": int(version)})}))
+                    answer = self._rpc_now("offgrpo_load_dir", {"path": str(path), "version": int(version)})
                 if answer.ok:
                     self.llm.reset_prefix_cache()
                     self.llm.llm_engine.set_weight_version(str(int(version)))

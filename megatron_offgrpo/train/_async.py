@@ -143,7 +143,7 @@ class AsyncGenerator:
 
     def _failed(self, step: int) -> bool:
         """Step ``step`` failed, or generation stopped on an error before starting it."""
-        return step in self._errors or (bool(self._errors) and step >= self._next and step not in self._in_flight)
+        return step in self._errors or (bool(self._errors) and step >= self._next)  # >= next: never started
 
     def _may_start(self) -> bool:
         return (self._version is not None and self._next - self._version <= self._bound
@@ -170,16 +170,15 @@ class AsyncGenerator:
 
     def _work(self, step: int, drawn: threading.Event) -> None:
         try:
-            batch = self._generate(step, drawn.set)
+            batch, error = self._generate(step, drawn.set), None
         except BaseException as exc:  # raised to the trainer by take()
-            with self._cond:
-                self._errors[step] = exc
-        else:
-            with self._cond:
+            batch, error = None, exc
+        drawn.set()
+        with self._cond:
+            if error is None:
                 self._ready[step] = batch
-        finally:
-            drawn.set()
-            self.gate.leave_shared()  # after the batch is ready: a checkpoint that was waiting keeps it
-            with self._cond:
-                self._in_flight.discard(step)
-                self._cond.notify_all()
+            else:
+                self._errors[step] = error
+            self._in_flight.discard(step)
+            self._cond.notify_all()
+        self.gate.leave_shared()  # after the batch is ready: a checkpoint that was waiting keeps it
