@@ -326,6 +326,9 @@ def token_staleness_metrics(samples: Sequence[Sample], step: int) -> dict[str, f
     """Per response token, step - the version that sampled it (``token_staleness_mean``; with partial rollouts a
     sample's tokens after a refresh are fresher than its first), and the share of samples a refresh came in the
     middle of (``partial_fraction``)."""
-    tokens = [step - v for s in samples for v in (s.token_versions or [s.policy_version] * len(s.response_ids))]
-    return {"token_staleness_mean": sum(tokens) / max(1, len(tokens)),
+    # Per sample, not per token: a sample of one version (the common case) adds its length times its staleness.
+    staleness = sum(len(s.response_ids) * (step - s.policy_version) if s.token_versions is None
+                    else sum(step - v for v in s.token_versions) for s in samples)
+    tokens = sum(len(s.response_ids) for s in samples)
+    return {"token_staleness_mean": staleness / max(1, tokens),
             "partial_fraction": sum(s.token_versions is not None for s in samples) / max(1, len(samples))}

@@ -154,6 +154,16 @@ def test_close_while_paused_at_the_bound_returns():
     assert time.monotonic() - start < 5
 
 
+
+def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
+    from megatron_offgrpo.train._rollout_side import token_staleness_metrics
+
+    partial = Sample("p", 0, [1], [2, 3, 4], [-0.1] * 3, 3, "stop", token_versions=[3, 4, 5])
+    whole = Sample("q", 1, [1], [2, 3], [-0.1] * 2, 4, "stop")
+    # at step 5: (2 + 1 + 0) + 2 x 1 over 5 tokens; one sample of two saw a refresh
+    assert token_staleness_metrics([partial, whole], 5) == {"token_staleness_mean": 1.0, "partial_fraction": 0.5}
+
+
 B = 2  # train.samples_every=1 logs the first 2 groups of every step: all of them
 ASYNC = ["rollout.prompts_per_step=2", "train.samples_every=1", "train.steps=8", "train.save_every=2",
          "rollout.refresh_every=2"]
