@@ -95,10 +95,10 @@ def collect_errors(config: Any) -> list[str]:
                       f"{r.behavior_logprobs!r}: async generation runs ahead on its own (no overlap), and its "
                       "samples come from older versions than the trainer's snapshot; use overlap=false, "
                       "behavior_logprobs='fleet'")
-    if r.partial_rollouts and (r.mode != "async" or r.engine not in ("vllm", "auto") or m.router_replay):
+    if r.partial_rollouts and (r.mode != "async" or r.engine == "transformers" or m.router_replay):
         errors.append(f"rollout.partial_rollouts=true with rollout.mode={r.mode!r}, engine={r.engine!r}, "
-                      f"model.router_replay={m.router_replay}: it needs mode='async' and the in-process vLLM engine "
-                      "(engine=vllm or auto), without router replay")
+                      f"model.router_replay={m.router_replay}: it needs mode='async' and vLLM (engine=vllm, auto or "
+                      "fleet), without router replay")
     if r.max_staleness is not None and (r.mode != "async" or r.max_staleness < r.refresh_every - 1):
         errors.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode={r.mode!r}, refresh_every="
                       f"{r.refresh_every}: it bounds async generation (mode='async') and must be >= refresh_every - 1 "

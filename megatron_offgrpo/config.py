@@ -160,9 +160,9 @@ class RolloutConfig:
     steps generate while the trainer learns, as far ahead as ``max_staleness`` allows (then it pauses, nothing is
     discarded), at once on vLLM and the fleet; trained in draw order; checkpoints keep the untrained batches."""
     partial_rollouts: bool = False
-    """mode=async, in-process vLLM: a refresh comes between two decode steps of the steps in flight, which go on under
-    the new weights (PipelineRL, AReaL); each token keeps its version and behavior log-prob (the ratio's), the bound
-    holds on a sample's oldest token. Prefix caching is off; not with router replay (docs/guide.md)."""
+    """mode=async, vLLM (in-process or fleet): a refresh comes between two decode steps of the steps in flight, which
+    go on under the new weights, their KV recomputed (AReaL); each token keeps its version and behavior log-prob (the
+    ratio's), the bound holds on a sample's oldest token. Not with router replay (docs/guide.md)."""
     max_staleness: int | None = None
     """mode=async: the oldest a trained sample may be, in optimizer steps (>= v - 1; null: v). Generation of step
     s waits until the engine's version w has s - w <= max_staleness."""

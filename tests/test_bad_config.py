@@ -39,7 +39,7 @@ CASES = [  # (overrides, what the message must name)
     (["rollout.top_p=0.9"], "rollout.top_p=0.9: the trainer scores tokens under the whole softmax"),
     (["rollout.partial_rollouts=true"], "rollout.partial_rollouts=true with rollout.mode='lockstep'"),
     (["rollout.partial_rollouts=true", "rollout.mode=async", "rollout.engine=transformers"],
-     "it needs mode='async' and the in-process vLLM engine"),
+     "it needs mode='async' and vLLM (engine=vllm, auto or fleet)"),
     (["parallel.tp=3"], "num_attention_heads=2 is not divisible by tp=3"),
     (["parallel.pp=3"], "num_hidden_layers=2 is not divisible by pp=3"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path=/nonexistent/model: "),

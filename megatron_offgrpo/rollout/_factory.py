@@ -35,8 +35,8 @@ def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -
             temporary directory, enough when the servers run on this machine), ``bucket_bytes``,
             ``collective_host`` (collective: the address the servers' workers dial to reach this process; default
             127.0.0.1, enough when they run on this machine), ``shm_dir`` (shm: a RAM-backed directory the servers
-            see too, default /dev/shm), ``policy``, ``record_routing``; for "vllm" and "transformers": the engine's
-            constructor arguments.
+            see too, default /dev/shm), ``policy``, ``record_routing``, ``partial_rollouts``; for "vllm" and
+            "transformers": the engine's constructor arguments.
 
     Raises:
         ValueError: an unknown kind, or missing arguments for it.

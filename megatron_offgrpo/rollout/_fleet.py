@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import RoutingAnswer
@@ -26,11 +26,12 @@ _NO_ANSWER = WorkerAnswer(ok=False)  # a paused server the transport gave no ans
 class FleetEngine:
     """Generation on a fleet of vLLM servers, with refreshes every v steps through one ``WeightTransport``.
 
-    Each prompt's G samples go to one server in one request, so a group has one server and one weight version;
-    groups are spread over the least-loaded servers, retried with backoff and failed over when a server dies
-    (``RetryPolicy``). A refresh pauses the servers (draining in-flight requests), installs the version through
-    the transport, resets the prefix cache, labels the engine with the version and resumes. Servers that reject
-    a refresh keep their old weights and leave the rotation until a later refresh succeeds on them.
+    Each prompt's G samples go to one server in one request, so a group has one server and (unless
+    ``partial_rollouts``) one weight version; groups are spread over the least-loaded servers, retried with backoff
+    and failed over when a server dies (``RetryPolicy``). A refresh pauses the servers (draining in-flight requests,
+    or freezing them with ``partial_rollouts``), installs the version through the transport, resets the prefix
+    cache, labels the engine with the version and resumes. Servers that reject a refresh keep their old weights and
+    leave the rotation until a later refresh succeeds on them.
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class FleetEngine:
         policy: RetryPolicy | None = None,
         revive_every_s: float = 10.0,
         record_routing: bool = False,
+        partial_rollouts: bool = False,
     ) -> None:
         """Connect: read every worker's version, label each engine with it, and check the servers agree.
 
@@ -47,10 +49,19 @@ class FleetEngine:
         to (``Sample.routed_experts``), returned by the servers (started with ``--record-routing``): in each answer
         on GPUs, recorded by their workers on CPU.
 
+        ``partial_rollouts``: a refresh comes between two decode steps of the requests in flight instead of after
+        them (``rollout.partial_rollouts``): the servers freeze them (``/pause?mode=keep``), install, and drop
+        their KV cache, so that each resumes by recomputing its prompt and tokens so far with the new weights: every
+        token is sampled by one version's weights alone and carries that version (``Sample.token_versions``).
+
         Raises:
-            ValueError: no servers, or two with one name. FleetError: no server is reachable, or a server cannot
-                record the routing (``record_routing``).
+            ValueError: no servers, two with one name, or ``partial_rollouts`` with ``record_routing`` (a sample's
+                routing would change at the refresh). FleetError: no server is reachable, or a server cannot record
+                the routing (``record_routing``).
         """
+        if partial_rollouts and record_routing:
+            raise ValueError("FleetEngine partial_rollouts=True with record_routing=True: a sample's routing would "
+                             "change at the refresh and router replay could not reproduce it")
         if not servers:
             raise ValueError(
                 "FleetEngine servers=[]: give at least one server (offgrpo fleet start, then FleetEngine.from_state)"
@@ -66,6 +77,7 @@ class FleetEngine:
         self._revive_every_s, self._last_revive = revive_every_s, time.monotonic()
         self._version = self._connect()
         self.record_routing = record_routing
+        self.partial_rollouts = partial_rollouts
         self._routing_sources: dict[str, str] = {}  # server -> "vllm" (in its answers) or "hooks" (its workers')
         if record_routing:  # refused now (a server caching prefixes, a dense model), not at the first generation
             self._begin_routing()
@@ -150,9 +162,8 @@ class FleetEngine:
             self._begin_routing()
 
         def send(name: str, index: int) -> list[Sample]:
-            samples = parse_group(
-                self.servers[name].generate(prompts[index], n, params, index), prompts[index], index, n, name
-            )
+            samples = parse_group(self.servers[name].generate(prompts[index], n, params, index), prompts[index],
+                                  index, n, name, one_version=not self.partial_rollouts)
             return self._with_routing(name, samples) if self.record_routing else samples
 
         groups = run_groups(self.pool, self.policy, len(prompts), send)
@@ -213,13 +224,13 @@ class FleetEngine:
         return out
 
     # ----- refresh ---------------------------------------------------------------------------------------------
-    def _each(self, names: list[str], action: str) -> dict[str, str]:
-        """Run a control call on servers concurrently; returns name -> error for those that failed."""
+    def _each(self, names: list[str], action: str, call: Callable[[ServerClient], None]) -> dict[str, str]:
+        """Run a control ``call`` on servers concurrently; returns name -> error for those that failed."""
         errors: dict[str, str] = {}
 
         def run(name: str) -> None:
             try:
-                getattr(self.servers[name], action)()
+                call(self.servers[name])
             except Exception as exc:
                 errors[name] = f"{action} failed: {exc}"
 
@@ -236,7 +247,8 @@ class FleetEngine:
             return answer.error or "rejected"
         server = self.servers[name]
         try:
-            server.reset_prefix_cache()
+            if not server.reset_prefix_cache(in_flight=self.partial_rollouts):
+                return "installed, but the server kept KV blocks of the previous weights (prefix cache reset refused)"
             server.set_version_label(version)
             label = server.version_label()
         except Exception as exc:
@@ -260,7 +272,7 @@ class FleetEngine:
             prepared = self.transport.prepare(weights, version)
             staged = time.perf_counter()
             names = [n for n in self.servers if n not in self.pool.dead]
-            failures = self._each(names, "pause")
+            failures = self._each(names, "pause", lambda server: server.pause(keep_in_flight=self.partial_rollouts))
             paused = [n for n in names if n not in failures]
             installed_at = time.perf_counter()
             try:
@@ -274,7 +286,7 @@ class FleetEngine:
                         failures[name] = problem
             finally:
                 installed = time.perf_counter()
-                failures.update(self._each(paused, "resume"))
+                failures.update(self._each(paused, "resume", ServerClient.resume))
             return self._conclude(
                 version,
                 names,

@@ -129,11 +129,14 @@ def parse_routed_experts(encoded: str, positions: int, where: str) -> torch.Tens
     return routing_tensor(routing)
 
 
-def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, server: str) -> list[Sample]:
-    """The ``n`` samples of one group from one ``/inference/v1/generate`` answer.
+def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, server: str,
+                one_version: bool = True) -> list[Sample]:
+    """The ``n`` samples of one group from one ``/inference/v1/generate`` answer. ``one_version``: every token of
+    the group must come from one version (False with partial rollouts: each token then carries its own).
 
     Raises:
-        BadResponse: wrong number of choices, missing token ids or log-probs, or mixed/unlabelled versions.
+        BadResponse: wrong number of choices, missing token ids or log-probs, unlabelled versions, or mixed ones
+            where ``one_version``.
     """
     choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
     where = f"server {server}, prompt {prompt.prompt_id} (group {group_id})"
@@ -152,6 +155,10 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
         routing = choice.get("routed_experts")
         if routing is not None:
             routing = parse_routed_experts(routing, len(prompt.prompt_ids) + len(ids) - 1, where)
+        if one_version:
+            version, token_versions = parse_version(choice.get("weight_versions"), where), None
+        else:
+            version, token_versions = parse_token_versions(choice.get("weight_versions") or [], len(ids), where)
         samples.append(
             Sample(
                 prompt_id=prompt.prompt_id,
@@ -159,13 +166,14 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
                 prompt_ids=list(prompt.prompt_ids),
                 response_ids=list(ids),
                 behavior_logprobs=[float(c["logprob"]) for c in content],
-                policy_version=parse_version(choice.get("weight_versions"), where),
+                policy_version=version,
                 finish_reason=finish,
                 server=server,
                 routed_experts=routing,
+                token_versions=token_versions,
             )
         )
-    if len({s.policy_version for s in samples}) != 1:
+    if one_version and len({s.policy_version for s in samples}) != 1:
         raise BadResponse(f"{where}: the group's samples come from several versions")
     return samples
 

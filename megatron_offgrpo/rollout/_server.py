@@ -57,17 +57,21 @@ class ServerClient:
         body = {"token_ids": list(token_ids), "model": self.model, "sampling_params": params}
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)
 
-    def pause(self) -> None:
-        """Stop scheduling new requests once the in-flight ones have finished (``/pause?mode=wait``)."""
-        self._post("/pause", query="mode=wait")
+    def pause(self, keep_in_flight: bool = False) -> None:
+        """Stop scheduling: once the in-flight requests have finished (``/pause?mode=wait``), or at once with them
+        frozen where they are, to go on after ``resume`` (``keep_in_flight``, partial rollouts: ``mode=keep``)."""
+        self._post("/pause", query="mode=keep" if keep_in_flight else "mode=wait")
 
     def resume(self) -> None:
         """Resume scheduling."""
         self._post("/resume")
 
-    def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks computed with the previous weights."""
-        self._post("/reset_prefix_cache")
+    def reset_prefix_cache(self, in_flight: bool = False) -> bool:
+        """Drop the KV blocks computed with the previous weights; True when vLLM did. ``in_flight`` (partial
+        rollouts): also those of the paused requests, which vLLM preempts and recomputes (prompt and tokens so far)
+        with the new weights when they resume; without it vLLM refuses while a request holds blocks."""
+        answer = self._post("/reset_prefix_cache", query="reset_running_requests=true" if in_flight else "")
+        return bool((answer or {}).get("success", True))  # a vLLM before the field answered nothing
 
     def set_version_label(self, version: int) -> None:
         """Label the tokens the engine produces from now on with ``version`` (vLLM's ``weight_versions``)."""

@@ -103,9 +103,9 @@ class VLLMEngine:
                 turns prefix caching off (each sample computes its own prompt) and needs eager execution.
 
             partial_rollouts: refreshes may come while generations are in flight (``rollout.partial_rollouts``):
-                they go on under the new weights, each token tagged with its version. Prefix caching is off, so no
-                request reads a prompt's KV cache that an older version computed for another request (the requests
-                in flight keep their own).
+                they go on under the new weights, each token tagged with its version. The refresh drops every KV
+                block, the in-flight requests' too (vLLM preempts them and recomputes their prompt and tokens so far
+                with the new weights): each token is sampled by one version's weights alone.
 
         Raises:
             ValueError: ``record_routing`` on a model without routers, or on CPU with ``enforce_eager=False``, or
@@ -132,8 +132,6 @@ class VLLMEngine:
         elif record_routing:
             if not llm_kwargs["enforce_eager"]:
                 raise ValueError("VLLMEngine record_routing=True needs enforce_eager=True (graphs skip the hooks)")
-            llm_kwargs["enable_prefix_caching"] = False
-        if partial_rollouts:
             llm_kwargs["enable_prefix_caching"] = False
         self.partial_rollouts = partial_rollouts
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards
@@ -257,8 +255,8 @@ class VLLMEngine:
         """Install ``version`` (a directory, or buckets in memory / via a temporary directory), reset the cache.
 
         The install, the cache reset and the new version label are one call on the engine's loop, between two
-        decode steps: generations in flight (``partial_rollouts``) go on under the new weights, and every token
-        sampled from then on carries the new version.
+        decode steps: generations in flight (``partial_rollouts``) go on under the new weights (their KV recomputed
+        with them), and every token sampled from then on carries the new version.
 
         Raises:
             ValueError: a version that does not increase. RefreshError: the worker rejected the weights.
@@ -280,9 +278,12 @@ class VLLMEngine:
                     answer = summarize(self.llm.collective_rpc("offgrpo_install_tensors", args=(tensors, int(version))))
                 else:
                     answer = self._rpc_now("offgrpo_load_dir", {"path": str(path), "version": int(version)})
-                if answer.ok:
-                    self.llm.reset_prefix_cache()
-                    self.llm.llm_engine.set_weight_version(str(int(version)))
+                if not answer.ok:
+                    return answer
+                if not self.llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts):
+                    return WorkerAnswer.failed("installed, but vLLM kept KV blocks of the previous weights (prefix "
+                                               "cache reset refused)")
+                self.llm.llm_engine.set_weight_version(str(int(version)))
                 return answer
 
             answer = self._loop.run(install)

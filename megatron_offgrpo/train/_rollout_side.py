@@ -86,7 +86,7 @@ class RolloutSide:
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
         if config.rollout.partial_rollouts and not getattr(engine, "partial_rollouts", False):
             engine.close()  # rollout.engine=auto fell back (its warning says why)
-            raise ConfigError(f"rollout.partial_rollouts=true needs the in-process vLLM engine; the run got the "
+            raise ConfigError(f"rollout.partial_rollouts=true needs vLLM (in-process or a fleet); the run got the "
                               f"{engine.name} engine: install vLLM, or set partial_rollouts=false")
         side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts,
                    log_data(config, data))
@@ -253,7 +253,7 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         return make_engine("fleet", state=r.fleet_state, transport=r.transport,
                            shared_dir=None if run_dir is None else run_dir / "weights",
                            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir,
-                           record_routing=routing)
+                           record_routing=routing, partial_rollouts=r.partial_rollouts)
     if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
         return make_engine(r.engine, model_dir, dtype=serving_dtype(r, config.model.precision),

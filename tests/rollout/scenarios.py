@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -153,3 +154,40 @@ def check_prompt_caps(engine) -> None:
     samples = engine.generate(prompts, 2, params)
     assert all(len(s.response_ids) <= 3 for s in samples[:2])
     assert max(len(s.response_ids) for s in samples[2:]) > 3
+
+
+def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                          install: Callable[[dict[str, torch.Tensor], int], object]) -> None:
+    """A refresh while generations are in flight (``partial_rollouts``): they go on under the new weights; each token
+    carries the version that sampled it (the old one first, then the new one), the sample the oldest; and each
+    token's behavior log-prob is the one its own version's weights give it on the whole sequence before it (the
+    refresh recomputed the in-flight requests' KV: a token sampled on the old weights' cache would be off by nats on
+    this model). ``install(weights, version)`` refreshes the engine."""
+    import threading
+    import time
+
+    first = engine.version() + 1
+    install(old, first)  # known weights: the engine may hold anything a previous case installed
+    results = []
+    long_run = threading.Thread(target=lambda: results.extend(
+        engine.generate(PROMPTS[:2], 2, SamplingParams(max_tokens=300, temperature=1.0, seed=4))))
+    long_run.start()
+    time.sleep(1.0)  # decoding
+    install(new, first + 1)
+    long_run.join()
+    mixed = [s for s in results if s.token_versions is not None]
+    assert mixed, [len(s.response_ids) for s in results]
+    models = {first: load_hf_model(model_dir, old), first + 1: load_hf_model(model_dir, new)}
+    for sample in mixed:
+        switch = sample.token_versions.index(first + 1)
+        assert 0 < switch and set(sample.token_versions[:switch]) == {first}
+        assert set(sample.token_versions[switch:]) == {first + 1} and sample.policy_version == first
+        ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
+        start = len(sample.prompt_ids)
+        with torch.no_grad():
+            logp = {v: m(ids).logits[0, start - 1:-1].log_softmax(-1).gather(-1, ids[0, start:, None])[:, 0]
+                    for v, m in models.items()}
+        expected = torch.where(torch.tensor(sample.token_versions) == first, logp[first], logp[first + 1])
+        torch.testing.assert_close(torch.tensor(sample.behavior_logprobs), expected, atol=2e-3, rtol=0)
+    assert all(s.policy_version == first + 1 and s.token_versions is None
+               for s in engine.generate(PROMPTS[:1], 2, SAMPLED))

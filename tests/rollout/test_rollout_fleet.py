@@ -29,7 +29,14 @@ from megatron_offgrpo.fleet import (  # noqa: E402
     start_fleet,
     stop_fleet,
 )
-from megatron_offgrpo.rollout import FleetEngine, FleetError, RefreshError, make_probe_ids, servers_of  # noqa: E402
+from megatron_offgrpo.rollout import (  # noqa: E402
+    FleetEngine,
+    FleetError,
+    RefreshError,
+    make_probe_ids,
+    servers_of,
+    verify_refresh,
+)
 from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,
@@ -39,7 +46,7 @@ from megatron_offgrpo.transports import (  # noqa: E402
 )
 from tests.helpers import REPO  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
-from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed  # noqa: E402
+from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKEN = "rollout-test-token"
@@ -226,6 +233,23 @@ def test_a_server_lost_before_the_probe_leaves_the_rotation(fleet):
     engine.servers[alive].url = "http://127.0.0.1:9"
     with pytest.raises(FleetError, match=f"no server answered the probe.*{alive}"):
         engine.probe_logprobs(ids)
+
+
+def test_partial_rollouts_refresh_between_decode_steps(fleet):
+    """``partial_rollouts``: the servers freeze the requests in flight for the install (``/pause?mode=keep``) and
+    recompute their KV with the new weights; every token from its own version's weights, every refresh verified."""
+    engine = _engine(fleet, "collective", partial_rollouts=True)
+    model_dir = Path(load_state(fleet).model_dir)
+    base = hf_weights(model_dir)
+    probe = make_probe_ids(TINY["vocab_size"], 24)
+
+    def install(weights, version):
+        engine.update_weights(as_buckets(weights), version)
+        verify_refresh(engine, probe, hf_probe_logprobs(model_dir, weights, probe), version, 1e-3)
+
+    scenarios.check_partial_refresh(engine, model_dir, perturbed(base, 71), perturbed(base, 72), install)
+    with pytest.raises(ValueError, match="partial_rollouts=True with record_routing=True"):
+        _engine(fleet, "collective", partial_rollouts=True, record_routing=True)
 
 
 def test_kill_one_server_mid_batch(fleet):

@@ -34,34 +34,21 @@ def check_tied(work: Path) -> None:
     engine.close()
 
 
-def check_partial_rollouts(model_dir: Path, new: dict) -> None:
-    """A refresh while generations are in flight (``partial_rollouts``): they go on under the new weights; each token
-    carries the version that sampled it (the old one first, then the new one), the sample the oldest; after the
-    refresh the engine scores the probe as the new weights do."""
-    import threading
-
-    from megatron_offgrpo.data import SamplingParams
+def check_partial_rollouts(model_dir: Path, old: dict, new: dict) -> None:
+    """A refresh between two decode steps of the generations in flight (``partial_rollouts``): every token from the
+    weights of its own version (``scenarios.check_partial_refresh``), and the refresh verified on the probe."""
     from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs
 
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512, partial_rollouts=True)
-    results = []
-    long_run = threading.Thread(target=lambda: results.extend(
-        engine.generate(scenarios.PROMPTS[:2], 2, SamplingParams(max_tokens=300, temperature=1.0, seed=4))))
-    long_run.start()
-    time.sleep(1.0)  # decoding
-    engine.update_weights(as_buckets(new), 1)
     probe = make_probe_ids(TINY["vocab_size"], 24)
-    verify_refresh(engine, probe, hf_probe_logprobs(model_dir, new, probe), 1, 1e-3)
-    long_run.join()
-    mixed = [s for s in results if s.token_versions is not None]
-    assert mixed, [len(s.response_ids) for s in results]
-    for sample in mixed:
-        switch = sample.token_versions.index(1)
-        assert 0 < switch and set(sample.token_versions[:switch]) == {0} and set(sample.token_versions[switch:]) == {1}
-        assert sample.policy_version == 0
-    assert all(s.policy_version == 1 for s in engine.generate(scenarios.PROMPTS[:1], 2, scenarios.SAMPLED))
+
+    def install(weights: dict, version: int) -> None:
+        engine.update_weights(as_buckets(weights), version)
+        verify_refresh(engine, probe, hf_probe_logprobs(model_dir, weights, probe), version, 1e-3)
+
+    scenarios.check_partial_refresh(engine, model_dir, old, new, install)
     engine.close()
     gc.collect()
 
@@ -133,7 +120,7 @@ def main() -> None:
     del engine
     gc.collect()
     check_tied(work)
-    check_partial_rollouts(model_dir, new["memory"])
+    check_partial_rollouts(model_dir, new["directory"], new["memory"])
     check_auto_fallback(model_dir)
     check_routing_refused_on_dense(model_dir)
     print(f"OK in-process vLLM engine: all cases passed ({time.perf_counter() - start:.1f} s after the fresh engines)")
