@@ -319,16 +319,22 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
             **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)},
-            **token_staleness_metrics(samples, step)}
+            **token_staleness_metrics(samples, step, staleness_bound)}
 
 
-def token_staleness_metrics(samples: Sequence[Sample], step: int) -> dict[str, float]:
-    """Per response token, step - the version that sampled it (``token_staleness_mean``; with partial rollouts a
-    sample's tokens after a refresh are fresher than its first), and the share of samples a refresh came in the
-    middle of (``partial_fraction``)."""
-    # Per sample, not per token: a sample of one version (the common case) adds its length times its staleness.
-    staleness = sum(len(s.response_ids) * (step - s.policy_version) if s.token_versions is None
-                    else sum(step - v for v in s.token_versions) for s in samples)
-    tokens = sum(len(s.response_ids) for s in samples)
-    return {"token_staleness_mean": staleness / max(1, tokens),
+def token_staleness_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
+    """Per response token, step - the version that sampled it: the mean (``token_staleness_mean``; with partial
+    rollouts a sample's tokens after a refresh are fresher than its first) and the share of the step's tokens at each
+    staleness 0..``staleness_bound`` (``token_staleness_{k}``: the tokens of version step - k); and the share of
+    samples a refresh came in the middle of (``partial_fraction``)."""
+    # Per sample, not per token: a sample of one version (the common case) adds its length at its staleness.
+    tokens_at: collections.Counter[int] = collections.Counter()
+    for s in samples:
+        if s.token_versions is None:
+            tokens_at[step - s.policy_version] += len(s.response_ids)
+        else:
+            tokens_at.update(step - v for v in s.token_versions)
+    tokens = max(1, sum(tokens_at.values()))
+    return {"token_staleness_mean": sum(k * n for k, n in tokens_at.items()) / tokens,
+            **{f"token_staleness_{k}": tokens_at[k] / tokens for k in range(staleness_bound + 1)},
             "partial_fraction": sum(s.token_versions is not None for s in samples) / max(1, len(samples))}

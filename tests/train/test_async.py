@@ -160,8 +160,11 @@ def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
 
     partial = Sample("p", 0, [1], [2, 3, 4], [-0.1] * 3, 3, "stop", token_versions=[3, 4, 5])
     whole = Sample("q", 1, [1], [2, 3], [-0.1] * 2, 4, "stop")
-    # at step 5: (2 + 1 + 0) + 2 x 1 over 5 tokens; one sample of two saw a refresh
-    assert token_staleness_metrics([partial, whole], 5) == {"token_staleness_mean": 1.0, "partial_fraction": 0.5}
+    # at step 5: (2 + 1 + 0) + 2 x 1 over 5 tokens (one at staleness 0, three at 1, one at 2, none at 3); one sample
+    # of two saw a refresh
+    assert token_staleness_metrics([partial, whole], 5, 3) == {
+        "token_staleness_mean": 1.0, "token_staleness_0": 0.2, "token_staleness_1": 0.6, "token_staleness_2": 0.2,
+        "token_staleness_3": 0.0, "partial_fraction": 0.5}
 
 
 B = 2  # train.samples_every=1 logs the first 2 groups of every step: all of them
