@@ -12,8 +12,14 @@ Two workloads (``--lengths``):
   runs every forward and backward; only throughput is compared.
 
 Every variant runs at the same v and the same staleness budget (lockstep: v - 1, overlap: v, async:
-``rollout.max_staleness`` = v), evaluation and checkpoints off (a finished run in ``--out`` is reused). The
-in-process vLLM engine serves generation in the training process, so both share the machine's cores.
+``rollout.max_staleness`` = v), evaluation and checkpoints off (a finished run in ``--out`` is reused).
+
+Two placements (``--placement``):
+- ``shared``: the in-process vLLM engine serves generation in the training process; both share the machine's cores;
+- ``split``: generation and training on separate cores, as a fleet on GPUs of its own: a one-server vLLM fleet
+  (``offgrpo fleet start``, restarted for every variant) pinned to the last core, the trainer to the others, weights
+  over the shm transport. Each side's busy share is then its cores' CPU time over the timed steps' wall time (one
+  thread per core, so no spinning thread pool counts as work).
 
 Per variant, over the steps after the first (engine warm-up out): completion tokens per second of the training loop,
 its ratio to lockstep, the trainer's busy share (``time_train_s`` over the loop's wall time), the generation's busy
@@ -23,7 +29,8 @@ async only, the mean steps generating at once (``steps_in_flight``) and the seco
 generate, held by the bound (``fleet_paused_s``). Writes the table to ``OUT/async_rollout.md`` and the numbers to
 ``.json``.
 
-Usage: python benchmarks/async_rollout.py [--lengths demo|long-tail] [--steps 24] [--v 4] [--out DIR] [--variants ...]
+Usage: python benchmarks/async_rollout.py [--lengths demo|long-tail] [--placement shared|split] [--steps 24] [--v 4]
+       [--out DIR] [--variants ...]
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,12 +56,33 @@ BOUNDS = {"lockstep": lambda v: v - 1, "overlap": lambda v: v, "async": lambda v
 """Each mode's staleness bound at refresh interval v (async: ``rollout.max_staleness``'s default)."""
 COLUMNS = ["variant", "staleness bound", "tokens/s", "vs lockstep", "trainer busy", "generation busy",
            "trainer waits s/step", "staleness mean", "steps in flight", "paused by bound s/step"]
+SPLIT_COLUMNS = ["trainer core busy", "fleet core busy"]
 TINY = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
 
 
 def _offgrpo(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", *args], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL)
+
+
+def _pinned(cores: list[int]) -> dict:
+    """Popen arguments running a process on ``cores`` alone, one thread per core."""
+    return {"preexec_fn": lambda: os.sched_setaffinity(0, cores),
+            "env": dict(os.environ, OMP_NUM_THREADS=str(len(cores)))}
+
+
+def _cpu_seconds(pid: int, group: bool = False) -> float:
+    """User + system CPU seconds so far of process ``pid`` (all its threads), or with ``group`` of every process in
+    the process group it leads (a fleet server and whatever it spawned)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat") if group else [Path(f"/proc/{pid}/stat")]:
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if not group or int(fields[2]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -85,19 +115,81 @@ def long_tail_data(path: Path, rows: int, median: float, sigma: float, most: int
         "max": caps[-1]}
 
 
-def workload(args, out: Path) -> tuple[list[str], str]:
-    """The train command's model and data arguments of ``--lengths``, and the table's title."""
+def random_model(directory: Path) -> Path:
+    """The tiny model with random weights as a HF directory (a fleet serves weights from disk; the trainer starts from
+    the same ones)."""
+    if not (directory / "config.json").exists():
+        import torch
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(TINY)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
+def workload(args, out: Path) -> tuple[Path, list[str], str]:
+    """The model directory, the train command's other model and data arguments of ``--lengths``, and the title."""
     if args.lengths == "demo":
         sft = out / "sft"
         if not (sft / "hf").is_dir():
             print(f"async_rollout: warm-up into {sft}", flush=True)
             _offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
-        return [f"model.hf_path={sft / 'hf'}"], "demo task"
+        return sft / "hf", [], "demo task"
     data = out / "long_tail.jsonl"
     caps = long_tail_data(data, 2000, args.median_tokens, args.sigma, args.max_tokens, seed=0)
-    return ([f"model.hf_path={TINY}", "model.init=random", f"data.path={data}", "data.reward=math_exact",
-             f"rollout.max_new_tokens={args.max_tokens}", "algo.mask_zero_variance=false"],
+    # split: the fleet and the trainer start from one saved random model
+    model, init = (TINY, ["model.init=random"]) if args.placement == "shared" else (random_model(out / "random"), [])
+    return (model, [*init, f"data.path={data}", "data.reward=math_exact", f"rollout.max_new_tokens={args.max_tokens}",
+                    "algo.mask_zero_variance=false"],
             "long-tailed lengths (caps: " + ", ".join(f"{k} {v}" for k, v in caps.items()) + " tokens)")
+
+
+class SplitFleet:
+    """A one-server fleet of ``model`` pinned to ``cores`` for one run (``offgrpo fleet start``/``stop``)."""
+
+    def __init__(self, model: Path, state_dir: Path, cores: list[int], max_model_len: int, max_num_seqs: int):
+        self.state_dir = state_dir
+        subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "fleet", "start", "--model", str(model),
+                        "--num-servers", "1", "--dtype", "float32", "--max-model-len", str(max_model_len),
+                        "--max-num-seqs", str(max_num_seqs), "--new-token", "--state-dir", str(state_dir)],
+                       cwd=REPO, check=True, stdout=subprocess.DEVNULL, **_pinned(cores))
+        self.pid = json.loads((state_dir / "fleet.json").read_text())["servers"][0]["pid"]
+
+    def overrides(self, shm_dir: Path) -> list[str]:
+        return ["rollout.engine=fleet", f"rollout.fleet_state={self.state_dir}", "rollout.transport=shm",
+                f"rollout.shm_dir={shm_dir}", "model.init=hf"]
+
+    def stop(self) -> None:
+        subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "fleet", "stop", "--state-dir",
+                        str(self.state_dir)], cwd=REPO, check=False, stdout=subprocess.DEVNULL)
+
+
+def split_run(args, cmd: list[str], run: Path, model: Path, cores: list[int]) -> dict:
+    """One variant with generation on a fleet pinned to the last of ``cores`` and the trainer on the others; returns
+    each side's CPU seconds over the timed steps (from step 0's record to the end) and their wall time."""
+    fleet = SplitFleet(model, run.parent / f"{run.name}-fleet", cores[-1:], 64 + args.max_tokens, 512)
+    try:
+        trainer = subprocess.Popen([*cmd, *fleet.overrides(run.parent)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                   **_pinned(cores[:-1]))
+        def reading_at(steps: int) -> tuple[float, float, float]:
+            """Wall time and both sides' CPU seconds once ``steps`` steps are logged (the file polled, not /proc)."""
+            log = run / "metrics.jsonl"
+            while not log.exists() or len(log.read_text().splitlines()) < steps:
+                if trainer.poll() is not None:
+                    raise SystemExit(f"async_rollout: {run.name} ended after fewer than {steps} steps "
+                                     f"({trainer.returncode})")
+                time.sleep(0.05)
+            return time.monotonic(), _cpu_seconds(trainer.pid), _cpu_seconds(fleet.pid, group=True)
+
+        start, end = reading_at(1), reading_at(args.steps)  # the timed steps: after step 0 was logged
+        if trainer.wait() != 0:
+            raise SystemExit(f"async_rollout: {run.name} failed ({trainer.returncode})")
+    finally:
+        fleet.stop()
+    wall = end[0] - start[0]
+    return {"trainer core busy": f"{100 * (end[1] - start[1]) / (wall * len(cores[:-1])):.0f}%",
+            "fleet core busy": f"{100 * (end[2] - start[2]) / wall:.0f}%"}
 
 
 def main() -> int:
@@ -109,34 +201,49 @@ def main() -> int:
     parser.add_argument("--median-tokens", type=float, default=24.0, help="long-tail: the caps' median")
     parser.add_argument("--sigma", type=float, default=0.9, help="long-tail: the caps' log-normal sigma")
     parser.add_argument("--max-tokens", type=int, default=192, help="long-tail: the largest cap")
+    parser.add_argument("--placement", choices=["shared", "split"], default="shared",
+                        help="generation in the training process on shared cores, or a fleet on a core of its own")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("runs/async-rollout"), help="runs and the table go here")
     args = parser.parse_args()
     if args.steps < 3:
         parser.error(f"--steps {args.steps}: at least 3 (the first step is left out of the timing)")
-    out = args.out.resolve()
+    cores = sorted(os.sched_getaffinity(0))
+    if args.placement == "split" and len(cores) < 2:
+        parser.error(f"--placement split needs 2 cores or more; this process may use {cores}")
+    out = args.out.resolve() / args.placement
     out.mkdir(parents=True, exist_ok=True)
-    model_and_data, title = workload(args, out)
+    model, model_and_data, title = workload(args, out)
     rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", []).rollout
     samples_per_step = rollout.prompts_per_step * rollout.group_size
     rows = []
     for variant in args.variants:
         run = out / variant
         done = run / "metrics.jsonl"
-        if done.exists() and len(_records(run)) == args.steps and (run / "summary.json").exists():
+        if done.exists() and len(_records(run)) == args.steps and (run / "busy.json").exists():
             print(f"async_rollout: {variant}: reusing the finished run in {run}", flush=True)
-            rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v), samples_per_step))
-            continue
-        print(f"async_rollout: {variant} ({args.steps} steps, v={args.v})", flush=True)
-        _offgrpo("train", "--config", "configs/tiny-cpu.yaml", *model_and_data, f"train.out_dir={run}",
-                 f"train.steps={args.steps}", f"rollout.refresh_every={args.v}", "train.eval_every=0",
-                 "train.save_every=0", "train.overwrite=true", *VARIANTS[variant])
-        rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v), samples_per_step))
+        else:
+            print(f"async_rollout: {variant} ({args.steps} steps, v={args.v}, {args.placement})", flush=True)
+            cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "train", "--config", "configs/tiny-cpu.yaml",
+                   f"model.hf_path={model}", *model_and_data, f"train.out_dir={run}", f"train.steps={args.steps}",
+                   f"rollout.refresh_every={args.v}", "train.eval_every=0", "train.save_every=0",
+                   "train.overwrite=true", *VARIANTS[variant]]
+            if args.placement == "split":
+                busy = split_run(args, cmd, run, model, cores)
+            else:
+                subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+                busy = {}
+            (run / "busy.json").write_text(json.dumps(busy))
+        rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v), samples_per_step)
+                    | json.loads((run / "busy.json").read_text()))
     base = next((r["tokens/s"] for r in rows if r["variant"] == "lockstep"), None)
     for row in rows:
         row["vs lockstep"] = f"{row['tokens/s'] / base:.2f}x" if base else "-"
-    text = "\n".join([f"## Rollout modes, {title}, v = {args.v}, {args.steps} steps (step 0 left out)", "",
-                      markdown(COLUMNS, rows), ""])
+    columns = COLUMNS + (SPLIT_COLUMNS if args.placement == "split" else [])
+    where = ("a one-server fleet on core " + str(cores[-1]) + ", the trainer on " + str(cores[:-1])
+             if args.placement == "split" else "generation in the training process, shared cores")
+    text = "\n".join([f"## Rollout modes, {title}, v = {args.v}, {args.steps} steps (step 0 left out), {where}", "",
+                      markdown(columns, rows), ""])
     print(text)
     (out / "async_rollout.md").write_text(text)
     (out / "async_rollout.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

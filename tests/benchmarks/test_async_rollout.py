@@ -31,3 +31,13 @@ def test_a_runs_row_leaves_step_0_out_and_reads_the_async_columns():
     row = bench.summarise(records, "async", 4, samples_per_step=64)
     assert row["tokens/s"] == round(4 * 10 * 64 / 8, 1) and row["trainer busy"] == "75%"
     assert row["generation busy"] == "150%" and row["steps in flight"] == 2 and row["paused by bound s/step"] == 0.25
+
+
+def test_cpu_seconds_count_this_process_work():
+    import os
+    import time
+
+    before, start = bench._cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - start < 0.3:  # busy
+        pass
+    assert 0.2 <= bench._cpu_seconds(os.getpid()) - before <= 1.0
