@@ -67,7 +67,7 @@ class Rule:
 _SFT = r"offgrpo sft --config configs/tiny-cpu-sft\.yaml"
 _TINY = r"--config configs/tiny-cpu\.yaml"
 _MOE = r"--config configs/tiny-moe-cpu\.yaml"
-_SHORT_RL = ("train.steps=2", "train.save_every=1")
+_SHORT_RL = ("train.steps=2",)  # the last step checkpoints: one checkpoint of ~0.6 GB, not one per step
 _VLLM = ("using the transformers engine",)  # engine=auto's fallback: the README promises in-process vLLM here
 _HUB = "needs Qwen weights from the hub (the 0.5B, 7B and 30B-A3B recipes; no network in CI)"
 RULES: tuple[Rule, ...] = (

@@ -79,28 +79,41 @@ KILL_POINTS = {  # when to SIGKILL the run: a state visible on disk, polled ever
 }
 
 
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(tmp_path, uninterrupted, point):
-    """kill -9 at a point of the run, then --resume: every step is logged once, with the uninterrupted run's loss and
-    reward (deterministic CPU run, save_every a multiple of v), and the resume says where it continued from."""
+RESUME_SAYS = {  # what the run resumed after each kill point says: no checkpoint yet, or the one it continues from
+    # (the first save may finish its rename between the poll and the kill)
+    "before-any-checkpoint": ("no complete checkpoint",),
+    "during-the-first-checkpoint-write": ("no complete checkpoint", "resumed from"),
+    "at-the-refresh-after-a-checkpoint": ("resumed from",),
+}
+
+
+def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_metrics(tmp_path, uninterrupted):
+    """One run killed -9 at each point in turn, each time resumed with --resume (the resumed run is the next one
+    killed): every step is logged once, with the uninterrupted run's loss and reward (deterministic CPU run,
+    save_every a multiple of v), and each resume says where it continued from. One process per kill point, where a
+    run per point took two."""
     out = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(1, out, *COMMON), cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while not KILL_POINTS[point](out):
-        assert proc.poll() is None and time.time() < deadline, f"the run ended before the kill point {point}"
-        time.sleep(0.02)
-    kill_tree(proc.pid)
-    proc.wait()
-    resumed = subprocess.run(train_cmd(1, out, *COMMON, "train.resume=true"), cwd=REPO, env=train_env(),
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    # what the resume says: no checkpoint yet, or the one it continues from (the first save may finish its rename
-    # between the poll and the kill)
-    said = {"before-any-checkpoint": ("no complete checkpoint",),
-            "at-the-refresh-after-a-checkpoint": ("resumed from",)}
-    assert any(s in resumed.stderr for s in said.get(point, ("no complete checkpoint", "resumed from"))), (
-        point, [line for line in resumed.stderr.splitlines() if "resum" in line or "checkpoint" in line])
+    killed_at = None  # the kill point the run now starting resumes after
+    for point in [*KILL_POINTS, None]:  # None: the last resume runs to the end
+        log = tmp_path / f"run-killed-at-{point}.log"
+        resume = [] if killed_at is None else ["train.resume=true"]
+        with open(log, "w") as stderr:
+            proc = subprocess.Popen(train_cmd(1, out, *COMMON, *resume), cwd=REPO, env=train_env(),
+                                    stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+            if point is None:
+                assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+            else:
+                deadline = time.time() + 600
+                while not KILL_POINTS[point](out):
+                    assert proc.poll() is None and time.time() < deadline, f"the run ended before {point}"
+                    time.sleep(0.02)
+                kill_tree(proc.pid)
+                proc.wait()
+        if killed_at is not None:
+            said = log.read_text()
+            assert any(s in said for s in RESUME_SAYS[killed_at]), (
+                killed_at, [line for line in said.splitlines() if "resum" in line or "checkpoint" in line])
+        killed_at = point
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(6))  # every step once: the re-done ones replaced
     for got, want in zip(records, uninterrupted):
