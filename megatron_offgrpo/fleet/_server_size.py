@@ -17,6 +17,7 @@ from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 
 GIB = 1 << 30
 BLOCK_TOKENS = 256
+DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default max_num_batched_tokens (SchedulerConfig)
 """Sequence lengths are counted in whole blocks of this many tokens (the largest KV block vLLM uses, on CPU), so a
 sequence of ``max_model_len`` tokens fits whatever block size the backend picks."""
 
@@ -51,6 +52,19 @@ class ServerSize:
             f"max_model_len {self.max_model_len}, dtype {self.dtype}, max_num_seqs {self.max_num_seqs}, "
             f"KV cache {self.kv_cache_bytes / GIB:.2f} GiB per server"
         )
+
+
+def cpu_prefill_limits(max_model_len: int) -> tuple[bool, int]:
+    """(``enable_chunked_prefill``, ``max_num_batched_tokens``) for a vLLM engine on CPU: chunked prefill off, and a
+    step's token budget large enough for any prompt whole.
+
+    Why: vLLM rewinds a seeded request's generator when it drops the token sampled after a partial prefill
+    (``gen.set_offset(gen.get_offset() - 4)`` in its model runner), and a CPU ``torch.Generator`` has no offset: the
+    engine dies ("CPU Generator does not use offset") as soon as a seeded request's prompt is split over two steps,
+    e.g. under ``rollout.mode=async``'s many requests at once, or a partial-rollouts refresh's recomputation. Without
+    chunked prefill a prompt is scheduled whole or waits, so no sampled token is ever dropped.
+    """
+    return False, max(max_model_len, DEFAULT_BATCHED_TOKENS)
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

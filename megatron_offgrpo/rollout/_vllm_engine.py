@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import TOKENIZER_FILES, RoutingAnswer, install_cpu_sampler, kv_cache_bytes
+from megatron_offgrpo.fleet import (
+    TOKENIZER_FILES,
+    RoutingAnswer,
+    cpu_prefill_limits,
+    install_cpu_sampler,
+    kv_cache_bytes,
+)
 from megatron_offgrpo.rollout._engine_loop import EngineLoop
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
@@ -46,12 +52,17 @@ from megatron_offgrpo.transports import (
 )
 
 
-def _returns_routing() -> bool:
-    """Whether this vLLM returns each request's routed experts itself (``enable_return_routed_experts``): its Model
-    Runner V2 does, on CUDA (or ROCm) with Triton. vLLM CPU runs the V1 runner, which cannot."""
+def _on_gpu() -> bool:
+    """Whether vLLM runs on CUDA (or ROCm) here, not on the CPU."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()
+
+
+def _returns_routing() -> bool:
+    """Whether this vLLM returns each request's routed experts itself (``enable_return_routed_experts``): its Model
+    Runner V2 does, on CUDA (or ROCm) with Triton. vLLM CPU runs the V1 runner, which cannot."""
+    return _on_gpu()
 
 
 def _engine_processes(llm) -> list:
@@ -127,6 +138,10 @@ class VLLMEngine:
         install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
+        if not _on_gpu():  # vLLM CPU: a seeded request's split prefill would crash the engine
+            chunked, batched_tokens = cpu_prefill_limits(max_model_len)
+            llm_kwargs.setdefault("enable_chunked_prefill", chunked)
+            llm_kwargs.setdefault("max_num_batched_tokens", batched_tokens)
         if record_routing and _returns_routing():
             llm_kwargs["enable_return_routed_experts"] = True
         elif record_routing:

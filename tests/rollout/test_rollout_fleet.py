@@ -125,6 +125,7 @@ def test_groups_complete_and_version_tagged(fleet):
     assert len({s.server for s in samples}) == 2  # load is spread over both servers
     assert engine.concurrent_generate
     scenarios.check_concurrent_generate(engine)
+    scenarios.check_seeded_prompts_over_a_steps_budget(engine)
 
 
 def test_behavior_logprobs_are_the_sampled_distribution(fleet):

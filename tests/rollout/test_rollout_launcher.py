@@ -55,6 +55,8 @@ def test_cpu_server_command(tiny_dir):
     assert "--middleware megatron_offgrpo.fleet.ControlTokenMiddleware" in joined
     assert "--host 127.0.0.1 --port 8123" in joined and "--enable-scale-out" in joined
     assert "--skip-tokenizer-init" in argv  # the tiny model has no tokenizer: ids in, ids out
+    # every prompt whole: a seeded request's split prefill crashes vLLM CPU (fleet.cpu_prefill_limits)
+    assert "--no-enable-chunked-prefill --max-num-batched-tokens 2048" in joined
     # the token travels in the environment only
     assert "secret-token" not in joined and env[TOKEN_ENV] == "secret-token"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -107,6 +107,7 @@ def main() -> None:
     scenarios.check_groups(engine)
     scenarios.check_concurrent_generate(engine)
     scenarios.check_prompt_caps(engine)
+    scenarios.check_seeded_prompts_over_a_steps_budget(engine)
     scenarios.check_behavior_logprobs(engine, model_dir, None)
     assert scenarios.greedy(engine) != fresh["memory"]
     report = scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
