@@ -17,9 +17,9 @@ from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 
 GIB = 1 << 30
 BLOCK_TOKENS = 256
-DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default max_num_batched_tokens (SchedulerConfig)
 """Sequence lengths are counted in whole blocks of this many tokens (the largest KV block vLLM uses, on CPU), so a
 sequence of ``max_model_len`` tokens fits whatever block size the backend picks."""
+DEFAULT_BATCHED_TOKENS = 2048  # vLLM's default max_num_batched_tokens (SchedulerConfig)
 
 
 def model_dtype(hf_config: dict[str, Any]) -> str:
