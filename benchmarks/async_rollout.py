@@ -30,7 +30,7 @@ generate, held by the bound (``fleet_paused_s``). Writes the table to ``OUT/asyn
 ``.json``.
 
 Usage: python benchmarks/async_rollout.py [--lengths demo|long-tail] [--placement shared|split] [--steps 24] [--v 4]
-       [--out DIR] [--variants ...]
+       [--out DIR] [--variants ...] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -204,6 +204,8 @@ def main() -> int:
     parser.add_argument("--placement", choices=["shared", "split"], default="shared",
                         help="generation in the training process on shared cores, or a fleet on a core of its own")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every variant (repeatable), e.g. --set optim.packing=true")
     parser.add_argument("--out", type=Path, default=Path("runs/async-rollout"), help="runs and the table go here")
     args = parser.parse_args()
     if args.steps < 3:
@@ -227,7 +229,7 @@ def main() -> int:
             cmd = [sys.executable, "-m", "megatron_offgrpo.cli", "train", "--config", "configs/tiny-cpu.yaml",
                    f"model.hf_path={model}", *model_and_data, f"train.out_dir={run}", f"train.steps={args.steps}",
                    f"rollout.refresh_every={args.v}", "train.eval_every=0", "train.save_every=0",
-                   "train.overwrite=true", *VARIANTS[variant]]
+                   "train.overwrite=true", *args.set, *VARIANTS[variant]]
             if args.placement == "split":
                 busy = split_run(args, cmd, run, model, cores)
             else:
