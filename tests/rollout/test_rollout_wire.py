@@ -262,6 +262,19 @@ def test_parse_group_refuses_bad_answers(answer, match):
         parse_group(answer, Prompt("p", (1,)), 0, 2, "s0")
 
 
+def test_parse_group_with_partial_rollouts_gives_each_token_its_version():
+    """A refresh came in the middle of the first completion (versions 4 then 5) but not the second (5 alone): each
+    token its version, the sample its oldest; without partial rollouts the same answer is refused."""
+    answer = _answer()
+    answer["choices"][0]["weight_versions"] = [{"version": "4", "start": 0, "end": 1},
+                                               {"version": "5", "start": 1, "end": 2}]
+    answer["choices"][1]["weight_versions"] = [{"version": "5", "start": 0, "end": 2}]
+    samples = parse_group(answer, Prompt("p", (1,)), 0, 2, "s0", one_version=False)
+    assert [(s.policy_version, s.token_versions) for s in samples] == [(4, [4, 5]), (5, None)]
+    with pytest.raises(BadResponse, match="exactly one version|several versions"):
+        parse_group(answer, Prompt("p", (1,)), 0, 2, "s0")
+
+
 def test_greedy_groups_are_asked_once_and_replicated():
     assert sampling_body(SamplingParams(temperature=0.0), 4, 0)["n"] == 1
     samples = parse_group(_answer(n=1), Prompt("p", (1,)), 0, 4, "s0")
