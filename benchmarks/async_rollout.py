@@ -167,7 +167,7 @@ class SplitFleet:
 
 def split_run(args, cmd: list[str], run: Path, model: Path, cores: list[int]) -> dict:
     """One variant with generation on a fleet pinned to the last of ``cores`` and the trainer on the others; returns
-    each side's CPU seconds over the timed steps (from step 0's record to the end) and their wall time."""
+    each side's busy share: its CPU seconds over the timed steps' wall time (from step 0's record to the last's)."""
     fleet = SplitFleet(model, run.parent / f"{run.name}-fleet", cores[-1:], 64 + args.max_tokens, 512)
     try:
         trainer = subprocess.Popen([*cmd, *fleet.overrides(run.parent)], cwd=REPO, stdout=subprocess.DEVNULL,
