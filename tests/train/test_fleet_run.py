@@ -75,7 +75,7 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transp
     if mode == "lockstep":
         assert [r["policy_version"] for r in records] == list(range(STEPS))  # the survivor installed every version
         assert all(r["staleness_max"] == 0 for r in records)
-    else:  # generated ahead, one version behind at most (max_staleness = v = 1), some tokens fresher than their sample
+    else:  # generated ahead: one version behind at most (max_staleness = v = 1)
         assert all(r["staleness_max"] <= 1 and r["step"] - r["policy_version"] <= 1 for r in records)
         assert all(0 <= r["partial_fraction"] <= 1 for r in records)
     assert victim.name in stderr and "training goes on" in stderr  # the loss of the server is reported
