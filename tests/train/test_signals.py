@@ -20,12 +20,14 @@ from tests.train.conftest import TINY, metrics, train_env
 pytestmark = [pytest.mark.slow]
 
 # v=1: every step boundary is one a resume reproduces exactly (the engine serves the step's own weights)
-RUN = ["train.steps=6", "rollout.refresh_every=1", "train.save_every=0"]
+RUN = ["rollout.refresh_every=1", "train.save_every=0"]
+STEPS = 6  # the one-process run: stopped twice (once by each signal), each within two steps of its start
 
 
 def _cmd(out, *overrides: str) -> list[str]:
     """``offgrpo train`` in one process (no torchrun: the exit code and the signal are the command's own)."""
-    return [sys.executable, "-m", "megatron_offgrpo.cli", "train", *TINY, f"train.out_dir={out}", *RUN, *overrides]
+    return [sys.executable, "-m", "megatron_offgrpo.cli", "train", *TINY, f"train.out_dir={out}", *RUN,
+            f"train.steps={STEPS}", *overrides]
 
 
 def _restore_sigint() -> None:
@@ -79,7 +81,7 @@ def test_a_signal_checkpoints_the_step_it_stops_at_and_resume_continues_exactly(
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stderr and first >= 1
     records = metrics(out)
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(STEPS))
     for got, want in zip(records, uninterrupted):
         assert (got["loss"], got["reward_mean"]) == (want["loss"], want["reward_mean"]), f"step {got['step']}"
 
@@ -129,7 +131,7 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
     from tests.train.conftest import train_cmd
 
     out = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(2, out, *RUN), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(train_cmd(2, out, *RUN, "train.steps=4"), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 600
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1):
@@ -145,7 +147,7 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
     assert (ckpt / "trainer_state.json").exists() and not list((out / "checkpoints").glob("*.tmp"))
     from tests.train.conftest import run_train
 
-    records = run_train(2, out, *RUN, "train.resume=true")
+    records = run_train(2, out, *RUN, "train.steps=4", "train.resume=true")
     assert [r["step"] for r in records] == list(range(4))
 
 
