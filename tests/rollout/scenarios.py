@@ -12,7 +12,7 @@ import torch
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RefreshVerificationError, verify_refresh
 from megatron_offgrpo.transports import version_dir, write_version_dir
-from tests.rollout.tiny import as_buckets, hf_probe_logprobs, load_hf_model
+from tests.rollout.tiny import as_buckets, hf_probe_logprobs, load_hf_model, token_logprobs
 
 PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -182,11 +182,8 @@ def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor],
         switch = sample.token_versions.index(first + 1)
         assert 0 < switch and set(sample.token_versions[:switch]) == {first}
         assert set(sample.token_versions[switch:]) == {first + 1} and sample.policy_version == first
-        ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)])
-        start = len(sample.prompt_ids)
-        with torch.no_grad():
-            logp = {v: m(ids).logits[0, start - 1:-1].log_softmax(-1).gather(-1, ids[0, start:, None])[:, 0]
-                    for v, m in models.items()}
+        ids, start = list(sample.prompt_ids) + list(sample.response_ids), len(sample.prompt_ids)
+        logp = {v: token_logprobs(m, ids)[start - 1:] for v, m in models.items()}
         expected = torch.where(torch.tensor(sample.token_versions) == first, logp[first], logp[first + 1])
         torch.testing.assert_close(torch.tensor(sample.behavior_logprobs), expected, atol=2e-3, rtol=0)
     assert all(s.policy_version == first + 1 and s.token_versions is None

@@ -56,10 +56,14 @@ def as_buckets(weights: dict[str, torch.Tensor], per_bucket: int = 8) -> list[li
 
 def hf_probe_logprobs(model_dir: Path, weights: dict[str, torch.Tensor] | None, probe: list[int]) -> list[float]:
     """The trainer-side reference: a fp32 HF forward of ``weights`` (None: the directory's) on ``probe``."""
-    model = load_hf_model(model_dir, weights)
+    return token_logprobs(load_hf_model(model_dir, weights), probe).tolist()
+
+
+def token_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """[T-1] log p(ids[t] | ids[:t]) under a HF ``model``, fp32."""
     with torch.no_grad():
-        ids = torch.tensor([probe])
-        return model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+        seq = torch.tensor([ids])
+        return model(seq).logits[0, :-1].log_softmax(-1).gather(-1, seq[0, 1:, None])[:, 0]
 
 
 def load_hf_model(model_dir: Path, weights: dict[str, torch.Tensor] | None):
