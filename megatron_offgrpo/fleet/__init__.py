@@ -12,6 +12,7 @@ weight wire format comes from ``transports``.
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV, ControlTokenMiddleware
 from megatron_offgrpo.fleet._cpu_sampler import install as install_cpu_sampler
+from megatron_offgrpo.fleet._cpu_sampler import sample_from_logprobs
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 from megatron_offgrpo.fleet._launcher import (
@@ -44,6 +45,7 @@ __all__ = [
     "FleetSpec",
     "gpu_count",
     "install_cpu_sampler",
+    "sample_from_logprobs",
     "FleetState",
     "MoeLayoutError",
     "OffgrpoWorkerExtension",

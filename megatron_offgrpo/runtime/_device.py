@@ -56,7 +56,7 @@ def hide_broken_te() -> None:
     usable, reason = te_status()
     if usable or importlib.util.find_spec("transformer_engine") is None:
         return
-    if "megatron.core" in sys.modules:
+    if "megatron.core.extensions.transformer_engine" in sys.modules:  # where megatron-core decides HAVE_TE
         logger.warning("megatron.core was imported before TE could be hidden; its TE detection may fail")
     for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine_torch"):
         sys.modules[name] = None  # type: ignore[assignment]

@@ -6,11 +6,13 @@ These run on every machine: with or without vLLM installed.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron_offgrpo.data import SamplingParams
 from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, verify_refresh
 from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout import scenarios
-from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
+from tests.rollout.tiny import TINY, as_buckets, hf_weights, load_hf_model, perturbed
 
 
 @pytest.fixture()
@@ -38,6 +40,23 @@ def test_a_prompt_caps_its_own_completions(engine):
 
 def test_behavior_logprobs_are_the_sampled_distribution(engine, tiny_dir):
     scenarios.check_behavior_logprobs(engine, tiny_dir, None)
+
+
+def test_draws_follow_the_warped_distribution(engine, tiny_dir):
+    """800 first tokens at temperature 0.7 and top-k 4: each is one of the model's 4 likeliest, drawn as often as
+    softmax(logits / 0.7) over those 4 says (chi-square, 3 degrees of freedom, p = 0.001: 16.3), and the same seed
+    draws the same tokens."""
+    prompt = scenarios.PROMPTS[0]
+    logits = load_hf_model(tiny_dir, None)(torch.tensor([prompt.prompt_ids])).logits[0, -1].detach().double()
+    top = logits.topk(4)
+    expected = (top.values / 0.7).softmax(-1) * 800
+    params = SamplingParams(max_tokens=1, temperature=0.7, top_k=4, seed=5)
+    drawn = [s.response_ids[0] for s in engine.generate([prompt], 800, params)]
+    assert set(drawn) <= set(top.indices.tolist())
+    counts = torch.tensor([drawn.count(t) for t in top.indices.tolist()], dtype=torch.float64)
+    chi2 = (((counts - expected) ** 2) / expected.clamp(min=1e-9)).sum().item()
+    assert chi2 < 16.3, (counts.tolist(), expected.tolist())
+    assert [s.response_ids for s in engine.generate([prompt], 8, params)] == [[t] for t in drawn[:8]]
 
 
 @pytest.mark.parametrize("form", ["buckets", "directory"])

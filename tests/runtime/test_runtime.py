@@ -41,6 +41,32 @@ def test_broken_te_is_hidden_so_megatron_core_still_imports(tmp_path):
     assert "CUDA is not available" in proc.stdout and "HAVE_TE False" in proc.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, megatron-core's import is left as it is")
+def test_megatron_core_imported_after_the_package_is_prepared_for_a_cpu_machine(tmp_path):
+    """Whichever module imports megatron-core first, after `import megatron_offgrpo` (every process of the project):
+    a broken TE is hidden, megatron's jit_fuser stays eager (no dynamo or inductor imported for it), torch.compile is
+    torch's again afterwards, and megatron.core keeps its real loader."""
+    pkg = tmp_path / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('libcudart.so: cannot open shared object file')\n")
+    (pkg / "pytorch" / "__init__.py").write_text("")
+    proc = run_python(f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        import importlib.machinery, megatron_offgrpo
+        from megatron.core import jit
+        assert jit.jit_fuser(len) is len, jit.jit_fuser
+        assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules
+        from megatron.core.extensions import transformer_engine as te_ext
+        import megatron.core, torch
+        assert te_ext.HAVE_TE is False
+        assert torch.compile.__module__ == 'torch', torch.compile
+        assert isinstance(megatron.core.__loader__, importlib.machinery.SourceFileLoader), megatron.core.__loader__
+        print('ok')
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
 def test_cpu_compat_is_explicit_and_idempotent():
     proc = run_python("""
         import torch
