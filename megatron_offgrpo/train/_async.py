@@ -10,7 +10,10 @@ trained data has the generated data's length distribution.
 Several steps generate at once where the engine shares one batch between callers (``concurrent_generate``: the
 in-process vLLM engine, the fleet): every step the bound allows is started, each in a thread of its own, and the
 engine's continuous batching serves their requests first come, first served, so a slot freed by a short answer goes
-to the next step's request instead of idling until the step's longest answer ends. Steps draw their first prompts
+to the next step's request instead of idling until the step's longest answer ends. Where the batch has room for all
+of them, though, every step's requests run at once and the oldest step ends with the others: with training the slow
+side the trainer then waits for it (README "Rollout modes", separate cores; an order across steps, oldest first, is
+not built yet). Steps draw their first prompts
 in step order (a step starts only after the one before it drew), so without dynamic sampling the batches are the
 lockstep run's; refill rounds of dynamic sampling draw when they are needed.
 
