@@ -30,7 +30,7 @@ generate, held by the bound (``fleet_paused_s``). Writes the table to ``OUT/asyn
 ``.json``.
 
 Usage: python benchmarks/async_rollout.py [--lengths demo|long-tail] [--placement shared|split] [--steps 24] [--v 4]
-       [--out DIR] [--variants ...] [--set KEY=VALUE ...]
+       [--fleet-max-num-seqs N] [--out DIR] [--variants ...] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class SplitFleet:
 def split_run(args, cmd: list[str], run: Path, model: Path, cores: list[int]) -> dict:
     """One variant with generation on a fleet pinned to the last of ``cores`` and the trainer on the others; returns
     each side's busy share: its CPU seconds over the timed steps' wall time (from step 0's record to the last's)."""
-    fleet = SplitFleet(model, run.parent / f"{run.name}-fleet", cores[-1:], 64 + args.max_tokens, 512)
+    fleet = SplitFleet(model, run.parent / f"{run.name}-fleet", cores[-1:], 64 + args.max_tokens,
+                       args.fleet_max_num_seqs)
     try:
         trainer = subprocess.Popen([*cmd, *fleet.overrides(run.parent)], cwd=REPO, stdout=subprocess.DEVNULL,
                                    **_pinned(cores[:-1]))
@@ -204,6 +205,9 @@ def main() -> int:
     parser.add_argument("--placement", choices=["shared", "split"], default="shared",
                         help="generation in the training process on shared cores, or a fleet on a core of its own")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--fleet-max-num-seqs", type=int, default=512, metavar="N",
+                        help="split: the fleet server's --max-num-seqs (sequences it decodes at once; the others "
+                             "wait their turn, first come first served)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant (repeatable), e.g. --set optim.packing=true")
     parser.add_argument("--out", type=Path, default=Path("runs/async-rollout"), help="runs and the table go here")
@@ -211,6 +215,8 @@ def main() -> int:
     if args.steps < 3:
         parser.error(f"--steps {args.steps}: at least 3 (the first step is left out of the timing)")
     cores = sorted(os.sched_getaffinity(0))
+    if args.fleet_max_num_seqs < 1:
+        parser.error(f"--fleet-max-num-seqs {args.fleet_max_num_seqs}: at least 1")
     if args.placement == "split" and len(cores) < 2:
         parser.error(f"--placement split needs 2 cores or more; this process may use {cores}")
     out = args.out.resolve() / args.placement
