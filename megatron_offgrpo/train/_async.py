@@ -12,8 +12,8 @@ in-process vLLM engine, the fleet): every step the bound allows is started, each
 engine's continuous batching serves their requests first come, first served, so a slot freed by a short answer goes
 to the next step's request instead of idling until the step's longest answer ends. Where the batch has room for all
 of them, though, every step's requests run at once and the oldest step ends with the others: with training the slow
-side the trainer then waits for it (README "Rollout modes", separate cores: an engine whose ``max_num_seqs`` is one
-step's samples, as the in-process one, admits the oldest step's requests first). Steps draw their first prompts
+side the trainer then waits for it (README "Rollout modes", separate cores; admitting requests in step order, by
+vLLM's priority scheduling, is not built yet). Steps draw their first prompts
 in step order (a step starts only after the one before it drew), so without dynamic sampling the batches are the
 lockstep run's; refill rounds of dynamic sampling draw when they are needed.
 
