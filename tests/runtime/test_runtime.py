@@ -16,6 +16,15 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
 
 
+def _fake_broken_te(root) -> None:
+    """A fake transformer_engine under ``root`` that fails like a real one without CUDA (RuntimeError, not
+    ImportError)."""
+    pkg = root / "transformer_engine"
+    (pkg / "pytorch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('libcudart.so: cannot open shared object file')\n")
+    (pkg / "pytorch" / "__init__.py").write_text("")
+
+
 def test_te_status_without_cuda_says_why():
     usable, reason = runtime.te_status()
     assert not usable and reason  # this CPU machine: TE not installed or no CUDA
@@ -23,11 +32,7 @@ def test_te_status_without_cuda_says_why():
 
 
 def test_broken_te_is_hidden_so_megatron_core_still_imports(tmp_path):
-    # A fake transformer_engine that fails like a real one without CUDA (RuntimeError, not ImportError).
-    pkg = tmp_path / "transformer_engine"
-    (pkg / "pytorch").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise RuntimeError('libcudart.so: cannot open shared object file')\n")
-    (pkg / "pytorch" / "__init__.py").write_text("")
+    _fake_broken_te(tmp_path)
     proc = run_python(f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})
         from megatron_offgrpo.runtime import hide_broken_te, te_status
@@ -46,10 +51,7 @@ def test_megatron_core_imported_after_the_package_is_prepared_for_a_cpu_machine(
     """Whichever module imports megatron-core first, after `import megatron_offgrpo` (every process of the project):
     a broken TE is hidden, megatron's jit_fuser stays eager (no dynamo or inductor imported for it), torch.compile is
     torch's again afterwards, and megatron.core keeps its real loader."""
-    pkg = tmp_path / "transformer_engine"
-    (pkg / "pytorch").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("raise RuntimeError('libcudart.so: cannot open shared object file')\n")
-    (pkg / "pytorch" / "__init__.py").write_text("")
+    _fake_broken_te(tmp_path)
     proc = run_python(f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})
         import importlib.machinery, megatron_offgrpo
