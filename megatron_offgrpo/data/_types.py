@@ -44,6 +44,9 @@ class SamplingParams:
     Attributes:
         max_tokens: longest completion. temperature, top_p, top_k: sampling (temperature 0 = greedy).
         seed: per-request seed (None = engine's). stop_token_ids: extra ids that end a completion (EOS always does).
+        priority: when the engine admits the request, not how it samples: vLLM's priority scheduling, lower first,
+            equal ones in arrival order. ``rollout.mode=async`` gives each step's requests the step's number, so
+            when the batch is full the oldest step's waiting requests take the freed slots before any later step's.
     """
 
     max_tokens: int = 256
@@ -52,6 +55,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    priority: int = 0
 
 
 @dataclasses.dataclass

@@ -225,6 +225,10 @@ def server_command(
         "--enable-scale-out",
         "--logprobs-mode",
         spec.logprobs_mode,
+        # a request's priority orders admission when the batch is full (rollout.mode=async: the oldest step first);
+        # with every priority equal, first come, first served, as vLLM's default policy
+        "--scheduling-policy",
+        "priority",
     ]
     hooks = spec.record_routing and not gpus  # vLLM's own routed-experts output needs its GPU model runner
     if spec.enforce_eager or hooks:  # the routing hooks do not run inside graphs

@@ -5,8 +5,9 @@ continuous batch.
 unsafely or, serialised, leave every slot of the first call's batch idle while its longest response finishes. Here
 the loop's thread alone touches the engine: callers hand it requests (``generate``) or calls (``run``: weight
 installs, RPCs), which it takes between two decode steps, so a request that finishes frees its slot for whichever
-caller's request waits next (vLLM's scheduler serves them first come, first served). This is what lets
-``rollout.mode=async`` generate the groups of several steps at once without a batch waiting for its longest answer.
+waiting request comes first: the engine runs vLLM's priority scheduling, lowest ``priority`` first, equal ones
+first come, first served. This is what lets ``rollout.mode=async`` generate the groups of several steps at once
+without a batch waiting for its longest answer, the oldest step's requests admitted first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class _Generation:
 
     prompts: list[Any]
     params: list[Any]
+    priority: int
     future: Future
     outputs: list[Any] = dataclasses.field(default_factory=list)
     pending: int = 0
@@ -50,13 +52,14 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="offgrpo-vllm-loop", daemon=True)
         self._thread.start()
 
-    def generate(self, prompts: list[Any], params: list[Any]) -> list[Any]:
-        """vLLM's ``RequestOutput`` of each prompt, in order, generated beside every other caller's requests.
+    def generate(self, prompts: list[Any], params: list[Any], priority: int = 0) -> list[Any]:
+        """vLLM's ``RequestOutput`` of each prompt, in order, generated beside every other caller's requests, admitted
+        before those of a higher ``priority`` when the batch is full.
 
         Raises:
             what the engine raised (``EngineDiedError`` for a dead engine process).
         """
-        job = _Generation(list(prompts), list(params), Future())
+        job = _Generation(list(prompts), list(params), priority, Future())
         self._jobs.put(job)
         return job.future.result()
 
@@ -116,7 +119,9 @@ class EngineLoop:
         # internal id that enqueue returns.
         first = self._llm.request_counter.counter
         try:
-            count = len(self._guard(lambda: self._llm.enqueue(job.prompts, job.params, use_tqdm=False)))
+            priority = [job.priority] * len(job.prompts)
+            count = len(self._guard(lambda: self._llm.enqueue(job.prompts, job.params, priority=priority,
+                                                              use_tqdm=False)))
         except BaseException as exc:
             job.future.set_exception(exc)
             return

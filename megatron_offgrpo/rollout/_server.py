@@ -49,6 +49,8 @@ class ServerClient:
             "sampling_params": sampling_body(prompt.sampling(params), n, group_id),
             "request_id": f"offgrpo-g{group_id}-{uuid.uuid4().hex[:12]}",
         }
+        if params.priority:  # a server without priority scheduling refuses any other than 0 (fleet start enables it)
+            body["priority"] = params.priority
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)
 
     def probe(self, token_ids: list[int]) -> dict[str, Any]:

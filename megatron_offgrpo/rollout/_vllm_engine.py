@@ -138,6 +138,9 @@ class VLLMEngine:
         install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
+        # A request's priority orders admission when the batch is full (async: the oldest step first); with every
+        # priority equal it is first come, first served, as vLLM's default policy.
+        llm_kwargs.setdefault("scheduling_policy", "priority")
         if not _on_gpu():  # vLLM CPU: a seeded request's split prefill would crash the engine
             chunked, batched_tokens = cpu_prefill_limits(max_model_len)
             llm_kwargs.setdefault("enable_chunked_prefill", chunked)
@@ -224,6 +227,7 @@ class VLLMEngine:
                 [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
                 [self._params(p.sampling(params), n, i, output_kind=RequestOutputKind.FINAL_ONLY)
                  for i, p in enumerate(prompts)],
+                priority=params.priority,
             )
             samples = self._samples(prompts, outputs, n)
             if hooks:

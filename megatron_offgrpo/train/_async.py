@@ -9,13 +9,14 @@ trained data has the generated data's length distribution.
 
 Several steps generate at once where the engine shares one batch between callers (``concurrent_generate``: the
 in-process vLLM engine, the fleet): every step the bound allows is started, each in a thread of its own, and the
-engine's continuous batching serves their requests first come, first served, so a slot freed by a short answer goes
-to the next step's request instead of idling until the step's longest answer ends. Where the batch has room for all
-of them, though, every step's requests run at once and the oldest step ends with the others: with training the slow
-side the trainer then waits for it (README "Rollout modes", separate cores; admitting requests in step order, by
-vLLM's priority scheduling, is not built yet). Steps draw their first prompts
-in step order (a step starts only after the one before it drew), so without dynamic sampling the batches are the
-lockstep run's; refill rounds of dynamic sampling draw when they are needed.
+engine's continuous batching gives a slot freed by a short answer to a waiting request instead of idling until the
+step's longest answer ends. Which request: the oldest step's. Step s's requests carry priority s
+(``SamplingParams.priority``; the engines run vLLM's priority scheduling), since the trainer takes the batches in
+step order: with training the slow side, a step after a refresh that shared the batch evenly with the three after it
+would end with them, and the trainer would wait for it (README "Rollout modes", separate cores). Where the batch has
+room for every step's requests, all decode at once whatever their priority. Steps draw their first prompts in step
+order (a step starts only after the one before it drew), so without dynamic sampling the batches are the lockstep
+run's; refill rounds of dynamic sampling draw when they are needed (with their step's priority).
 
 The engine is one resource (``EngineGate``): generations share it; installing weights, verifying them, evaluating
 and checkpointing take it alone, after the steps in flight end and before any new one starts. A checkpoint then

@@ -126,7 +126,7 @@ class RolloutSide:
     def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None]) -> list[Sample]:
         """The next ``count`` prompts of the stream, G scored samples each, group-major."""
         cfg = self.config
-        params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_))
+        params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_), step=step)
         with self._stream_lock:
             prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
         drawn()

@@ -6,10 +6,11 @@ from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.data import SamplingParams
 
 
-def sampling_params(rollout: RolloutConfig, seed: int | None = None) -> SamplingParams:
-    """How the engine samples."""
+def sampling_params(rollout: RolloutConfig, seed: int | None = None, step: int = 0) -> SamplingParams:
+    """How the engine samples step ``step``'s requests. In async mode several steps generate at once: their
+    requests are admitted oldest step first (``SamplingParams.priority``), since the trainer takes them in order."""
     return SamplingParams(max_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
-                          seed=seed)
+                          seed=seed, priority=step if rollout.mode == "async" else 0)
 
 
 def serving_dtype(rollout: RolloutConfig, precision: str) -> str:

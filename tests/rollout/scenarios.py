@@ -145,6 +145,32 @@ def check_concurrent_generate(engine) -> None:
         assert finished["short"] < finished["long"], "the short generation waited for the long one"
 
 
+def check_priority_admission(engine) -> None:
+    """With the batch full (an engine decoding 2 sequences at once), a request of lower ``priority`` asked for while
+    a higher one's requests wait is admitted before them: it ends first, where first come, first served would run
+    it after all of them (``rollout.mode=async`` gives the oldest step the lowest number)."""
+    import dataclasses
+    import threading
+    import time
+
+    later = SamplingParams(max_tokens=40, temperature=1.0, seed=13, priority=5)
+    finished: dict[str, float] = {}
+    results: dict[str, list] = {}
+
+    def ask(name: str, prompts, params) -> None:
+        results[name] = engine.generate(prompts, 2, params)
+        finished[name] = time.perf_counter()
+
+    queued = threading.Thread(target=ask, args=("later", PROMPTS[:4], later))  # 8 sequences: 4 rounds of 2
+    queued.start()
+    time.sleep(0.5)  # its first 2 sequences decode, 6 wait
+    ask("oldest", PROMPTS[5:6], dataclasses.replace(later, priority=1))
+    queued.join()
+    assert len(results["later"]) == 8 and len(results["oldest"]) == 2
+    assert max(len(s.response_ids) for s in results["later"]) > 20, "too short to tell"
+    assert finished["oldest"] < finished["later"], "the lower priority waited for the higher one's requests"
+
+
 def check_prompt_caps(engine) -> None:
     """A prompt's own ``max_new_tokens`` caps its completions under the call's ``max_tokens`` (a data row's cap)."""
     import dataclasses

@@ -6,6 +6,8 @@ test fails. The last test kills one of them mid-batch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -125,6 +127,9 @@ def test_groups_complete_and_version_tagged(fleet):
     assert len({s.server for s in samples}) == 2  # load is spread over both servers
     assert engine.concurrent_generate
     scenarios.check_concurrent_generate(engine)
+    # async mode's requests carry their step as priority: vLLM refuses any but 0 unless fleet start enabled it
+    oldest_first = dataclasses.replace(scenarios.SAMPLED, priority=3)
+    assert len(engine.generate(scenarios.PROMPTS[:2], 2, oldest_first)) == 4
     scenarios.check_seeded_prompts_over_a_steps_budget(engine)
 
 

@@ -54,6 +54,7 @@ def test_cpu_server_command(tiny_dir):
     assert "--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension" in joined
     assert "--middleware megatron_offgrpo.fleet.ControlTokenMiddleware" in joined
     assert "--host 127.0.0.1 --port 8123" in joined and "--enable-scale-out" in joined
+    assert "--scheduling-policy priority" in joined  # async mode admits the oldest step's requests first
     assert "--skip-tokenizer-init" in argv  # the tiny model has no tokenizer: ids in, ids out
     # every prompt whole: a seeded request's split prefill crashes vLLM CPU (fleet.cpu_prefill_limits)
     assert "--no-enable-chunked-prefill --max-num-batched-tokens 2048" in joined

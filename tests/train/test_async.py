@@ -12,9 +12,11 @@ import time
 
 import pytest
 
+from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
 from megatron_offgrpo.train._sampling import RolloutBatch
+from megatron_offgrpo.train.builders import sampling_params
 from tests.helpers import REPO
 from tests.train.conftest import kill_tree, metrics, train_cmd, train_env, train_proc
 
@@ -153,6 +155,14 @@ def test_close_while_paused_at_the_bound_returns():
     producer.close()
     assert time.monotonic() - start < 5
 
+
+
+@pytest.mark.parametrize("mode, priority", [("async", 7), ("lockstep", 0)])
+def test_async_steps_ask_the_engine_for_the_oldest_step_first(mode, priority):
+    """Step s's requests carry priority s in async mode (several steps share the engine's batch: the one the trainer
+    takes next is admitted first), 0 otherwise (any vLLM server takes it, with or without priority scheduling)."""
+    rollout = RolloutConfig(mode=mode, refresh_every=4)
+    assert sampling_params(rollout, seed=3, step=7).priority == priority
 
 
 def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():

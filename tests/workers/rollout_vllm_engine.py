@@ -100,6 +100,11 @@ def main() -> None:
         engine.close()
         del engine
         gc.collect()
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512, max_num_seqs=2)
+    scenarios.check_priority_admission(engine)
+    engine.close()
+    del engine
+    gc.collect()
     start = time.perf_counter()
     engine = make_engine("auto", model_dir, dtype="float32", max_model_len=512)
     assert isinstance(engine, VLLMEngine) and isinstance(engine, RolloutEngine) and engine.version() == 0
