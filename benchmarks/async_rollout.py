@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--fleet-max-num-seqs", type=int, default=512, metavar="N",
                         help="split: the fleet server's --max-num-seqs (sequences it decodes at once; the others "
-                             "wait their turn, first come first served)")
+                             "wait their turn, the oldest step's first)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant (repeatable), e.g. --set optim.packing=true")
     parser.add_argument("--out", type=Path, default=Path("runs/async-rollout"), help="runs and the table go here")

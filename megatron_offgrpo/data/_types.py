@@ -74,6 +74,8 @@ class Sample:
             sample was being generated (``rollout.partial_rollouts``); None when one version made them all.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
         server: which engine/server produced it (for logs and failover checks).
+        attempts: the requests its group took: 1, or more when a server failed with the group in flight and it was
+            sent again (generated anew on another server; nothing of the failed attempt is kept).
         routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
             integer tensor, the experts each layer routed each input position to (the prompt and every sampled
             token but the last, which was never fed back); the trainer's forward replays them. None otherwise.
@@ -91,6 +93,7 @@ class Sample:
     shaping: float = 0.0
     routed_experts: Any = None  # torch.Tensor | None (this room's types stay importable without torch)
     token_versions: list[int] | None = None
+    attempts: int = 1
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._state import ServerRecord, fleet_token, load_state
 from megatron_offgrpo.runtime import process_alive
@@ -36,10 +38,10 @@ def pid_runs_server(server: ServerRecord) -> bool:
     if not process_alive(server.pid):
         return False
     try:
-        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+        cmdline = psutil.Process(server.pid).cmdline()
+    except psutil.Error:  # gone since, or another user's: not our server
         return False
-    return b"vllm.entrypoints.openai.api_server" in cmdline and str(server.port).encode() in cmdline
+    return "vllm.entrypoints.openai.api_server" in cmdline and str(server.port) in cmdline
 
 
 def _group_alive(pgid: int) -> bool:

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 
 GIB = 1 << 30
@@ -110,14 +112,12 @@ def size_server(
 
 
 def available_memory_bytes() -> int | None:
-    """This machine's MemAvailable (RAM the kernel can give without swapping), or None where unknown."""
+    """This machine's available memory (Linux's MemAvailable: RAM the kernel can give without swapping), or None
+    where unknown."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError):
+        return None
 
 
 def fit_errors(size: ServerSize, servers: int, room_bytes: int | None, room: str, derived_len: bool) -> list[str]:

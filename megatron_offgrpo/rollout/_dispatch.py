@@ -2,20 +2,25 @@
 
 Each group is one task. A task takes the least-loaded live server, sends the whole group, and on a failure waits
 (exponential backoff with jitter) and tries again, preferring servers it has not failed on. A server that fails
-``dead_after`` times in a row is marked dead and gets no more work; its in-flight groups fail on their own
-(connection reset or timeout) and are resent elsewhere. Results are stored by group index, each exactly once,
-so the output has every group once whatever happened.
+``dead_after`` times in a row is marked dead and gets no more work. Its in-flight groups fail on their own when the
+server's connections reset (a killed process); a server that holds them without a word (frozen, or its node gone
+without a reset) is found by ``HealthWatch``, whose failed checks mark it dead: the tasks waiting on it give up
+their requests then and resend the groups elsewhere, instead of waiting out a generation's read timeout. Results are
+stored by group index, each exactly once, so the output has every group once whatever happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Iterator, TypeVar
 
 from megatron_offgrpo.fleet import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._errors import FleetError
@@ -33,6 +38,10 @@ class RetryPolicy:
         max_attempts: tries per group, over all servers. dead_after: consecutive failures that mark a server dead.
         backoff_s: wait before the first retry; doubles per attempt up to max_backoff_s, times a random factor
             in [1 - jitter, 1 + jitter]. max_inflight_per_server: concurrent groups per server.
+        health_every_s: seconds between two ``/health`` checks of each serving server (``HealthWatch``).
+        health_timeout_s: a check unanswered this long fails; ``dead_after`` failed checks in a row mark the server
+            dead. A live server answers in milliseconds, even while it decodes (a GPU server's engine runs in a
+            process of its own); on a loaded CPU one, the event loop shares the core with the engine, hence seconds.
     """
 
     max_attempts: int = 6
@@ -41,11 +50,16 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
     jitter: float = 0.5
     max_inflight_per_server: int = 8
+    health_every_s: float = 2.0
+    health_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for key in ("max_attempts", "dead_after", "max_inflight_per_server"):
             if getattr(self, key) < 1:
                 raise ValueError(f"RetryPolicy.{key}={getattr(self, key)} must be >= 1")
+        for key in ("health_every_s", "health_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"RetryPolicy.{key}={getattr(self, key)} must be > 0")
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based)."""
@@ -61,6 +75,7 @@ class ServerPool:
         self._lock = threading.Lock()
         self._inflight = {n: 0 for n in names}
         self._failures = {n: 0 for n in names}
+        self._down = {n: threading.Event() for n in names}  # set while dead: its waiting tasks give up
         self.dead: dict[str, str] = {}
         self.benched: dict[str, str] = {}
         self.retries = 0  # requests that failed and were sent again (for logs and tests)
@@ -93,11 +108,22 @@ class ServerPool:
                 self._failures[name] = 0
                 return
             self._failures[name] += 1
-            if self._failures[name] >= self._dead_after and name not in self.dead:
-                self.dead[name] = error
-                logger.warning(
-                    "server %s marked dead after %d consecutive failures: %s", name, self._failures[name], error
-                )
+            if self._failures[name] < self._dead_after:
+                return
+        self.mark_dead(name, f"{self._failures[name]} consecutive failures: {error}")
+
+    def mark_dead(self, name: str, reason: str) -> None:
+        """``name`` gets no more work, and the tasks waiting on its answers give up their requests."""
+        with self._lock:
+            if name in self.dead:
+                return
+            self.dead[name] = reason
+            self._down[name].set()
+        logger.warning("server %s marked dead: %s", name, reason)
+
+    def down(self, name: str) -> threading.Event:
+        """Set while ``name`` is dead."""
+        return self._down[name]
 
     def bench(self, name: str, reason: str) -> None:
         """Take ``name`` out of rotation (e.g. a failed refresh) until ``restore``."""
@@ -109,6 +135,7 @@ class ServerPool:
         with self._lock:
             self.benched.pop(name, None)
             self.dead.pop(name, None)
+            self._down[name].clear()
             self._failures[name] = 0
 
 
@@ -120,7 +147,7 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
         if name is None:
             break
         try:
-            result = send(name, index)
+            result = _unless_marked_dead(pool, name, functools.partial(send, name, index))
         except RequestRejected as exc:  # the request itself is wrong: no other server will accept it
             pool.release(name)
             raise FleetError(f"group {index} rejected by server {name}: {exc}") from None
@@ -137,6 +164,79 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
         f"group {index} failed on every attempt (dead servers: {sorted(pool.dead) or 'none'}):\n  "
         + "\n  ".join(errors or ["no serving server"])
     )
+
+
+def _unless_marked_dead(pool: ServerPool, name: str, call: Callable[[], T]) -> T:
+    """``call()`` (a request to server ``name``), run in a thread of its own so that the task can give it up when
+    the pool marks ``name`` dead: then ``ServerDown``. The abandoned request ends with the server's read timeout or
+    connection; its answer, if one ever comes, is dropped (the group is resent elsewhere, never produced twice)."""
+    answer: Future = Future()
+
+    def run() -> None:
+        try:
+            answer.set_result(call())
+        except BaseException as exc:  # raised in the task's thread below
+            answer.set_exception(exc)
+
+    threading.Thread(target=run, name=f"offgrpo-request-{name}", daemon=True).start()
+    down = pool.down(name)
+    while True:
+        try:
+            return answer.result(timeout=0.25)
+        except FutureTimeout:
+            if down.is_set():
+                raise ServerDown(f"server {name} marked dead with this request in flight ({pool.dead.get(name)}): "
+                                 "request given up") from None
+
+
+class HealthWatch:
+    """While generations are in flight (``watching``), checks every serving server's ``/health`` every
+    ``policy.health_every_s``; ``policy.dead_after`` failed checks in a row mark it dead, and the groups in flight on
+    it are resent elsewhere (``_unless_marked_dead``).
+
+    Why: a killed server resets its connections and its requests fail at once, but a frozen one (SIGSTOP, a hung
+    driver) or one whose node vanished without a reset holds them until the generation's read timeout, minutes.
+    """
+
+    def __init__(self, pool: ServerPool, check: Callable[[str, float], None], policy: RetryPolicy) -> None:
+        """Args: pool: the servers. check: ``check(name, timeout_s)`` raises when ``name`` is not healthy."""
+        self._pool, self._check, self._policy = pool, check, policy
+        self._lock = threading.Lock()
+        self._watchers = 0
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Checks run from the first caller's entry to the last one's exit (generations from several threads)."""
+        with self._lock:
+            self._watchers += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="offgrpo-fleet-health", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._watchers -= 1
+
+    def _run(self) -> None:
+        failed: dict[str, int] = {}
+        while True:
+            time.sleep(self._policy.health_every_s)
+            with self._lock:
+                if not self._watchers:
+                    self._thread = None
+                    return
+            for name in self._pool.serving():
+                try:
+                    self._check(name, self._policy.health_timeout_s)
+                    failed[name] = 0
+                except Exception as exc:  # any failure to answer counts
+                    failed[name] = failed.get(name, 0) + 1
+                    if failed[name] >= self._policy.dead_after:
+                        failed[name] = 0
+                        self._pool.mark_dead(name, f"{self._policy.dead_after} health checks in a row failed "
+                                                   f"(last: {exc})")
 
 
 def run_groups(pool: ServerPool, policy: RetryPolicy, count: int, send: Callable[[str, int], T]) -> list[T]:

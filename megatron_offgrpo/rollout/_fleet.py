@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.fleet import RoutingAnswer
-from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
+from megatron_offgrpo.rollout._dispatch import HealthWatch, RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
@@ -84,6 +84,9 @@ class FleetEngine:
         # Generations from several threads go to the servers at once (each server batches what it is sent), except
         # where a worker's routing hooks record one generation's experts at a time.
         self.concurrent_generate = not record_routing or set(self._routing_sources.values()) == {"vllm"}
+        # a frozen server (or one whose node vanished) would hold its requests until the generation's read timeout
+        self._health = HealthWatch(self.pool, lambda name, timeout: self.servers[name].check_health(timeout),
+                                   self.policy)
 
     @classmethod
     def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":
@@ -161,12 +164,19 @@ class FleetEngine:
         if self.record_routing:
             self._begin_routing()
 
+        sent = [0] * len(prompts)  # requests per group: a group resent after a failure took more than one
+
         def send(name: str, index: int) -> list[Sample]:
+            sent[index] += 1  # one thread runs a group's attempts, one after another
             samples = parse_group(self.servers[name].generate(prompts[index], n, params, index), prompts[index],
                                   index, n, name, one_version=not self.partial_rollouts)
             return self._with_routing(name, samples) if self.record_routing else samples
 
-        groups = run_groups(self.pool, self.policy, len(prompts), send)
+        with self._health.watching():
+            groups = run_groups(self.pool, self.policy, len(prompts), send)
+        for group, attempts in zip(groups, sent):
+            for sample in group:
+                sample.attempts = attempts
         return [sample for group in groups for sample in group]
 
     def _begin_routing(self) -> None:

@@ -36,10 +36,14 @@ class ServerClient:
     def health(self, timeout: float = 5.0) -> bool:
         """True when the server answers ``/health``."""
         try:
-            call_json("GET", self.url + "/health", None, None, timeout)
+            self.check_health(timeout)
             return True
         except (ServerDown, RequestRejected):
             return False
+
+    def check_health(self, timeout: float = 5.0) -> None:
+        """Raises ``ServerDown`` (or ``RequestRejected``) unless the server answers ``/health`` within ``timeout``."""
+        call_json("GET", self.url + "/health", None, None, timeout)
 
     def generate(self, prompt: Prompt, n: int, params: SamplingParams, group_id: int) -> dict[str, Any]:
         """One group: all ``n`` samples of ``prompt`` in one request (so they share server and version)."""
@@ -49,7 +53,7 @@ class ServerClient:
             "sampling_params": sampling_body(prompt.sampling(params), n, group_id),
             "request_id": f"offgrpo-g{group_id}-{uuid.uuid4().hex[:12]}",
         }
-        if params.priority:  # a server without priority scheduling refuses any other than 0 (fleet start enables it)
+        if params.priority:  # a server without --scheduling-policy priority ignores it (fleet start sets the flag)
             body["priority"] = params.priority
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)
 

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import psutil
 
 
 def process_alive(pid: int) -> bool:
-    """True while ``pid`` is a live process here. A zombie counts as dead: it has exited and never acts again. The
-    state letter of ``/proc/PID/stat`` follows the command name's closing parenthesis (the name may hold spaces)."""
+    """True while ``pid`` is a live process here. A zombie counts as dead: it has exited and never acts again."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # another user's process: alive
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no procfs: os.kill said it exists
+    except psutil.AccessDenied:  # another user's process: alive
         return True

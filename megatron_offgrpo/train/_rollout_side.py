@@ -301,7 +301,8 @@ def length_metrics(lengths: Sequence[int]) -> dict[str, float]:
 def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
     """Rewards (their mean and population std over the batch; accuracy: of the task's score, shaping left out),
     lengths (``length_metrics``), the fraction cut at the length limit (``truncated_fraction``: finish reason
-    "length") and staleness (step - policy_version) of a step's samples; raises when a sample is older than
+    "length"), the share of samples whose group was sent again after a server failed (``resent_fraction``) and
+    staleness (step - policy_version) of a step's samples; raises when a sample is older than
     ``staleness_bound`` steps (the engine did not serve the weights it was sent)."""
     values = [step - s.policy_version for s in samples]
     if max(values) > staleness_bound or min(values) < 0:
@@ -317,6 +318,7 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             **length_metrics([len(s.response_ids) for s in samples]),
             "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
+            "resent_fraction": sum(s.attempts > 1 for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
             **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)},
             **token_staleness_metrics(samples, step, staleness_bound)}

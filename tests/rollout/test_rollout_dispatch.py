@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_offgrpo.rollout._dispatch import RetryPolicy, ServerPool, run_groups
+from megatron_offgrpo.rollout._dispatch import HealthWatch, RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError
 from megatron_offgrpo.fleet import RequestRejected, ServerDown
 from megatron_offgrpo.rollout._samples import BadResponse
@@ -88,3 +88,51 @@ def test_backoff_grows_and_is_bounded():
     assert [policy.delay(a) for a in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 4.0]
     with pytest.raises(ValueError, match="max_attempts=0 must be >= 1"):
         RetryPolicy(max_attempts=0)
+
+
+def test_a_frozen_server_found_by_its_health_checks_loses_its_groups_to_the_others_in_seconds():
+    """Server "a" holds every request it gets without a word (frozen: no reset, no answer) and fails its health
+    checks: two failed checks mark it dead, the groups waiting on it give their requests up and go to "b", each
+    once; without the checks they would wait for the request's read timeout."""
+    policy = RetryPolicy(backoff_s=0.001, max_backoff_s=0.002, max_inflight_per_server=4, health_every_s=0.1,
+                         health_timeout_s=0.1)
+    pool = ServerPool(["a", "b"], policy.dead_after)
+    thaw = threading.Event()  # the frozen server's requests return only once the test ends
+
+    def send(server, index):
+        if server == "a":
+            thaw.wait(30)
+            return (index, "a, thawed")  # an abandoned request's late answer: must never be used
+        return (index, server)
+
+    def check(server, timeout):
+        if server == "a":
+            raise ServerDown(f"GET /health: ReadTimeout after {timeout} s")
+
+    watch = HealthWatch(pool, check, policy)
+    start = time.monotonic()
+    try:
+        with watch.watching():
+            out = run_groups(pool, policy, 8, send)
+    finally:
+        thaw.set()
+    assert time.monotonic() - start < 5  # two checks 0.1 s apart, not the 30 s a request would wait
+    assert out == [(i, "b") for i in range(8)]
+    assert "a" in pool.dead and "health checks" in pool.dead["a"] and pool.down("a").is_set()
+    pool.restore("a")
+    assert not pool.down("a").is_set() and pool.serving() == ["a", "b"]
+
+
+def test_health_checks_run_only_while_a_generation_is_in_flight():
+    checked = []
+    policy = RetryPolicy(health_every_s=0.05)
+    watch = HealthWatch(ServerPool(["a"], 2), lambda server, timeout: checked.append(server), policy)
+    with watch.watching():
+        time.sleep(0.3)
+    assert checked  # checked while watching
+    time.sleep(0.2)  # the thread sees no watcher and ends
+    count = len(checked)
+    time.sleep(0.3)
+    assert len(checked) == count and watch._thread is None
+    with pytest.raises(ValueError, match="health_timeout_s=0 must be > 0"):
+        RetryPolicy(health_timeout_s=0)

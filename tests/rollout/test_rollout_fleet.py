@@ -35,6 +35,7 @@ from megatron_offgrpo.rollout import (  # noqa: E402
     FleetEngine,
     FleetError,
     RefreshError,
+    ServerClient,
     make_probe_ids,
     servers_of,
     verify_refresh,
@@ -127,7 +128,8 @@ def test_groups_complete_and_version_tagged(fleet):
     assert len({s.server for s in samples}) == 2  # load is spread over both servers
     assert engine.concurrent_generate
     scenarios.check_concurrent_generate(engine)
-    # async mode's requests carry their step as priority: vLLM refuses any but 0 unless fleet start enabled it
+    # async mode's requests carry their step as priority (the order it makes: tests/workers/rollout_vllm_engine.py,
+    # on an engine decoding 2 sequences at once; that fleet start enables it: tests/rollout/test_rollout_launcher.py)
     oldest_first = dataclasses.replace(scenarios.SAMPLED, priority=3)
     assert len(engine.generate(scenarios.PROMPTS[:2], 2, oldest_first)) == 4
     scenarios.check_seeded_prompts_over_a_steps_budget(engine)
@@ -258,6 +260,47 @@ def test_partial_rollouts_refresh_between_decode_steps(fleet):
         _engine(fleet, "collective", partial_rollouts=True, record_routing=True)
 
 
+def test_a_frozen_server_loses_its_groups_to_the_others_in_seconds(fleet):
+    """SIGSTOP on a server with groups in flight: its process holds them without a word (the kernel keeps its
+    connections open), as a hung server or a node gone without a reset would. The fleet's health checks (default
+    policy: every 2 s, 10 s timeout, 2 in a row) mark it dead, the groups waiting on it go to the other server, each
+    once; before them they waited out the generation's read timeout (600 s). The server is thawed afterwards."""
+    import signal
+
+    from megatron_offgrpo.data import Prompt, SamplingParams
+
+    engine = _engine(fleet, "collective")
+    victim = load_state(fleet).servers[0]
+    prompts = [Prompt(f"freeze/{i}", tuple(range(30 + i, 50 + i))) for i in range(16)]
+    params = SamplingParams(max_tokens=400, temperature=1.0, seed=9)
+    out, errors = [], []
+    runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while engine.pool._inflight[victim.name] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the requests reach the server
+    assert engine.pool._inflight[victim.name] > 0, "no request was in flight on the victim"
+    os.killpg(victim.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        runner.join(300)
+        failover_s = time.monotonic() - frozen
+    finally:
+        os.killpg(victim.pid, signal.SIGCONT)
+    assert not errors, errors
+    samples = out[0]
+    print(f"\nfrozen server: every group done elsewhere {failover_s:.1f} s after SIGSTOP")
+    assert failover_s < 90, f"{failover_s:.0f} s: the health checks did not find the frozen server"
+    assert [s.group_id for s in samples] == [g for g in range(16) for _ in range(4)]
+    assert victim.name in engine.pool.dead and "health checks" in engine.pool.dead[victim.name]
+    resent = {s.group_id for s in samples if s.attempts > 1}
+    assert resent and all(s.server != victim.name for s in samples if s.group_id in resent)
+    deadline = time.monotonic() + 60
+    while not ServerClient(victim.name, victim.url, token=TOKEN).health(2.0) and time.monotonic() < deadline:
+        time.sleep(0.5)  # thawed: it answers again (and serves the tests after this one)
+
+
 def test_kill_one_server_mid_batch(fleet):
     from megatron_offgrpo.data import Prompt, SamplingParams
 
@@ -282,6 +325,9 @@ def test_kill_one_server_mid_batch(fleet):
     assert [s.group_id for s in samples] == [g for g in range(16) for _ in range(4)]
     assert all(len({s.server for s in samples[4 * g : 4 * g + 4]}) == 1 for g in range(16))
     assert victim.name in engine.pool.dead and engine.pool.retries >= 1  # the in-flight groups were resent
+    resent = {s.group_id for s in samples if s.attempts > 1}  # and their samples say so (`resent_fraction`)
+    assert resent and all(s.server != victim.name for s in samples if s.group_id in resent)
+    assert len(resent) <= engine.pool.retries
     assert [r["running"] for r in fleet_status(fleet)] == [True, False]
 
 

@@ -78,6 +78,7 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transp
     else:  # generated ahead: one version behind at most (max_staleness = v = 1)
         assert all(r["staleness_max"] <= 1 and r["step"] - r["policy_version"] <= 1 for r in records)
         assert all(0 <= r["partial_fraction"] <= 1 for r in records)
+    assert all(0 <= r["resent_fraction"] <= 1 for r in records)
     assert victim.name in stderr and "training goes on" in stderr  # the loss of the server is reported
     assert [row["running"] for row in fleet_status(fleet)] == [True, False]
     assert not list(tmp_path.glob("offgrpo-shm-*"))  # the shm transport's files went with the run

@@ -78,3 +78,11 @@ def test_sample_metrics_give_the_spread_of_the_rewards():
     metrics = sample_metrics(samples, 0, 0)
     # mean 0.25; population std sqrt((0.75^2 + 3 * 0.25^2) / 4) = sqrt(0.1875)
     assert metrics["reward_mean"] == 0.25 and metrics["reward_std"] == pytest.approx(0.1875 ** 0.5)
+
+
+def test_sample_metrics_count_the_samples_of_resent_groups():
+    from megatron_offgrpo.data import Sample
+
+    samples = [Sample(f"p{i}", i // 2, [1], [2], [0.0], 0, "stop", reward=0.0, attempts=a)
+               for i, a in enumerate([1, 1, 2, 2, 1, 1, 3, 3])]
+    assert sample_metrics(samples, 0, 0)["resent_fraction"] == 0.5  # groups 1 and 2 of 4 were sent again
