@@ -61,14 +61,16 @@ def _seconds(code: str) -> float:
 
 def _run(argv: list[str]) -> tuple[float, float]:
     """(seconds to the first step's progress line, wall seconds) of one command."""
-    start, first = time.perf_counter(), None
+    start, first, tail = time.perf_counter(), None, []
     with subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
+            tail = (tail + [line])[-20:]
             if first is None and line.startswith("[    1/"):
                 first = time.perf_counter() - start
         code = proc.wait(timeout=600)
     if code != 0 or first is None:
-        raise RuntimeError(f"{' '.join(argv)}: exit {code}, first step line {'seen' if first else 'never seen'}")
+        raise RuntimeError(f"{' '.join(argv)}: exit {code}, first step line {'seen' if first else 'never seen'}:\n"
+                           + "".join(tail))
     return first, time.perf_counter() - start
 
 
@@ -83,8 +85,8 @@ def main() -> int:
     rows = []
 
     def row(name: str, samples: list[float], first: list[float] | None = None, note: str = "") -> None:
-        rows.append({"what": name, "median s": f"{statistics.median(samples):.2f}",
-                     "to first step s": f"{statistics.median(first):.1f}" if first else "",
+        rows.append({"what": name, "median s": f"{statistics.median(samples):.3g}",
+                     "to step 1 line s": f"{statistics.median(first):.1f}" if first else "",
                      "runs": len(samples), "note": note})
         print(f"startup: {name}: {rows[-1]['median s']} s", flush=True)
 
@@ -109,7 +111,7 @@ def main() -> int:
         for name, argv in commands.items():
             timed = [_run(argv) for _ in range(args.repeats)]
             row(name, [wall for _, wall in timed], [first for first, _ in timed])
-    columns = ["what", "median s", "to first step s", "runs", "note"]
+    columns = ["what", "median s", "to step 1 line s", "runs", "note"]
     table = markdown(columns, rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "startup.md").write_text(table + "\n")
