@@ -29,9 +29,10 @@ from checkpoint_tools._io import (
     tensor_record,
     write_manifest,
 )
-from checkpoint_tools._live import Named, load_hf_into_stage, rebucket, stream_hf_buckets
+from checkpoint_tools._live import Named, is_extra_state, load_hf_into_stage, rebucket, stream_hf_buckets
 from checkpoint_tools._mapping import UnknownTensorError, hf_names
 from checkpoint_tools._shapes import expected_hf_shapes, hf_shapes
+from checkpoint_tools._state_dict import hf_to_state_dict, state_dicts_to_hf
 from checkpoint_tools._safetensors_stream import CODE_DTYPES, DTYPE_CODES, StreamingSafetensorsWriter
 
 __all__ = [
@@ -54,6 +55,8 @@ __all__ = [
     "hf_names",
     "hf_shapes",
     "hf_to_megatron_dir",
+    "hf_to_state_dict",
+    "is_extra_state",
     "iter_hf_tensors",
     "load_hf_into_stage",
     "megatron_to_hf_any",
@@ -61,6 +64,7 @@ __all__ = [
     "open_safetensors_dir",
     "read_manifest",
     "read_model_card",
+    "state_dicts_to_hf",
     "sweep_stale_siblings",
     "rebucket",
     "reshard_dir",

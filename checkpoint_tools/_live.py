@@ -1,14 +1,20 @@
-"""Weights of a live megatron model stage: load from HF tensors, and stream out as HF buckets.
+"""Weights of a megatron model stage: load from HF tensors, stream out as HF buckets, and the same for state dicts.
 
 The streaming export is what every fleet refresh uses: parameters are TP-gathered one at a time onto TP rank 0 of
 each pipeline stage, converted to HF names, and yielded in buckets of about ``bucket_bytes``; no rank ever holds
 the whole model, and each PP stage exports its own layers (with global layer indices). MoE experts are exported a
 layer's stack at a time: TP-gathered over the expert-TP group, then over the EP group onto EP rank 0.
+
+A model's parameters and state-dict keys are spelled by its layer spec: the local spec's or Transformer Engine's
+(norms fused into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``, grouped experts ``linear_fc1.weight{j}``);
+everything here accepts both (``_mapping``). A state dict also holds ``_extra_state`` entries, which are not weights:
+TE modules' FP8 metadata (TE's ``get_extra_state``: an empty uint8 tensor without FP8) and ``None`` from megatron's own
+parallel linears (``tensor_parallel/layers.py`` ``get_extra_state``, "Keep compatibility with TE state dict").
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,29 +23,69 @@ from checkpoint_tools import _mapping as M
 from megatron_offgrpo.model import QwenArch
 
 Named = list[tuple[str, torch.Tensor]]
+T = TypeVar("T")
+EXTRA_STATE = "_extra_state"  # torch's key suffix for a module's get_extra_state (nn.modules.module)
+
+
+def is_extra_state(key: str) -> bool:
+    """A state-dict key holding a module's extra state (FP8 metadata or megatron's placeholder), not a weight."""
+    return key.rsplit(".", 1)[-1] == EXTRA_STATE
+
+
+def _by_canonical_name(named: Iterable[tuple[str, T]], arch: QwenArch, pp: int, pp_rank: int
+                       ) -> list[tuple[str, list[T]]]:
+    """Group a stage's (model name, item) pairs by local-spec megatron name, in the weight map's canonical order (the
+    order of ``hf_names``), so exported tensors arrive in the order a streaming writer declared.
+
+    One item per name, except a layer's expert stack: this rank's experts, in local expert order. ``_extra_state``
+    keys are skipped (nothing of HF's comes from them); any other name the map does not know raises, and so does a
+    tensor given in both spellings (local and TE).
+    """
+    items: dict[str, list] = {}
+    experts: dict[str, dict[int, T]] = {}
+    seen: dict[tuple[str, int], str] = {}  # what each name stands for: one tensor, or one expert of a stack
+    for name, item in named:
+        if is_extra_state(name):
+            continue
+        stacked = M.expert_param(name) or (M.local_name(name), -1)
+        if stacked in seen:  # both spellings of one tensor: which one is meant cannot be told
+            raise ValueError(f"{seen[stacked]!r} and {name!r} are the same megatron tensor in two spellings")
+        seen[stacked] = name
+        if stacked[1] < 0:
+            items[stacked[0]] = [item]
+        else:
+            experts.setdefault(stacked[0], {})[stacked[1]] = item
+    items.update({name: [by_index[j] for j in sorted(by_index)] for name, by_index in experts.items()})
+    ordered = [(name, items.pop(name)) for name in M.full_megatron_names(arch, pp, pp_rank) if name in items]
+    if items:
+        raise M.UnknownTensorError(f"model parameters outside the weight map's layout: {sorted(items)[:5]}")
+    return ordered
 
 
 def _stage_params(
     model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int
 ) -> list[tuple[str, list[torch.nn.Parameter]]]:
-    """(local-spec megatron name, its parameters) of a stage in the weight map's canonical order (the order of
-    ``hf_names``), so exported tensors arrive in the order a streaming writer declared; unknown names raise.
+    """(local-spec megatron name, its parameters) of a stage, canonical order (``_by_canonical_name``)."""
+    return _by_canonical_name(model.named_parameters(), arch, pp, pp_rank)
 
-    One parameter per name, except a layer's expert stack: this rank's experts, in local expert order.
-    """
-    params: dict[str, list] = {}
-    experts: dict[str, dict[int, torch.nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        stacked = M.expert_param(name)
-        if stacked is None:
-            params[M.local_name(name)] = [param]
-        else:
-            experts.setdefault(stacked[0], {})[stacked[1]] = param
-    params.update({name: [by_index[j] for j in sorted(by_index)] for name, by_index in experts.items()})
-    ordered = [(name, params.pop(name)) for name in M.full_megatron_names(arch, pp, pp_rank) if name in params]
-    if params:
-        raise M.UnknownTensorError(f"model parameters outside the weight map's layout: {sorted(params)[:5]}")
-    return ordered
+
+def _hf_shards(
+    grouped: list[tuple[str, list[T]]], arch: QwenArch, hf_tensors: Mapping[str, torch.Tensor], tp: int,
+    tp_rank: int, pp: int, pp_rank: int, ep: int, ep_rank: int, etp: int | None, etp_rank: int | None,
+) -> Iterator[tuple[str, list[T], list[torch.Tensor]]]:
+    """For each grouped name: its items and this rank's shards of it from HF tensors, one per item (an expert stack:
+    one per local expert)."""
+    offset = M.layers_of_stage(arch, pp, pp_rank).start
+    experts = M.experts_of_rank(arch, ep, ep_rank) if arch.is_moe else None
+    for name, items in grouped:
+        full = M.hf_to_megatron(name, arch, hf_tensors, layer_offset=offset, experts=experts)
+        expert = M.is_expert_kind(M.split_kind(name))
+        split, rank = (etp or tp, tp_rank if etp_rank is None else etp_rank) if expert else (tp, tp_rank)
+        shard = M.shard_for_tp(full, M.split_kind(name), split, rank)
+        pieces = list(shard.unbind(0)) if expert else [shard]
+        if len(pieces) != len(items):
+            raise ValueError(f"parameter {name}: {len(items)} local experts in the model, {len(pieces)} expected")
+        yield name, items, pieces
 
 
 @torch.no_grad()
@@ -55,16 +101,9 @@ def load_hf_into_stage(
         UnknownTensorError: naming a model parameter the weight map does not know.
         ValueError: naming a parameter whose shard shape differs from the model's.
     """
-    offset = M.layers_of_stage(arch, pp, pp_rank).start
-    experts = M.experts_of_rank(arch, ep, ep_rank) if arch.is_moe else None
-    for name, params in _stage_params(model, arch, pp, pp_rank):
-        full = M.hf_to_megatron(name, arch, hf_tensors, layer_offset=offset, experts=experts)
-        expert = M.is_expert_kind(M.split_kind(name))
-        split, rank = (etp or tp, tp_rank if etp_rank is None else etp_rank) if expert else (tp, tp_rank)
-        shard = M.shard_for_tp(full, M.split_kind(name), split, rank)
-        pieces = shard.unbind(0) if expert else [shard]
-        if len(pieces) != len(params):
-            raise ValueError(f"parameter {name}: {len(params)} local experts in the model, {len(pieces)} expected")
+    grouped = _stage_params(model, arch, pp, pp_rank)
+    for name, params, pieces in _hf_shards(grouped, arch, hf_tensors, tp, tp_rank, pp, pp_rank, ep, ep_rank, etp,
+                                           etp_rank):
         for piece, param in zip(pieces, params):
             if piece.shape != param.shape:
                 raise ValueError(f"parameter {name}: shard shape {tuple(piece.shape)} != model shape "

@@ -8,8 +8,13 @@ Two levels, both declarative:
    ``cols`` (dim 1), ``gate_up`` (each half chunked, rank r holds ``[gate_r; up_r]``: a plain chunk of
    ``[gate; up]`` is wrong). The qkv interleave is group-major, so its TP shard is a plain ``rows`` chunk.
 
-Megatron names are those of the local spec; TE-spec aliases (norm weights fused into linear layers) are accepted
-on input and produced on request. Layer indices in megatron names are stage-local; ``global_layer`` converts.
+Megatron names are those of the local spec. The Transformer Engine spec's (megatron-core's
+``get_gpt_layer_with_transformer_engine_spec``) are accepted wherever a megatron name is read: the input norm fused
+into ``linear_qkv`` and a dense layer's pre-MLP norm into ``linear_fc1`` as ``layer_norm_weight`` (``te_alias``; a
+MoE layer keeps its own ``pre_mlp_layernorm``, a TE norm), grouped experts as ``linear_fc1.weight{j}``
+(``expert_param``). Nothing here writes TE names: a state dict is written under the model's own keys
+(``_state_dict.hf_to_state_dict``); ``tests/checkpoint/test_te_names.py`` checks the TE layout both ways.
+Layer indices in megatron names are stage-local; ``to_global_layer`` converts.
 
 Qwen3-MoE: every expert of a layer is one *stacked* megatron tensor, ``decoder.layers.{i}.mlp.experts.linear_fc1``
 ``[E, 2I, H]`` (each expert ``[gate_e; up_e]``) and ``linear_fc2`` ``[E, H, I]``, from HF's per-expert tensors

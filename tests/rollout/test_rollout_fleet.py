@@ -267,20 +267,9 @@ def test_a_frozen_server_loses_its_groups_to_the_others_in_seconds(fleet):
     once; before them they waited out the generation's read timeout (600 s). The server is thawed afterwards."""
     import signal
 
-    from megatron_offgrpo.data import Prompt, SamplingParams
-
     engine = _engine(fleet, "collective")
     victim = load_state(fleet).servers[0]
-    prompts = [Prompt(f"freeze/{i}", tuple(range(30 + i, 50 + i))) for i in range(16)]
-    params = SamplingParams(max_tokens=400, temperature=1.0, seed=9)
-    out, errors = [], []
-    runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while engine.pool._inflight[victim.name] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # the requests reach the server
-    assert engine.pool._inflight[victim.name] > 0, "no request was in flight on the victim"
+    runner, out, errors = _generate_until_in_flight_on(engine, victim.name, "freeze", seed=9)
     os.killpg(victim.pid, signal.SIGSTOP)
     frozen = time.monotonic()
     try:
@@ -302,21 +291,9 @@ def test_a_frozen_server_loses_its_groups_to_the_others_in_seconds(fleet):
 
 
 def test_kill_one_server_mid_batch(fleet):
-    from megatron_offgrpo.data import Prompt, SamplingParams
-
     engine = _engine(fleet, "collective", policy=None)
-    state = load_state(fleet)
-    victim = state.servers[1]
-    prompts = [Prompt(f"kill/{i}", tuple(range(20 + i, 40 + i))) for i in range(16)]
-    params = SamplingParams(max_tokens=400, temperature=1.0, seed=5)  # long enough to be mid-generation on fast CPUs
-    out, errors = [], []
-    runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while engine.pool._inflight[victim.name] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # the requests reach the server
-    assert engine.pool._inflight[victim.name] > 0, "no request was in flight on the victim"
+    victim = load_state(fleet).servers[1]
+    runner, out, errors = _generate_until_in_flight_on(engine, victim.name, "kill", seed=5)
     os.killpg(victim.pid, 9)  # the server dies with groups in flight
     runner.join(300)
     assert not errors, errors
@@ -329,6 +306,23 @@ def test_kill_one_server_mid_batch(fleet):
     assert resent and all(s.server != victim.name for s in samples if s.group_id in resent)
     assert len(resent) <= engine.pool.retries
     assert [r["running"] for r in fleet_status(fleet)] == [True, False]
+
+
+def _generate_until_in_flight_on(engine, server: str, tag: str, seed: int):
+    """16 groups of 4 generated in a thread, returned once some are in flight on ``server``: (thread, out, errors)."""
+    from megatron_offgrpo.data import Prompt, SamplingParams
+
+    prompts = [Prompt(f"{tag}/{i}", tuple(range(20 + i, 40 + i))) for i in range(16)]
+    params = SamplingParams(max_tokens=400, temperature=1.0, seed=seed)  # long enough to be mid-generation
+    out, errors = [], []
+    runner = threading.Thread(target=lambda: _collect(engine, prompts, params, out, errors))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while engine.pool._inflight[server] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the requests reach the server
+    assert engine.pool._inflight[server] > 0, "no request was in flight on the victim"
+    return runner, out, errors
 
 
 def _collect(engine, prompts, params, out, errors):
