@@ -15,21 +15,24 @@ import argparse
 import importlib.metadata as md
 import importlib.util
 import sys
-import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
 TE_DISTRIBUTIONS = ("transformer_engine", "transformer-engine")
 
 
-def te_requirement(pyproject: Path = REPO / "pyproject.toml") -> Requirement:
-    """The Transformer Engine requirement of the project's ``te`` extra."""
-    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
-    (spec,) = [r for r in extras["te"] if Requirement(r).name.replace("_", "-") == "transformer-engine"]
-    return Requirement(spec)
+def te_requirement(project: str = "megatron-offgrpo") -> Requirement:
+    """The Transformer Engine requirement of the installed project's ``te`` extra, read from its metadata (the image
+    installs the project before this runs): no TOML parser, so Python 3.10 images run it too."""
+    def in_te_extra(spec: str) -> bool:
+        requirement = Requirement(spec)
+        return (requirement.name.replace("_", "-") == "transformer-engine" and requirement.marker is not None
+                and requirement.marker.evaluate({"extra": "te"}))
+
+    (spec,) = [spec for spec in md.requires(project) or () if in_te_extra(spec)]
+    return Requirement(spec.partition(";")[0])  # without its `extra == "te"` marker
 
 
 def te_version_problem(installed: str | None, requirement: Requirement) -> str | None:
