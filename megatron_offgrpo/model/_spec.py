@@ -51,6 +51,14 @@ def qwen_layer_spec(qk_norm: bool, use_te: bool | None = None, num_experts: int 
     layer.input_layernorm = layer.pre_mlp_layernorm = QwenRMSNorm
     if qk_norm:
         attention.q_layernorm = attention.k_layernorm = QwenRMSNorm
+    if num_experts:
+        # megatron-core's local spec checkpoints every layer's pre-MLP norm under TE's fused name
+        # (``mlp.linear_fc1.layer_norm_weight``), but a TE MoE layer keeps its own ``pre_mlp_layernorm`` (a TENorm:
+        # its MLP has no linear_fc1). Under megatron's map, a MoE checkpoint written on GPUs and one written here
+        # would not read each other; the input norm's entry stays (TE fuses it into linear_qkv in both).
+        spec.submodules.sharded_state_dict_keys_map = {
+            local: saved for local, saved in spec.submodules.sharded_state_dict_keys_map.items()
+            if local != "pre_mlp_layernorm."}
     return spec
 
 

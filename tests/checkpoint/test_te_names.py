@@ -138,6 +138,24 @@ def local_models(hf_models, moe_models) -> dict[str, tuple[QwenArch, object, tor
     return out
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_local_models_checkpoint_keys_are_the_te_models(local_models, case):
+    """What megatron's dist checkpoint stores a weight under (its sharded key: the name, less the layer index) is the
+    same for the local model as for the TE model, so a checkpoint written on a GPU (TE) reads here and back. Experts
+    are left out: both stacks are stored as ``mlp.experts.experts.linear_fc*`` by megatron itself. Fails on MoE under
+    megatron-core's own local spec, which stores the pre-MLP norm under TE's dense name."""
+    from megatron_offgrpo.runtime import destroy_parallel, init_parallel
+
+    arch = local_models[case][0]
+    init_parallel(1, 1)
+    try:
+        stored = {name: item.key for name, item in _build(arch, use_te=False).sharded_state_dict().items()
+                  if not is_extra_state(name) and ".experts." not in name}
+    finally:
+        destroy_parallel()
+    assert stored == {name: re.sub(r"\.layers\.\d+\.", ".layers.", te_name(name, arch)) for name in stored}
+
+
 @pytest.mark.parametrize("case,tp,ep", LAYOUTS, ids=[f"{c}-tp{t}-ep{e}" for c, t, e in LAYOUTS])
 def test_te_layout_round_trips_through_hf_bit_exactly(local_models, case, tp, ep):
     arch, hf_dir, model = local_models[case]
