@@ -31,7 +31,7 @@ from megatron_offgrpo.fleet._launcher import (
 from megatron_offgrpo.fleet._merge import merge_states
 from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
 from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, routing_key
-from megatron_offgrpo.fleet._processes import fleet_status, server_healthy, stop_fleet
+from megatron_offgrpo.fleet._processes import check_server_health, fleet_status, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._server_size import ServerSize, cpu_prefill_limits, read_hf_config, size_server
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
 from megatron_offgrpo.fleet._worker_ext import OffgrpoWorkerExtension
@@ -55,6 +55,7 @@ __all__ = [
     "ServerRecord",
     "ServerSize",
     "call_json",
+    "check_server_health",
     "cpu_prefill_limits",
     "fleet_status",
     "fleet_token",

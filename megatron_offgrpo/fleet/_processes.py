@@ -19,10 +19,16 @@ from megatron_offgrpo.fleet._state import ServerRecord, fleet_token, load_state
 from megatron_offgrpo.runtime import process_alive
 
 
+def check_server_health(url: str, timeout: float = 5.0) -> None:
+    """Raises ``ServerDown`` (or ``RequestRejected``) unless the server at ``url`` answers ``/health`` within
+    ``timeout``."""
+    call_json("GET", url + "/health", None, None, timeout)
+
+
 def server_healthy(url: str, timeout: float = 5.0) -> bool:
     """True when the server at ``url`` answers ``/health``."""
     try:
-        call_json("GET", url + "/health", None, None, timeout)
+        check_server_health(url, timeout)
         return True
     except (ServerDown, RequestRejected):
         return False

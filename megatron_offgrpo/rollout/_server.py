@@ -8,7 +8,13 @@ import uuid
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.fleet import FleetState, RequestRejected, ServerDown, call_json, fleet_token
+from megatron_offgrpo.fleet import (
+    FleetState,
+    call_json,
+    check_server_health,
+    fleet_token,
+    server_healthy,
+)
 from megatron_offgrpo.rollout._samples import sampling_body
 
 
@@ -35,15 +41,11 @@ class ServerClient:
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when the server answers ``/health``."""
-        try:
-            self.check_health(timeout)
-            return True
-        except (ServerDown, RequestRejected):
-            return False
+        return server_healthy(self.url, timeout)
 
     def check_health(self, timeout: float = 5.0) -> None:
         """Raises ``ServerDown`` (or ``RequestRejected``) unless the server answers ``/health`` within ``timeout``."""
-        call_json("GET", self.url + "/health", None, None, timeout)
+        check_server_health(self.url, timeout)
 
     def generate(self, prompt: Prompt, n: int, params: SamplingParams, group_id: int) -> dict[str, Any]:
         """One group: all ``n`` samples of ``prompt`` in one request (so they share server and version)."""
