@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU check in one command, under 8 minutes on one H100 or H200: the training step (eager, compiled and
-# CUDA-graphed layers: MFU, GPU-busy share, host syncs and where they happen), the fused loss against torch, Liger and
-# naive logits at N = 16,384 bf16, then every GPU-marked test. Everything it writes lands in one folder.
+# The whole GPU check in one command, under 8 minutes on one H100 or H200: the training step (eager, fused
+# weight-gradient accumulation, compiled and CUDA-graphed layers: MFU, GPU-busy share, host syncs and where they
+# happen), the fused loss against torch, Liger and naive logits at N = 16,384 bf16, then every GPU-marked test.
+# Everything it writes lands in one folder.
 #
 #   bash benchmarks/gpu_check.sh runs/gpu-check
 #
@@ -19,7 +20,7 @@ nvidia-smi -L || exit 2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
 # 3 warm-up steps: reduce-overhead records its CUDA graphs on the second and third calls.
-timeout 330 python3 benchmarks/gpu_step.py --profile --warmup 3 --out "$out" 2>&1 | tee "$out/gpu_step.log" \
+timeout 360 python3 benchmarks/gpu_step.py --profile --warmup 3 --out "$out" 2>&1 | tee "$out/gpu_step.log" \
     | grep -E "^gpu_step:|^\| |Error" | grep -v "^|---" || status=1
 timeout 240 python3 -m pytest -m gpu -q -rfs --tb=short -p no:cacheprovider tests > "$out/pytest_gpu.txt" 2>&1 || status=1
 grep -E "passed|failed|^FAILED|^SKIPPED|^E " "$out/pytest_gpu.txt" | head -30

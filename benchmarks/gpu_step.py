@@ -7,10 +7,11 @@ synthetic samples (random prompt and response ids, fleet log-probs near the mode
 every group carries signal) and ``train._step.policy_step`` (megatron's forward-backward schedule with
 ``kernels.fused_linear_grpo_loss`` on the response tokens, then the optimizer step). ``--warmup`` steps run first,
 then ``--steps`` timed steps, each between two device synchronisations; medians are reported. ``--variants``: one
-row per step variant, ``eager``, ``compiled`` (``model.compile``: each decoder layer ``torch.compile``d) and
-``graphed`` (the same with ``model.compile_mode=reduce-overhead``: CUDA graphs of the compiled layers), each
-with the share of one profiled step's wall time the GPU was running a kernel ("GPU busy") and the synchronising
-calls of one step (``torch.cuda.set_sync_debug_mode("warn")``).
+row per step variant, ``eager``, ``fused`` (``model.grad_accum_fusion``: weight-gradient GEMMs accumulate into
+the fp32 main grads), ``compiled`` (``model.compile``: each decoder layer ``torch.compile``d), ``graphed`` (the same
+with ``model.compile_mode=reduce-overhead``: CUDA graphs of the compiled layers) and ``graphed-fused``, each with
+the share of one profiled step's wall time the GPU was running a kernel ("GPU busy") and the synchronising calls
+of one step (``torch.cuda.set_sync_debug_mode("warn")``).
 
 FLOPs of one step (PaLM's MFU convention, stated so the number can be checked):
     6 * N_body * T  +  12 * L * d_q * s * T  +  6 * V * H * T_loss
@@ -50,10 +51,15 @@ from benchmarks._gpu_loss import LOSS_COLUMNS, loss_rows, median_seconds, sync  
 
 ASSETS = REPO / "megatron_offgrpo" / "assets"
 PEAK_TFLOPS = 989.0  # H100 SXM / H200 dense BF16 (NVIDIA datasheets)
-VARIANTS = {"eager": (False, "default"), "compiled": (True, "default"), "graphed": (True, "reduce-overhead")}
-"""Step variant -> (model.compile, model.compile_mode)."""
+VARIANTS = {"eager": dict(compile=False, grad_accum_fusion=False),
+            "fused": dict(compile=False, grad_accum_fusion=True),
+            "compiled": dict(compile=True, grad_accum_fusion=False),
+            "graphed": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=False),
+            "graphed-fused": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=True)}
+"""Step variant -> its ``model.`` keys."""
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
-            samples=4, micro_batches=4, loss_tokens=16384, repeats=10, variants="eager,compiled,graphed")
+            samples=4, micro_batches=4, loss_tokens=16384, repeats=10,
+            variants="eager,fused,compiled,graphed,graphed-fused")
 TINY = dict(config=ASSETS / "tiny-qwen2", precision="fp32", steps=2, warmup=1, seq=32, prompt=8,
             samples=4, micro_batches=2, loss_tokens=256, repeats=2, variants="eager")
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "layers", "loss impl", "tokens/step", "loss tokens/step",
@@ -85,9 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--loss-tokens", type=int, help="N of the fused-loss comparison (default 16384)")
     parser.add_argument("--repeats", type=int, help="timed repeats of the fused-loss comparison (default 10)")
     parser.add_argument("--variants",
-                        help="comma-separated step variants, one row each: eager, compiled (model.compile: "
-                             "torch.compile of each decoder layer), graphed (compiled with compile_mode="
-                             "reduce-overhead: CUDA graphs); default eager,compiled,graphed (--tiny: eager)")
+                        help="comma-separated step variants, one row each: eager, fused (model.grad_accum_fusion), "
+                             "compiled (model.compile: torch.compile of each decoder layer), graphed (compiled with "
+                             "compile_mode=reduce-overhead: CUDA graphs), graphed-fused; default all five (--tiny: "
+                             "eager)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-device peak for MFU")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=1234)
@@ -174,8 +181,7 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
                             fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
-                            fp8_margin=args.fp8_margin, compile=VARIANTS[variant][0],
-                            compile_mode=VARIANTS[variant][1])
+                            fp8_margin=args.fp8_margin, **VARIANTS[variant])
     policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps)
     mbs, tokens, seqs = device_batches(synthetic_samples(arch, args), args, ctx.device)
     params = ObjectiveParams()
@@ -322,8 +328,9 @@ def _device_name(device) -> str:
 def report(args, steps: list[dict], losses: list[dict], environment: dict) -> str:
     from benchmarks._tables import markdown
 
+    first = next(row for row in steps if row["model"])
     return "\n".join([
-        f"## GPU step: {steps[0]['model']} shapes, random weights, {steps[0]['precision']}, {environment['device']}",
+        f"## GPU step: {first['model']} shapes, random weights, {first['precision']}, {environment['device']}",
         f"torch {environment['torch']}, megatron-core {environment['megatron_core']}, Transformer Engine: "
         f"{environment['te']}; {args.micro_batches} micro-batches x {args.samples} sequences x {args.seq} positions "
         f"(prompt {args.prompt}); median of {args.steps} steps after {args.warmup} warm-up; "
@@ -351,21 +358,29 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_parallel(1, 1, args.seed)
     try:
         arch = load_shapes(args)
-        steps, seeded = [], _rng_state()
-        try:
-            for variant in args.variants:
-                _set_rng_state(seeded)  # every variant trains the same initial weights on the same data
+        steps, seeded, weight = [], _rng_state(), None
+        for variant in args.variants:
+            _set_rng_state(seeded)  # every variant trains the same initial weights on the same data
+            try:
                 step, weight = train_row(args, ctx, arch, variant)
-                steps.append(step)
-                print(f"gpu_step: {variant}: {step['step s (median)']} s/step, MFU {step['MFU']}", flush=True)
-        except ValueError as exc:  # e.g. --precision fp8 without Transformer Engine
-            print(f"gpu_step: {exc}", file=sys.stderr)
-            return 2
+            except ValueError as exc:  # e.g. --precision fp8 without Transformer Engine
+                print(f"gpu_step: {exc}", file=sys.stderr)
+                return 2
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not cost the others' GPU time
+                print(f"gpu_step: {variant} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                      file=sys.stderr, flush=True)
+                steps.append({**dict.fromkeys(STEP_COLUMNS, ""), "layers": variant, "step s (median)": "failed",
+                              "loss": f"{type(exc).__name__} (see the log)"})
+                continue
+            steps.append(step)
+            print(f"gpu_step: {variant}: {step['step s (median)']} s/step, MFU {step['MFU']}", flush=True)
+        if weight is None:
+            return 1
         losses = loss_rows(weight, args, ctx.device)
     finally:
         destroy_parallel()
-    environment = {"device": steps[0]["device"], "torch": torch.__version__, "megatron_core": megatron.core.__version__,
-                   "te": "usable" if te_status()[0] else te_status()[1]}
+    environment = {"device": _device_name(ctx.device), "torch": torch.__version__,
+                   "megatron_core": megatron.core.__version__, "te": "usable" if te_status()[0] else te_status()[1]}
     text = report(args, steps, losses, environment)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -373,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "gpu_step.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "environment": environment, "steps": steps, "loss": losses},
                                                        indent=1))
-    return 1 if any(row["status"] == "MISMATCH" for row in losses) else 0
+    failed = any(row["step s (median)"] == "failed" for row in steps)
+    return 1 if failed or any(row["status"] == "MISMATCH" for row in losses) else 0
 
 
 if __name__ == "__main__":

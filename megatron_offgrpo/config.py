@@ -36,14 +36,14 @@ class ModelConfig:
     moe_aux_loss_coef: float | None = None
     """MoE models: weight of megatron's load-balancing loss (None: the HF config's router_aux_loss_coef; 0: off)."""
     compile: bool = False
-    """torch.compile each decoder layer of the trained stage (one compiled graph serves every layer; the first step
-    compiles it, tens of seconds). Inductor fuses the norms, rotary embedding and SwiGLU that the local spec (no
-    Transformer Engine) runs as separate kernels. tp=1, no fp8. Measured in README "GPU validation"."""
+    """torch.compile each decoder layer of the trained stage (one graph serves every layer; the first step compiles
+    it, tens of seconds): inductor fuses the local spec's norms, rotary and SwiGLU. tp=1, no fp8. README "GPU"."""
     compile_mode: str = "default"
     """With compile: torch.compile's mode. "default"; "reduce-overhead": the compiled layers also replay as CUDA
-    graphs (GPUs; the step is free of host synchronisation, which graphs need), which removes the host's kernel
-    launches that bound the local spec's step (one H100: 36.7% MFU against 36.1% compiled and 24.2% eager, the GPU
-    busy 89% of the step; equal to eager at bf16 in ``tests/train/test_compiled_step.py``)."""
+    graphs (GPUs; the step has no host synchronisation, which graphs need): no host launches bound the step."""
+    grad_accum_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate into the fp32 main grads (megatron's gradient_accumulation_fusion; TE's,
+    apex's or a torch fallback), no 16-bit grad cast and added per micro-batch. None: on for eager GPU steps."""
     router_replay: bool = False
     """MoE models: the engine records the experts each layer routed every token to, and the trainer's forwards replay
     them (the train/inference routing mismatch removed). Every engine records them. vLLM on GPUs returns them itself

@@ -35,13 +35,25 @@ class Policy:
 
 
 def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
-           sequence_parallel: bool | None) -> torch.nn.Module:
+           sequence_parallel: bool | None, trained: bool) -> torch.nn.Module:
     config = precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
                                           model_cfg.fp8_amax_history, model_cfg.fp8_margin, ctx.ep_size,
                                           model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size,
                                           sequence_parallel)
+    # the fused weight-gradient GEMMs add into DDP's main_grad, which only the trained stage has
+    config.gradient_accumulation_fusion = trained and grad_accum_fusion(model_cfg, ctx.device)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     return expose_hidden_states(stage)
+
+
+def grad_accum_fusion(model_cfg: ModelConfig, device: torch.device) -> bool:
+    """``model.grad_accum_fusion`` resolved. None: on where an eager step runs on a GPU (one GEMM in place of a GEMM,
+    a cast and an add per weight and micro-batch); off under ``model.compile`` (the fused GEMM writes the weight's
+    main_grad, a side effect that breaks each compiled layer's graph at every linear) and on the CPU (its fp32
+    weights gain little)."""
+    if model_cfg.grad_accum_fusion is not None:
+        return model_cfg.grad_accum_fusion
+    return device.type == "cuda" and not model_cfg.compile
 
 
 def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> None:
@@ -64,7 +76,7 @@ def build_policy(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    stage = _stage(arch, ctx, model_cfg, sequence_parallel)
+    stage = _stage(arch, ctx, model_cfg, sequence_parallel, trained=True)
     load_initial_weights(stage, arch, ctx, model_cfg)
     if model_cfg.compile:
         compile_layers(stage, model_cfg.compile_mode)
@@ -97,7 +109,7 @@ def frozen_copy(
     source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig
 ) -> torch.nn.Module:
     """A non-trainable stage with ``source``'s weights and layout (reference policy, or behavior snapshot)."""
-    copy = _stage(arch, ctx, model_cfg, source.config.sequence_parallel).eval()
+    copy = _stage(arch, ctx, model_cfg, source.config.sequence_parallel, trained=False).eval()
     copy_weights(source, copy)
     for param in copy.parameters():
         param.requires_grad_(False)

@@ -1,8 +1,9 @@
-"""Worker: ``model.compile`` trains what the eager step trains. Two policies from the same seed (eager, then every
-decoder layer torch.compile'd in the mode given: "default" or "reduce-overhead") take the same optimizer step on the
-same micro-batches; prints the relative differences of the loss and the main gradients,
-``COMPILED loss=<d> grads=<d>``. (Not the updated weights: Adam's first step moves every weight by about lr whatever
-its gradient's size, so a gradient near 0 flips its update on rounding noise.)
+"""Worker: a step variant trains what the eager step trains. Two policies from the same seed (eager without
+gradient-accumulation fusion, then the variant given as ``model.`` keys: ``compile=true compile_mode=reduce-overhead``,
+``grad_accum_fusion=true``, ...) take the same optimizer step on the same micro-batches; prints the relative
+differences of the loss and the main gradients and how many weights the variant's fused weight-gradient GEMMs
+accumulated into, ``COMPILED loss=<d> grads=<d> fused=<n>``. (Not the updated weights: Adam's first step moves
+every weight by about lr whatever its gradient's size, so a gradient near 0 flips its update on rounding noise.)
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def one_step(hf_dir: str, ctx, arch, precision: str, mode: str | None, rng: dict) -> tuple[float, list]:
-    """One optimizer step of a policy built from ``rng``: eager (``mode`` None) or compiled in ``mode``."""
+def one_step(hf_dir: str, ctx, arch, precision: str, variant: dict, rng: dict) -> tuple[float, list, int]:
+    """One optimizer step of a policy built from ``rng`` with the ``model.`` keys of ``variant``."""
     _set_rng_state(rng)
-    model = ModelConfig(hf_path=hf_dir, init="random", precision=precision, compile=mode is not None,
-                        compile_mode=mode or "default")
+    model = ModelConfig(hf_path=hf_dir, init="random", precision=precision, **variant)
     policy = build_policy(arch, ctx, model, OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
     batch = samples(arch.vocab_size, prompt=9, response=24)
     adv = compute_group_advantages(torch.tensor([s.reward for s in batch]), G, AdvantageParams())
@@ -40,19 +40,27 @@ def one_step(hf_dir: str, ctx, arch, precision: str, mode: str | None, rng: dict
                          global_token_count(batch, adv.sample_valid), global_seq_count(adv.sample_valid))
     assert math.isfinite(result.loss) and not result.skipped, result
     params = [p for _, p in sorted(policy.model.named_parameters())]
-    return result.loss, [p.main_grad.detach().clone() for p in params]
+    # megatron's linears mark the weights whose gradient their fused GEMM added to main_grad
+    fused = sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in params)
+    return result.loss, [p.main_grad.detach().clone() for p in params], fused
+
+
+def parse_variant(pairs: list[str]) -> dict:
+    """``key=value`` model keys -> ModelConfig fields (true/false as bools)."""
+    values = dict(pair.split("=", 1) for pair in pairs)
+    return {k: {"true": True, "false": False}.get(v, v) for k, v in values.items()}
 
 
 def main() -> None:
-    hf_dir, precision, mode = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "default"
+    hf_dir, precision, variant = sys.argv[1], sys.argv[2], parse_variant(sys.argv[3:])
     ctx = init_parallel(1, 1, 1234)
     arch = load_arch(hf_dir)
     rng = _rng_state()
-    eager = one_step(hf_dir, ctx, arch, precision, None, rng)
-    compiled = one_step(hf_dir, ctx, arch, precision, mode, rng)
-    loss = abs(compiled[0] - eager[0]) / max(abs(eager[0]), 1e-30)
-    grads = max(rel(c, e) for c, e in zip(compiled[1], eager[1]))
-    print(f"COMPILED loss={loss:.3e} grads={grads:.3e} eager_loss={eager[0]:.6g}", flush=True)
+    eager = one_step(hf_dir, ctx, arch, precision, {"grad_accum_fusion": False}, rng)
+    other = one_step(hf_dir, ctx, arch, precision, variant, rng)
+    loss = abs(other[0] - eager[0]) / max(abs(eager[0]), 1e-30)
+    grads = max(rel(c, e) for c, e in zip(other[1], eager[1]))
+    print(f"COMPILED loss={loss:.3e} grads={grads:.3e} fused={other[2]} eager_loss={eager[0]:.6g}", flush=True)
     destroy_parallel()
 
 
