@@ -43,7 +43,7 @@ class ModelConfig:
     graphs (GPUs; the step has no host synchronisation, which graphs need): no host launches bound the step."""
     grad_accum_fusion: bool | None = None
     """Weight-gradient GEMMs accumulate into the fp32 main grads (megatron's gradient_accumulation_fusion; TE's,
-    apex's or a torch fallback), no 16-bit grad cast and added per micro-batch. None: on for eager GPU steps."""
+    apex's or a torch stand-in), no 16-bit grad cast and added per micro-batch. None: on with TE's layers only."""
     router_replay: bool = False
     """MoE models: the engine records the experts each layer routed every token to, and the trainer's forwards replay
     them (the train/inference routing mismatch removed). Every engine records them. vLLM on GPUs returns them itself

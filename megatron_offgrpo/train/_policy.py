@@ -20,7 +20,7 @@ from megatron_offgrpo.model import (
     params_dtype,
     precision_transformer_config,
 )
-from megatron_offgrpo.runtime import ParallelContext
+from megatron_offgrpo.runtime import ParallelContext, have_te
 
 
 @dataclasses.dataclass
@@ -41,19 +41,20 @@ def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
                                           model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size,
                                           sequence_parallel)
     # the fused weight-gradient GEMMs add into DDP's main_grad, which only the trained stage has
-    config.gradient_accumulation_fusion = trained and grad_accum_fusion(model_cfg, ctx.device)
+    config.gradient_accumulation_fusion = trained and grad_accum_fusion(model_cfg)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
     return expose_hidden_states(stage)
 
 
-def grad_accum_fusion(model_cfg: ModelConfig, device: torch.device) -> bool:
-    """``model.grad_accum_fusion`` resolved. None: on where an eager step runs on a GPU (one GEMM in place of a GEMM,
-    a cast and an add per weight and micro-batch); off under ``model.compile`` (the fused GEMM writes the weight's
-    main_grad, a side effect that breaks each compiled layer's graph at every linear) and on the CPU (its fp32
-    weights gain little)."""
+def grad_accum_fusion(model_cfg: ModelConfig) -> bool:
+    """``model.grad_accum_fusion`` resolved. None: on with Transformer Engine's layers (their weight-gradient GEMM
+    accumulates into main_grad, megatron's own default), off on the local spec: its torch stand-in for apex's kernel
+    measured no faster on an H200 (README "GPU validation": the fp32-output GEMM costs what the add it saves did), and
+    under ``model.compile`` it writes the weight's main_grad inside autograd, which breaks each compiled layer's
+    graph at every linear (2.4x slower)."""
     if model_cfg.grad_accum_fusion is not None:
         return model_cfg.grad_accum_fusion
-    return device.type == "cuda" and not model_cfg.compile
+    return have_te() and not model_cfg.compile
 
 
 def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> None:
