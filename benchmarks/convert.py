@@ -1,10 +1,10 @@
-"""Benchmark: HF -> megatron TP2xPP2 -> HF on the real Qwen2.5-0.5B shapes (random weights).
+"""Benchmark: HF -> megatron dist checkpoint -> HF on the real Qwen2.5-0.5B shapes (random weights), one process each.
 
 Reports seconds, GB/s against a plain ``safetensors.save_file`` of the same tensors (already in memory) measured in
 the same run (goal >= 0.7x), and each step's peak RSS measured in a fresh process (goal <= 1.5x the model's
 bytes; the RSS includes the interpreter with torch imported, shown in its own column).
 
-Usage: python benchmarks/convert.py [--config DIR] [--tp 2] [--pp 2] [--dtype float32] [--workdir DIR] [--repeats 3]
+Usage: python benchmarks/convert.py [--config DIR] [--dtype float32] [--workdir DIR] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _step(kind: str, args: list[str]) -> dict:
         "    save_file(tensors,a[1]+'/model.safetensors',metadata={'format':'pt'})\n"
         "    fd=__import__('os').open(a[1]+'/model.safetensors',0); __import__('os').fsync(fd)\n"
         "elif kind=='to_megatron':\n"
-        "    hf_to_megatron.main(['--hf',a[0],'--out',a[1],'--tp',a[2],'--pp',a[3]])\n"
+        "    hf_to_megatron.main(['--hf',a[0],'--out',a[1]])\n"
         "else:\n"
         "    megatron_to_hf.main(['--ckpt',a[0],'--out',a[1]])\n"
         "dt=time.perf_counter()-t\n"
@@ -63,8 +63,6 @@ def _step(kind: str, args: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="HF config directory (shapes)")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per step; the median is reported")
@@ -75,14 +73,13 @@ def main() -> None:
         from checkpoint_tools.roundtrip import make_random_hf
 
         nbytes = make_random_hf(args.config, hf, getattr(torch, args.dtype))
-        rows = {"plain safetensors save": [], f"HF -> megatron tp{args.tp}pp{args.pp}": [],
-                f"megatron tp{args.tp}pp{args.pp} -> HF": []}
+        rows = {"plain safetensors save": [], "HF -> megatron dist checkpoint": [], "megatron dist -> HF": []}
         names = list(rows)
         for r in range(args.repeats):
             plain, mega, back = work / f"plain{r}", work / f"mega{r}", work / f"back{r}"
             plain.mkdir()
             rows[names[0]].append(_step("plain", [str(hf), str(plain)]))
-            rows[names[1]].append(_step("to_megatron", [str(hf), str(mega), str(args.tp), str(args.pp)]))
+            rows[names[1]].append(_step("to_megatron", [str(hf), str(mega)]))
             rows[names[2]].append(_step("to_hf", [str(mega), str(back)]))
             for d in (plain, mega, back):
                 shutil.rmtree(d)

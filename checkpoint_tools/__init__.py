@@ -15,10 +15,12 @@ from checkpoint_tools._dist import (
     checkpoint_kind,
     resolve_checkpoint,
     dist_checkpoint_to_hf_dir,
+    load_model_part,
     megatron_to_hf_any,
     read_model_card,
     write_model_card,
 )
+from checkpoint_tools._dist_write import hf_to_dist_dir
 from checkpoint_tools._io import (
     HF_INDEX,
     CheckpointError,
@@ -54,10 +56,12 @@ __all__ = [
     "hf_dir_errors",
     "hf_names",
     "hf_shapes",
+    "hf_to_dist_dir",
     "hf_to_megatron_dir",
     "hf_to_state_dict",
     "is_extra_state",
     "iter_hf_tensors",
+    "load_model_part",
     "load_hf_into_stage",
     "megatron_to_hf_any",
     "megatron_to_hf_dir",

@@ -1,4 +1,5 @@
-"""The trainer's megatron distributed checkpoints: their self-description and their export to a HF directory.
+"""The megatron distributed checkpoints, the project's one megatron format: their self-description, their model part
+loaded into a stage of any layout (``model.init=megatron``) and their export to a HF directory.
 
 ``offgrpo train`` saves megatron ``dist_checkpointing`` directories (``RUN/checkpoints/step_N``), sharded by every
 rank of whatever TP x PP x DP layout (and distributed optimizer) the run used. Such a checkpoint is reshardable, so
@@ -12,7 +13,8 @@ without checkpoint_tools importing train/ (which imports checkpoint_tools: that 
 writes its checkpoints' description through this module's public API (``DistModelCard``, ``write_model_card``,
 ``DIST_MODEL_KEY``), so the format has one owner.
 
-A trainer checkpoint directory, besides megatron's files (``metadata.json``, ``common.pt``, ``*.distcp``):
+``hf-to-megatron`` writes the same format (``_dist_write``: model part only, in Megatron-LM's ``--load`` layout).
+A dist checkpoint directory, besides megatron's files (``metadata.json``, ``common.pt``, ``*.distcp``):
     offgrpo_model.json   {"format", "hf_config", "params_dtype", "layout"}: rebuilds the model without the recipe
     hf_extra/            generation config and tokenizer files carried to the HF export
 """
@@ -39,6 +41,8 @@ CARD_FORMAT = "megatron-offgrpo-dist/1"
 DIST_METADATA = "metadata.json"  # written by megatron dist_checkpointing.save
 DIST_MODEL_KEY = "model"  # the model's part of the trainer's sharded state dict (the optimizer's is "optimizer")
 HF_EXTRA = "hf_extra"
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's: names the checkpoint directory of a --load directory
+RELEASE = "release"  # the tracker's tag (and directory) of a converted checkpoint, as Megatron-LM's converters write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +98,21 @@ def read_model_card(directory: Path) -> DistModelCard:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """``path`` itself, or for a run directory (``RUN/checkpoints/step_N/...``) its newest complete checkpoint.
+    """The checkpoint directory ``path`` names: itself; for a Megatron-LM layout (``hf-to-megatron``'s output, or
+    Megatron-LM's ``--save``) the one its ``latest_checkpointed_iteration.txt`` names; for a run directory
+    (``RUN/checkpoints/step_N/...``) its newest complete checkpoint.
 
     Raises:
-        CheckpointError: a run directory without a complete checkpoint (only ``.tmp`` saves, or none).
+        CheckpointError: a run directory without a complete checkpoint (only ``.tmp`` saves, or none), or a tracker
+            naming a directory that is not there.
     """
     path = Path(path)
+    if (path / TRACKER).is_file():
+        tag = (path / TRACKER).read_text().strip()
+        named = path / (tag if tag == RELEASE else f"iter_{int(tag):07d}" if tag.isdigit() else tag)
+        if not named.is_dir():
+            raise CheckpointError(f"{path / TRACKER} names {tag!r}, but {named} is not there")
+        return named
     if not (path / "checkpoints").is_dir() or (path / META).is_file() or (path / DIST_METADATA).is_file():
         return path
     # a save is renamed from step_N.tmp into place only when every rank finished (train/_checkpoint.py)
@@ -111,7 +124,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def checkpoint_kind(path: str | Path) -> str:
-    """"tools" (a checkpoint_tools TP x PP directory) or "trainer" (``RUN/checkpoints/step_N``, or ``RUN``: its newest).
+    """"dist" (megatron dist_checkpointing: ``hf-to-megatron``'s output, a trainer's ``RUN/checkpoints/step_N``, or
+    ``RUN``: its newest) or "tools" (the per-rank safetensors directories of earlier versions, read only).
 
     Raises:
         CheckpointError: one line naming the path when it is neither.
@@ -120,32 +134,41 @@ def checkpoint_kind(path: str | Path) -> str:
     if (path / META).is_file():
         return "tools"
     if (path / DIST_METADATA).is_file():
-        return "trainer"
+        return "dist"
     hint = " (an unfinished save: pass a complete step_N directory)" if path.name.endswith(".tmp") else ""
-    raise CheckpointError(f"{path}: not a megatron checkpoint: expected a checkpoint_tools directory ({META}), a "
-                          f"trainer checkpoint RUN/checkpoints/step_N ({DIST_METADATA}, {CARD}) or a run "
-                          f"directory{hint}")
+    raise CheckpointError(f"{path}: not a megatron checkpoint: expected a dist checkpoint ({DIST_METADATA}, {CARD}: "
+                          f"hf-to-megatron's output or a trainer's RUN/checkpoints/step_N), a run directory{hint}, "
+                          f"or a checkpoint_tools directory of an earlier version ({META})")
 
 
-def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
-    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights; the process group must exist."""
+def load_model_part(model: torch.nn.Module, ckpt: Path) -> None:
+    """Load the model part of the dist checkpoint ``ckpt`` into ``model``, this rank's stage of any TP/PP/EP layout
+    (megatron reshards; the optimizer's part stays on disk). Collective over the model's process groups.
+
+    Raises:
+        CheckpointError: megatron cannot read it (incomplete, corrupt, or another model's shapes).
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
+    try:
+        loaded = dist_checkpointing.load({DIST_MODEL_KEY: model.sharded_state_dict()}, str(ckpt))
+    except (CheckpointingException, CheckpointException) as exc:
+        raise CheckpointError(f"{ckpt}: megatron could not read the model part ({_reason(exc)}): the checkpoint "
+                              "is incomplete, corrupt or of another model") from None
+    model.load_state_dict(loaded[DIST_MODEL_KEY])
+
+
+def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights; the process group must exist."""
     from megatron_offgrpo.model import build_gpt_stage, transformer_config
 
     # No random init: every parameter is overwritten by the load. CPU: the export streams from host memory.
     config = transformer_config(arch, 1, 1, params_dtype=dtype, use_cpu_initialization=True,
                                 perform_initialization=False, use_te=False)
     model = build_gpt_stage(arch, config, pre_process=True, post_process=True, use_te=False)
-    # Only the model's tensors are requested: the optimizer's part (any DP sharding) is left on disk.
-    try:
-        loaded = dist_checkpointing.load({DIST_MODEL_KEY: model.sharded_state_dict()}, str(ckpt))
-    except (CheckpointingException, CheckpointException) as exc:
-        raise CheckpointError(f"{ckpt}: megatron could not read the model part ({_reason(exc)}): the checkpoint "
-                              "is incomplete or corrupt") from None
-    model.load_state_dict(loaded[DIST_MODEL_KEY])
+    load_model_part(model, ckpt)
     return model.eval()
 
 
@@ -185,8 +208,8 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
         CheckpointError: ``ckpt`` is not a complete trainer checkpoint. FileExistsError: ``out`` exists.
     """
     ckpt, out = resolve_checkpoint(ckpt), Path(out)
-    if checkpoint_kind(ckpt) != "trainer":
-        raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a trainer checkpoint")
+    if checkpoint_kind(ckpt) != "dist":
+        raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a dist checkpoint")
     card = read_model_card(ckpt)
     arch = arch_from_hf_config(card.hf_config)
     check_output(out, ckpt, overwrite)  # before the load: fail in a second, not after reading the model
@@ -202,7 +225,7 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
 
             destroy_parallel()
     layout = card.layout
-    logger.info("trainer checkpoint (saved at tp=%s pp=%s dp=%s ep=%s etp=%s) -> HF in %.2f s: %s", layout.get("tp"),
+    logger.info("dist checkpoint (saved at tp=%s pp=%s dp=%s ep=%s etp=%s) -> HF in %.2f s: %s", layout.get("tp"),
                 layout.get("pp"), layout.get("dp"), layout.get("ep", 1), layout.get("etp", layout.get("tp")),
                 time.perf_counter() - start, out)
     return out
@@ -211,6 +234,6 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
 def megatron_to_hf_any(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3,
                        overwrite: bool = False) -> Path:
     """``megatron-to-hf`` for either kind of checkpoint (detected from its files)."""
-    if checkpoint_kind(ckpt) == "trainer":
+    if checkpoint_kind(ckpt) == "dist":
         return dist_checkpoint_to_hf_dir(ckpt, out, max_shard_bytes, overwrite)
     return megatron_to_hf_dir(ckpt, out, max_shard_bytes, overwrite)

@@ -123,7 +123,7 @@ def sweep_stale_siblings(out: Path) -> list[Path]:
 
 
 _STALE = re.compile(r"(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?[0-9a-f]{8}")
-_MODEL_MARKERS = (MANIFEST, "config.json", "megatron_meta.json")
+_MODEL_MARKERS = (MANIFEST, "config.json", "megatron_meta.json", "latest_checkpointed_iteration.txt")
 
 
 def check_output(out: Path, source: Path, overwrite: bool, has_overwrite_flag: bool = True) -> None:

@@ -1,8 +1,11 @@
 """The conversion round trip on the embedded default: random weights with real Qwen2.5-0.5B shapes and the real
-Qwen tokenizer, HF -> megatron TP x PP -> reshard -> HF, verified bit-exact and loadable by transformers.
+Qwen tokenizer, HF -> megatron dist checkpoint -> HF, verified bit-exact and loadable by transformers.
 
-Usage: python -m checkpoint_tools.roundtrip [--config DIR] [--tp 2] [--pp 2] [--reshard-tp 1] [--reshard-pp 4]
-                                            [--dtype bfloat16] [--workdir runs/roundtrip]
+One process: a dist checkpoint loads at any layout, so the round trip needs no other (``torchrun`` writes one at a
+TP x PP x EP of several processes: ``checkpoint_tools.hf_to_megatron``; ``tests/checkpoint/test_megatron_format.py``
+loads one written at TP2 into a PP2 trainer).
+
+Usage: python -m checkpoint_tools.roundtrip [--config DIR] [--dtype bfloat16] [--workdir runs/roundtrip]
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 import torch
 
 from checkpoint_tools._cli import run_cli
-from checkpoint_tools._convert import hf_to_megatron_dir, megatron_to_hf_dir, reshard_dir
+from checkpoint_tools._dist import dist_checkpoint_to_hf_dir
+from checkpoint_tools._dist_write import hf_to_dist_dir
 from checkpoint_tools._io import open_safetensors_dir
 from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
 from checkpoint_tools._shapes import hf_shapes
@@ -63,12 +67,9 @@ def run(args: argparse.Namespace) -> None:
     nbytes = make_random_hf(Path(args.config), work / "hf_source", dtype)
     timings["make random HF source"] = time.perf_counter() - start
     steps = [
-        (f"HF -> megatron tp{args.tp}pp{args.pp}",
-         lambda: hf_to_megatron_dir(work / "hf_source", work / "megatron", args.tp, args.pp)),
-        (f"reshard -> tp{args.reshard_tp}pp{args.reshard_pp}",
-         lambda: reshard_dir(work / "megatron", work / "megatron_resharded", args.reshard_tp, args.reshard_pp)),
+        ("HF -> megatron dist checkpoint", lambda: hf_to_dist_dir(work / "hf_source", work / "megatron")),
         ("megatron -> HF",
-         lambda: megatron_to_hf_dir(work / "megatron_resharded", work / "hf_export", max_shard_bytes=500 * 1024**2)),
+         lambda: dist_checkpoint_to_hf_dir(work / "megatron", work / "hf_export", max_shard_bytes=500 * 1024**2)),
     ]
     for name, step in steps:
         start = time.perf_counter()
@@ -90,19 +91,15 @@ def run(args: argparse.Namespace) -> None:
           f"and a {len(tokenizer)}-token tokenizer")
     for name, secs in timings.items():
         print(f"  {name:32s} {secs:6.2f} s")
-    print(f"outputs under {work}/: hf_source, megatron, megatron_resharded, hf_export")
+    print(f"outputs under {work}/: hf_source, megatron, hf_export")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="HF config directory giving the shapes")
-    parser.add_argument("--tp", type=int, default=2, help="first megatron layout: tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=2, help="first megatron layout: pipeline-parallel size")
-    parser.add_argument("--reshard-tp", type=int, default=1, help="resharded layout: tensor-parallel size")
-    parser.add_argument("--reshard-pp", type=int, default=4, help="resharded layout: pipeline-parallel size")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights dtype")
-    parser.add_argument("--workdir", default="runs/roundtrip", help="where the four checkpoints are written (replaced)")
+    parser.add_argument("--workdir", default="runs/roundtrip", help="where the 3 checkpoints go (replaced)")
     args = parser.parse_args(argv)
     run_cli(lambda: run(args))
 

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 CHOICES = {
-    "model.init": ("hf", "random"),
+    "model.init": ("hf", "random", "megatron"),
     "model.precision": ("fp32", "bf16", "fp8"),
     "rollout.mode": ("lockstep", "async"),
     "model.compile_mode": ("default", "reduce-overhead"),
@@ -106,8 +106,12 @@ def collect_errors(config: Any) -> list[str]:
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
-    if m.init == "hf" and not m.hf_path:
-        errors.append("model.hf_path is empty: give a HF model directory or hub id")
+    if not m.hf_path:
+        errors.append("model.hf_path is empty: give a HF model directory or hub id (init=random and init=megatron "
+                      "read its config and tokenizer)")
+    if (m.init == "megatron") != bool(m.megatron_path):
+        errors.append(f"model.init={m.init!r} with model.megatron_path={m.megatron_path!r}: init=megatron starts "
+                      "from the megatron checkpoint at megatron_path, which only it reads; give both or neither")
     if not 0 <= config.sft.off_by_one_fraction <= 1:
         errors.append(f"sft.off_by_one_fraction={config.sft.off_by_one_fraction}: must be in [0, 1]")
     if a.kl_beta < 0 or a.eps_low < 0 or a.eps_high < 0 or a.tau < 0:

@@ -24,7 +24,10 @@ class ModelConfig:
     hf_path: str = ""
     """HF model directory (config.json [+ weights]) or hub id."""
     init: str = "hf"
-    """"hf": load the weights at hf_path; "random": random init from its config (demos, benchmarks)."""
+    """"hf": load the weights at hf_path; "random": random init from its config (demos, benchmarks); "megatron": the
+    weights of megatron_path, at any TP/PP/EP (hf_path gives the config and tokenizer, as in verl and NeMo)."""
+    megatron_path: str = ""
+    """init=megatron: a megatron dist checkpoint (hf-to-megatron's output, a Megatron-LM --save dir, a run)."""
     precision: str = "fp32"
     """"fp32" | "bf16" (bf16 params, fp32 main weights/grads in the optimizer) | "fp8" (needs Transformer Engine)."""
     fp8_recipe: str = "delayed"
@@ -328,9 +331,8 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in out_dir (step 0, saying so, when there is none)."""
     overwrite: bool = False
-    """A new run (no resume; offgrpo sft too) into an out_dir that holds an earlier run: false refuses; true first
-    moves the earlier run aside to OUT_DIR.replaced-TIMESTAMP (nothing is deleted). Refused for an out_dir that
-    holds the working directory, the checkout or model.hf_path."""
+    """A new run (also offgrpo sft) into an out_dir holding an earlier run: false refuses; true moves it aside to
+    OUT_DIR.replaced-TIMESTAMP (nothing deleted). Refused where out_dir holds the cwd, the checkout or hf_path."""
     deterministic: bool = False
     """Deterministic algorithms (CPU: bit-reproducible resume)."""
     max_nonfinite_steps: int = 3
@@ -354,9 +356,8 @@ class SftConfig:
     """The supervised warm-up (`offgrpo sft` only)."""
 
     off_by_one_fraction: float = 0.0
-    """Fraction of warm-up answers given as the ground truth plus one (integer answers only): a teacher that is wrong
-    more often than right leaves a model that samples the right answer but does not decode it greedily, which the
-    demo's RL stage then learns from the reward alone. 0: always the ground truth."""
+    """Fraction of warm-up answers given as the ground truth plus one (integer answers; 0: never): a teacher more often
+    wrong than right leaves a model that samples but does not decode the right answer, which the demo's RL learns."""
 
 
 @dataclasses.dataclass

@@ -82,7 +82,8 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^(\S+=\S* )*sbatch ", "dry", "no Slurm in CI: the script's DRY_RUN=1 on NODES named after --nodes"),
     Rule(r"^docker build ", "dry", "no Docker in CI: the build context holds the Dockerfile"),
     Rule(r"^docker run ", "dry", "no Docker in CI: the command inside the image is checked statically"),
-    Rule(r"Qwen2\.5-(0\.5B|7B)|Qwen3-30B-A3B|configs/qwen(2\.5|3)-|runs/qwen(2\.5|3)-|\bckpt_(tp|ep)", "dry", _HUB),
+    Rule(r"Qwen2\.5-(0\.5B|7B)|Qwen3-30B-A3B|configs/qwen(2\.5|3)-|runs/qwen(2\.5|3)-|\bckpt_(tp|ep|megatron)", "dry",
+         _HUB),
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
     Rule(r"benchmarks/gpu_step\.py --", "dry", "needs a GPU (fp8 also Transformer Engine)"),
     Rule(r"^bash benchmarks/gpu_check\.sh", "help", "needs a GPU: the script must exist and parse (bash -n)",
@@ -111,6 +112,10 @@ RULES: tuple[Rule, ...] = (
          append=_SHORT_RL, needs=("sft", "fleet")),
     Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes make demo's 40-step run for one more "
          "step", append=("train.steps=41", "train.save_every=1"), needs=("sft", "rl-run"), forbid=_VLLM),
+    Rule(r"^offgrpo convert hf-to-megatron --hf runs/tiny-cpu-sft/hf\b", "run", "the warm-up's policy as a megatron "
+         "checkpoint: seconds", needs=("sft",), provides="megatron-ckpt"),
+    Rule(rf"^offgrpo train {_TINY} model\.init=megatron\b", "run-shortened", "starts from that megatron checkpoint, "
+         "2 steps", append=_SHORT_RL, needs=("sft", "megatron-ckpt"), forbid=_VLLM),
     Rule(rf"^torchrun .*-m megatron_offgrpo\.train {_TINY}", "run-shortened", "2 processes, 2 steps",
          append=_SHORT_RL, needs=("sft",), multiproc=True, forbid=_VLLM),
     Rule(rf"^offgrpo eval {_TINY} --model runs/tiny-cpu/hf\b", "run", "greedy eval of the trained policy: seconds",

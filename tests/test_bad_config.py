@@ -49,6 +49,10 @@ CASES = [  # (overrides, what the message must name)
     (["train.loggers=[tensorbord]"], "train.loggers=['tensorbord']: unknown ['tensorbord']; valid: ['tensorboard', "),
     (["train.samples_every=-1"], "train.samples_every=-1: must be >= 0"),
     (["optim.shared_prompt=true"], "optim.shared_prompt=true needs optim.packing=true"),
+    (["model.init=megatron"], "model.init='megatron' with model.megatron_path='': init=megatron starts from"),
+    (["model.megatron_path=runs/x"], "with model.megatron_path='runs/x': init=megatron starts from"),
+    (["model.init=megatron", "model.megatron_path=/nonexistent"],
+     "model.megatron_path=/nonexistent: /nonexistent: not a megatron checkpoint"),
 ]
 
 
@@ -364,6 +368,25 @@ def test_resume_with_a_model_of_other_shapes_names_both(tmp_path, capsys):
         "model.hf_path=megatron_offgrpo/assets/tiny-qwen2 gives [384, 128]: resume with the model the run started "
         "from, or start a new train.out_dir"), err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == before  # untouched
+
+
+def test_a_megatron_checkpoint_of_another_model_names_both_shapes(tmp_path, capsys):
+    """``model.init=megatron`` from a checkpoint whose model card holds a narrower MLP than ``model.hf_path``."""
+    from checkpoint_tools import DistModelCard, write_model_card
+
+    release = tmp_path / "megatron" / "release"
+    release.mkdir(parents=True)
+    (release / "metadata.json").write_text("{}")
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("release")
+    hf_config = dict(json.loads((ASSET / "config.json").read_text()), intermediate_size=256)
+    write_model_card(release, DistModelCard(hf_config, "float32", {"tp": 1, "pp": 1, "dp": 1}))
+    code, err = _run(["train", "--config", TINY, f"train.out_dir={tmp_path / 'run'}", "model.init=megatron",
+                      f"model.megatron_path={tmp_path / 'megatron'}"], capsys)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"  model.megatron_path={tmp_path / 'megatron'}: {release} holds model.layers.0.mlp.gate_proj.weight of "
+        "shape [256, 128], model.hf_path=megatron_offgrpo/assets/tiny-qwen2 gives [384, 128]: give the "
+        "model.hf_path it was converted from"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_longest_prompt_and_its_completion_must_fit_the_positions():

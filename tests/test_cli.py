@@ -28,7 +28,7 @@ def test_convert_without_a_sub_command_lists_them_and_fails(capsys):
     with pytest.raises(SystemExit) as caught:
         main(["convert"])
     err = capsys.readouterr().err
-    assert caught.value.code == 2 and "reshard" in err and "name a convert sub-command" in err
+    assert caught.value.code == 2 and "roundtrip" in err and "name a convert sub-command" in err
 
 
 def test_end_process_runs_the_exit_handlers_flushes_and_keeps_the_status():

@@ -7,7 +7,7 @@
     offgrpo report  RUN_DIR [RUN_DIR ...] [--x step|wall]          panels + summary of runs, overlaid
     offgrpo config  [--config RECIPE] [key=value ...] | --reference  the resolved config, or every key's docs
     offgrpo fleet   start|stop|status ...                          the vLLM generation fleet
-    offgrpo convert hf-to-megatron|megatron-to-hf|reshard|roundtrip ...   (offgrpo convert --help)
+    offgrpo convert hf-to-megatron|megatron-to-hf|roundtrip ...   (offgrpo convert --help)
     offgrpo recipes DIR                                             copy configs/ and launch/ into DIR
     offgrpo --version                                               version, git commit, where the recipes are
 """
@@ -34,10 +34,11 @@ COMMANDS = {
 # The sub-commands that end holding torch, megatron and vLLM: run as the process's entry, they end it with end_process
 HEAVY = ("train", "sft", "eval")
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
-    "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron TP x PP checkpoint"),
+    "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron dist checkpoint (any "
+                       "TP/PP/EP loads it)"),
     "megatron-to-hf": ("checkpoint_tools.megatron_to_hf", "megatron checkpoint of any layout -> HF directory"),
-    "reshard": ("checkpoint_tools.reshard", "megatron checkpoint -> another TP x PP layout (bit-exact)"),
-    "roundtrip": ("checkpoint_tools.roundtrip", "HF -> megatron -> reshard -> HF on the embedded default, verified"),
+    "roundtrip": ("checkpoint_tools.roundtrip", "HF -> megatron dist checkpoint -> HF on the embedded default, "
+                  "verified"),
 }
 
 

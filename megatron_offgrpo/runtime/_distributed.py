@@ -165,7 +165,7 @@ def init_parallel(
         expert_tp_size=etp,
         expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
-    logger.info("parallel layout: %s", ctx)
+    logger.info("parallel layout: %s, rank %d of %d on %s", ctx.layout(), ctx.rank, ctx.world_size, ctx.device)
     return ctx
 
 

@@ -58,10 +58,16 @@ def grad_accum_fusion(model_cfg: ModelConfig) -> bool:
 
 
 def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig) -> None:
-    """HF weights from ``model.hf_path`` (init=hf); init=random keeps megatron's seeded initialisation."""
+    """HF weights from ``model.hf_path`` (init=hf), or the model part of the megatron dist checkpoint at
+    ``model.megatron_path`` (init=megatron; megatron reshards it to this run's layout; collective); init=random keeps
+    megatron's seeded initialisation."""
+    from checkpoint_tools import load_hf_into_stage, load_model_part, open_safetensors_dir, resolve_checkpoint
+
+    if model_cfg.init == "megatron":
+        load_model_part(stage, resolve_checkpoint(model_cfg.megatron_path))
+        return
     if model_cfg.init != "hf":
         return
-    from checkpoint_tools import load_hf_into_stage, open_safetensors_dir
 
     load_hf_into_stage(stage, arch, open_safetensors_dir(Path(model_cfg.hf_path)), ctx.tp_size, ctx.tp_rank,
                        ctx.pp_size, ctx.pp_rank, ctx.ep_size, ctx.ep_rank, ctx.expert_tp_size, ctx.expert_tp_rank)

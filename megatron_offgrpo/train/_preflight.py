@@ -84,30 +84,55 @@ def resume_errors(config: Config) -> list[str]:
     """A resume (``train.resume``) of a checkpoint whose model has other shapes than ``model.hf_path``'s: one line
     naming both shapes, from the checkpoint's model card, before megatron's loader fails deep inside (or, for a
     reshaped dimension it can slice, succeeds wrongly)."""
-    from checkpoint_tools import CheckpointError, hf_shapes, read_model_card
-
-    from megatron_offgrpo.model import arch_from_hf_config
     from megatron_offgrpo.train._checkpoint import latest_checkpoint
 
     checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
     if checkpoint is None:
         return []
+    return _card_shape_errors(config, checkpoint, "--resume",
+                              "resume with the model the run started from, or start a new train.out_dir")
+
+
+def megatron_init_errors(config: Config) -> list[str]:
+    """``model.init=megatron``: ``model.megatron_path`` is a dist checkpoint of ``model.hf_path``'s shapes."""
+    from checkpoint_tools import CheckpointError, checkpoint_kind, resolve_checkpoint
+
+    if config.model.init != "megatron":
+        return []
+    key = f"model.megatron_path={config.model.megatron_path}"
+    try:
+        if checkpoint_kind(config.model.megatron_path) != "dist":
+            return [f"{key}: a checkpoint_tools directory of an earlier version, which init=megatron does not read: "
+                    "convert the HF model again (offgrpo convert hf-to-megatron) to a dist checkpoint"]
+        checkpoint = resolve_checkpoint(config.model.megatron_path)
+    except CheckpointError as exc:
+        return [f"{key}: {exc}"]
+    return _card_shape_errors(config, checkpoint, key, "give the model.hf_path it was converted from")
+
+
+def _card_shape_errors(config: Config, checkpoint: Path, key: str, fix: str) -> list[str]:
+    """The first tensor whose shape in ``checkpoint``'s model card differs from ``model.hf_path``'s model."""
+    from checkpoint_tools import CheckpointError, hf_shapes, read_model_card
+
+    from megatron_offgrpo.model import arch_from_hf_config
+
     try:
         saved = hf_shapes(arch_from_hf_config(read_model_card(checkpoint).hf_config))
     except (CheckpointError, ValueError) as exc:
-        return [f"--resume: {checkpoint}: {exc}"]
+        return [f"{key}: {checkpoint}: {exc}"]
     ours = hf_shapes(load_arch(config.model.hf_path))
     for name in [n for n in saved if n in ours and saved[n] != ours[n]] + sorted(set(saved) ^ set(ours)):
         theirs, mine = (list(saved[name]) if name in saved else "absent"), (list(ours[name]) if name in ours else
                                                                               "absent")
-        return [f"--resume: {checkpoint} holds {name} of shape {theirs}, model.hf_path={config.model.hf_path} "
-                f"gives {mine}: resume with the model the run started from, or start a new train.out_dir"]
+        return [f"{key}: {checkpoint} holds {name} of shape {theirs}, model.hf_path={config.model.hf_path} "
+                f"gives {mine}: {fix}"]
     return []
 
 
 def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     """What the model at ``model_dir`` (default ``model.hf_path``) cannot do under ``config``: be read (its config,
-    weights unless ``model.init=random``, tokenizer), be split, fit the run's sequence length."""
+    weights when ``model.init=hf``, tokenizer), be split, fit the run's sequence length; ``model.init=megatron``: its
+    checkpoint (``megatron_init_errors``)."""
     source = model_dir or config.model.hf_path
     key = "--model" if model_dir else "model.hf_path"
     errors = model_dir_errors(source, key, weights=bool(model_dir) or config.model.init == "hf", tokenizer=True)
@@ -117,9 +142,9 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     length = length_errors(config, arch.max_position_embeddings, source)
     if length:
         return length
-    resume = [] if model_dir else resume_errors(config)
-    if resume:
-        return resume
+    checkpoint = [] if model_dir else resume_errors(config) + megatron_init_errors(config)
+    if checkpoint:
+        return checkpoint
     p = config.parallel
     try:
         arch.check_layout(p.tp, p.pp, p.ep, p.etp)

@@ -20,12 +20,13 @@ from checkpoint_tools import CheckpointError, MegatronCheckpoint, hf_to_megatron
 from checkpoint_tools._io import _owner_tag, sweep_stale_siblings
 from tests.helpers import REPO, tiny_hf_config
 
-SUBS = {"hf_to_megatron": "hf-to-megatron", "megatron_to_hf": "megatron-to-hf", "reshard": "reshard"}
+SUBS = {"hf_to_megatron": "hf-to-megatron", "megatron_to_hf": "megatron-to-hf"}
 
 
 @pytest.fixture
 def tree(hf_models, tmp_path, monkeypatch) -> Path:
-    """tmp_path/D holding a HF source ``hf``, a TP2 megatron checkpoint ``mega`` and an unrelated ``notes.txt``;
+    """tmp_path/D holding a HF source ``hf``, a TP2 checkpoint_tools directory ``mega`` (the format of earlier
+    versions, which megatron-to-hf still reads) and an unrelated ``notes.txt``;
     tmp_path/junk is someone's directory of other files."""
     import shutil
 
@@ -69,13 +70,9 @@ ROWS = [  # (sub-command, arguments, what the one line must name)
     ("hf_to_megatron", "--hf D/hf --out out --tp 0", "argument --tp: 0 is not a valid parallel size"),
     ("hf_to_megatron", "--hf D/hf --out out --pp 0", "argument --pp: 0 is not a valid parallel size"),
     ("hf_to_megatron", "--hf D/hf --out out --tp two", "argument --tp: 'two' is not an integer"),
-    ("reshard", "--ckpt D/mega --out out --tp -1 --pp 1", "argument --tp: -1 is not a valid parallel size"),
-    ("reshard", "--ckpt D/mega --out out --tp 1 --pp 0", "argument --pp: 0 is not a valid parallel size"),
     ("hf_to_megatron", "--hf D/hf --out out --tp 3", "num_attention_heads=4 is not divisible by tp=3"),
     ("hf_to_megatron", "--hf D/hf --out out --tp 4", "num_key_value_heads=2 is not divisible by tp=4"),
     ("hf_to_megatron", "--hf D/hf --out out --pp 3", "num_hidden_layers=4 is not divisible by pp=3"),
-    ("reshard", "--ckpt D/mega --out out --tp 3 --pp 1", "num_attention_heads=4 is not divisible by tp=3"),
-    ("reshard", "--ckpt D/mega --out out --tp 1 --pp 8", "num_hidden_layers=4 is not divisible by pp=8"),
     ("megatron_to_hf", "--ckpt D/mega --out D/mega --overwrite", "--out D/mega is the source checkpoint itself"),
     ("megatron_to_hf", "--ckpt D/mega --out D --overwrite", "--out D contains the source checkpoint D/mega"),
     ("megatron_to_hf", "--ckpt D/mega --out . --overwrite", "--out . contains the source checkpoint D/mega"),
@@ -87,10 +84,9 @@ ROWS = [  # (sub-command, arguments, what the one line must name)
     ("hf_to_megatron", "--hf D/hf --out D/hf", "--out D/hf is the source checkpoint itself"),
     ("hf_to_megatron", "--hf D/hf --out D", "--out D contains the source checkpoint D/hf"),
     ("hf_to_megatron", "--hf D/hf --out D/hf/mega", "--out D/hf/mega is inside the source checkpoint D/hf"),
-    ("reshard", "--ckpt D/mega --out D --tp 1 --pp 2", "--out D contains the source checkpoint D/mega"),
-    ("reshard", "--ckpt D/mega --out D/mega/tp1 --tp 1 --pp 2", "--out D/mega/tp1 is inside the source checkpoint"),
-    ("hf_to_megatron", "--hf D/hf --out junk", "junk already exists: choose another --out or remove it"),
-    ("reshard", "--ckpt D/mega --out junk --tp 1 --pp 2", "junk already exists: choose another --out or remove it"),
+    ("hf_to_megatron", "--hf D/hf --out junk", "junk already exists: pass --overwrite"),
+    ("hf_to_megatron", "--hf D/hf --out junk --overwrite", "--out junk holds files that are not a checkpoint"),
+    ("hf_to_megatron", "--hf D/hf --out out --tp 2", "run `torchrun --nproc_per_node 2 -m checkpoint_tools"),
 ]
 
 
@@ -148,29 +144,31 @@ def test_subprocess_exit_code_and_stderr_are_one_line(tree):
     assert not (tree / "out").exists() and (tree / "D" / "mega" / "offgrpo_manifest.json").is_file()
 
 
-# A real conversion that stops after its first tensor is on disk, inside its temporary directory, and waits there.
+# A real conversion that stops once its shards are on disk, inside its temporary directory, and waits there.
 _BLOCKED = """
 import sys, time
-from checkpoint_tools import _convert
+from checkpoint_tools import _dist_write
 from checkpoint_tools.hf_to_megatron import main
-real = _convert.StreamingSafetensorsWriter.write
-def write(self, name, tensor):
-    real(self, name, tensor)
+real = _dist_write._save
+def save(*args):
+    real(*args)
     print("writing", flush=True)
     time.sleep(300)
-_convert.StreamingSafetensorsWriter.write = write
+_dist_write._save = save
 main(sys.argv[1:])
 """
 
 
 def test_kill_9_leaves_a_temporary_directory_that_the_next_run_sweeps(tree):
-    args = ["--hf", "D/hf", "--out", "out", "--tp", "2"]
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED, *args], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    from checkpoint_tools import checkpoint_kind
+
+    args = ["--hf", "D/hf", "--out", "out"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKED, *args], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "writing"
         left = list(tree.glob(f".out.tmp-{proc.pid}-*"))
-        assert len(left) == 1 and list(left[0].rglob("*.safetensors"))
+        assert len(left) == 1 and list(left[0].rglob("*.distcp"))
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()  # reaped: the PID is no longer running
@@ -181,10 +179,10 @@ def test_kill_9_leaves_a_temporary_directory_that_the_next_run_sweeps(tree):
     swept = [left[0], tree / f".out.tmp-{proc.pid}-0000cafe"]  # the killed one; the older name without a host
     for path in kept + swept[1:]:
         path.mkdir()
-    from checkpoint_tools.hf_to_megatron import main
-
-    main(args)  # succeeds: returns without SystemExit
-    assert MegatronCheckpoint(tree / "out").tp == 2
+    again = subprocess.run([sys.executable, "-m", "checkpoint_tools.hf_to_megatron", *args], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert checkpoint_kind(tree / "out") == "dist"
     assert all(p.is_dir() for p in kept) and not any(p.exists() for p in swept)
 
 

@@ -78,7 +78,7 @@ def test_run_exports_and_converted_checkpoint_score_like_the_trainer(tmp_path, l
         next(broken.glob("*.distcp")).unlink()
         proc = convert("--ckpt", str(broken), "--out", str(tmp_path / "none"))
         assert proc.returncode == 2 and "error: " in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        assert "incomplete or corrupt" in proc.stderr and not (tmp_path / "none").exists()
+        assert "incomplete, corrupt" in proc.stderr and not (tmp_path / "none").exists()
 
 
 def test_bad_ckpt_is_one_line_exit_2_and_no_output(tmp_path):
@@ -114,8 +114,8 @@ def test_ckpt_kind_errors_name_the_path_and_the_fix(tmp_path):
         checkpoint_kind(tmp_path / "missing")
     older = run / "checkpoints" / "step_00000002"
     (older / "metadata.json").write_text("{}")  # megatron's files, but no card: saved before HF export existed
-    assert checkpoint_kind(older) == "trainer"
-    assert checkpoint_kind(run) == "trainer" and resolve_checkpoint(run) == older  # a run: its newest complete save
+    assert checkpoint_kind(older) == "dist"
+    assert checkpoint_kind(run) == "dist" and resolve_checkpoint(run) == older  # a run: its newest complete save
     (run / "checkpoints" / "step_00000004.tmp").mkdir()  # an unfinished later save is passed over
     (run / "checkpoints" / "step_00000004.tmp" / "metadata.json").write_text("{}")
     assert resolve_checkpoint(run) == older
