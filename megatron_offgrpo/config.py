@@ -24,10 +24,10 @@ class ModelConfig:
     hf_path: str = ""
     """HF model directory (config.json [+ weights]) or hub id."""
     init: str = "hf"
-    """"hf": load the weights at hf_path; "random": random init from its config (demos, benchmarks); "megatron": the
-    weights of megatron_path, at any TP/PP/EP (hf_path gives the config and tokenizer, as in verl and NeMo)."""
+    """"hf": hf_path's weights; "random": init from its config (demos); "megatron": megatron_path's, at any layout."""
     megatron_path: str = ""
-    """init=megatron: a megatron dist checkpoint (hf-to-megatron's output, a Megatron-LM --save dir, a run)."""
+    """init=megatron: a megatron dist checkpoint (hf-to-megatron's output, a Megatron-LM --save dir, a run); hf_path
+    still gives the config and tokenizer, as in verl and NeMo."""
     precision: str = "fp32"
     """"fp32" | "bf16" (bf16 params, fp32 main weights/grads in the optimizer) | "fp8" (needs Transformer Engine)."""
     fp8_recipe: str = "delayed"
