@@ -26,8 +26,7 @@ class ModelConfig:
     init: str = "hf"
     """"hf": hf_path's weights; "random": init from its config (demos); "megatron": megatron_path's, at any layout."""
     megatron_path: str = ""
-    """init=megatron: a megatron dist checkpoint (hf-to-megatron's output, a Megatron-LM --save dir, a run); hf_path
-    still gives the config and tokenizer, as in verl and NeMo."""
+    """init=megatron: a megatron dist checkpoint (hf-to-megatron's, Megatron-LM's --save, a run); hf_path: tokenizer."""
     precision: str = "fp32"
     """"fp32" | "bf16" (bf16 params, fp32 main weights/grads in the optimizer) | "fp8" (needs Transformer Engine)."""
     fp8_recipe: str = "delayed"
