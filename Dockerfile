@@ -57,8 +57,9 @@ COPY checkpoint_tools ./checkpoint_tools
 
 # The trainer environment: the project (editable, so a mounted checkout at this path is what runs) on the
 # container's torch, which the constraints keep, with tensorboard, the trackers (wandb, mlflow) and the report's plots.
-RUN python -m pip install --constraint /opt/offgrpo/keep.txt -e ".[plot,tensorboard,tracking]"
-# The fleet environment: the project with its vllm extra (already satisfied by the wheel above).
+RUN python -m pip install --constraint /opt/offgrpo/keep.txt -e ".[trainer,plot,tensorboard,tracking]"
+# The fleet environment: the project with its vllm extra (already satisfied by the wheel above), without megatron-core
+# (the trainer extra), which the fleet never imports.
 RUN env -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null /opt/vllm/bin/python -m pip install -e ".[vllm]" \
  && /opt/vllm/bin/python -c "import vllm, megatron_offgrpo.fleet; print('fleet env: vllm', vllm.__version__)"
 

@@ -1,7 +1,7 @@
 """Pins the torch already installed, so that no later pip install can replace it (a pip constraints file).
 
     python launch/torch_constraints.py torch-constraints.txt
-    pip install --constraint torch-constraints.txt -e ".[plot,tensorboard]"
+    pip install --constraint torch-constraints.txt -e ".[trainer,plot,tensorboard]"
 
 Writes ``name==version`` for every installed package of the torch stack (torch, torchvision, torchaudio, triton,
 Transformer Engine, apex, flash-attn, NVIDIA's CUDA libraries): under ``--constraint``, an install that would change

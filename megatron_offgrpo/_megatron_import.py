@@ -14,6 +14,12 @@ Two things must happen before megatron-core's first import, and only then:
 ``install()`` (run by the package's ``__init__``) puts a finder on ``sys.meta_path`` that wraps the loader of
 ``megatron.core`` once: the preparation runs around the execution of ``megatron/core/__init__.py``, inside which
 megatron-core imports its fusions. Nothing here imports torch before megatron-core is imported.
+
+megatron-core comes with the ``trainer`` extra (the fleet's environment has none): where it is missing, the
+``offgrpo`` command turns the import's ModuleNotFoundError into one line naming that extra (``missing_megatron``;
+the finder itself stays silent, since libraries probe for ``megatron`` with ``find_spec``). A version other than the
+tested one is imported as it is, after one line saying so: a NeMo or Megatron-LM image's newer megatron-core is not
+downgraded, and whatever differs is the user's to judge.
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
+import logging
 import sys
 from collections.abc import Iterator
 from types import ModuleType
+
+
+TESTED_MEGATRON_CORE = "0.16.1"
 
 
 def _eager(model=None, **_options):
@@ -63,6 +74,9 @@ class _PreparedLoader(importlib.abc.Loader):
         module.__loader__ = module.__spec__.loader = self.loader  # the package keeps its real loader afterwards
         with prepared():
             self.loader.exec_module(module)
+        untested = version_note(_installed_megatron_core())
+        if untested:
+            logging.getLogger("megatron_offgrpo").warning(untested)
 
 
 class _MegatronCoreFinder(importlib.abc.MetaPathFinder):
@@ -76,6 +90,29 @@ class _MegatronCoreFinder(importlib.abc.MetaPathFinder):
         if spec is not None and spec.loader is not None:
             spec.loader = _PreparedLoader(spec.loader)
         return spec
+
+
+def _installed_megatron_core() -> str | None:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH: no metadata to compare
+        return None
+
+
+def version_note(version: str | None) -> str | None:
+    """The one line for a megatron-core other than the tested one (None for the tested one, or no metadata)."""
+    if version is None or version == TESTED_MEGATRON_CORE:
+        return None
+    return (f"megatron-core {version} is installed; megatron-offgrpo is tested with {TESTED_MEGATRON_CORE} "
+            "(kept as installed: the checkpoint format and the layer specs are megatron-core's)")
+
+
+def missing_megatron(exc: ModuleNotFoundError) -> str | None:
+    """The one line for an import that failed because megatron-core is not installed (None for any other module)."""
+    if exc.name not in ("megatron", "megatron.core"):
+        return None
+    return ("megatron-core is not installed, and the trainer and the conversions need it: pip install "
+            "'megatron-offgrpo[trainer]' (from a checkout: pip install -e '.[trainer]')")
 
 
 def install() -> None:

