@@ -55,8 +55,10 @@ VARIANTS = {"eager": dict(compile=False, grad_accum_fusion=False),
             "fused": dict(compile=False, grad_accum_fusion=True),
             "compiled": dict(compile=True, grad_accum_fusion=False),
             "graphed": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=False),
-            "graphed-fused": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=True)}
-"""Step variant -> its ``model.`` keys."""
+            "graphed-fused": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=True),
+            "graphed-foreach-adam": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=False)}
+"""Step variant -> its ``model.`` keys. ``graphed-foreach-adam`` also puts megatron's torch AdamW back on torch's
+multi-tensor path, as megatron builds it (the trainer switches it to the fused kernel: ``use_fused_adam``)."""
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
             samples=4, micro_batches=4, loss_tokens=16384, repeats=10,
             variants="eager,fused,compiled,graphed,graphed-fused")
@@ -93,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants",
                         help="comma-separated step variants, one row each: eager, fused (model.grad_accum_fusion), "
                              "compiled (model.compile: torch.compile of each decoder layer), graphed (compiled with "
-                             "compile_mode=reduce-overhead: CUDA graphs), graphed-fused; default all five (--tiny: "
-                             "eager)")
+                             "compile_mode=reduce-overhead: CUDA graphs), graphed-fused, graphed-foreach-adam "
+                             "(megatron's multi-tensor AdamW); default the first five (--tiny: eager)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-device peak for MFU")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=1234)
@@ -176,13 +178,17 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
     from megatron_offgrpo.kernels import resolve_impl
     from megatron_offgrpo.model import output_weight
     from megatron_offgrpo.runtime import have_te
-    from megatron_offgrpo.train._policy import build_policy
+    from megatron_offgrpo.train._policy import build_policy, use_fused_adam
     from megatron_offgrpo.train._step import policy_step
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
                             fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
                             fp8_margin=args.fp8_margin, **VARIANTS[variant])
     policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps)
+    if variant.endswith("foreach-adam"):
+        for torch_adam in use_fused_adam(policy.optimizer):
+            for group in torch_adam.param_groups:
+                group["foreach"], group["fused"] = True, False
     mbs, tokens, seqs = device_batches(synthetic_samples(arch, args), args, ctx.device)
     params = ObjectiveParams()
     losses = []

