@@ -234,8 +234,9 @@ def test_the_fleet_side_needs_no_megatron_core_and_the_trainer_names_its_extra(t
     proc = _run([sys.executable, "-c", fleet], REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     train = _WITHOUT_MEGATRON + "from megatron_offgrpo.cli import main\nmain(sys.argv[1:])\n"
-    proc = _run([sys.executable, "-c", train, "train", "--config", "configs/tiny-cpu.yaml",
-                 f"train.out_dir={tmp_path / 'run'}"], REPO)
+    # the bundled tiny model: the preflight passes on a clean clone, so the run reaches its first megatron import
+    proc = _run([sys.executable, "-c", train, "train", "--config", "configs/tiny-cpu.yaml", "model.init=random",
+                 "model.hf_path=megatron_offgrpo/assets/tiny-qwen2", f"train.out_dir={tmp_path / 'run'}"], REPO)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: megatron-core is not installed, and the trainer and the conversions need it: pip install "
         "'megatron-offgrpo[trainer]' (from a checkout: pip install -e '.[trainer]')"], proc.stderr[-2000:]
