@@ -160,14 +160,20 @@ def load_model_part(model: torch.nn.Module, ckpt: Path) -> None:
     model.load_state_dict(loaded[DIST_MODEL_KEY])
 
 
-def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
-    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights; the process group must exist."""
+def cpu_stage(arch: QwenArch, dtype: torch.dtype, tp: int = 1, pp: int = 1, ep: int = 1, pre_process: bool = True,
+              post_process: bool = True) -> torch.nn.Module:
+    """A stage of the model on the CPU (local spec) with uninitialised parameters, for a load or a conversion that
+    overwrites every one of them (the process group of that layout must exist)."""
     from megatron_offgrpo.model import build_gpt_stage, transformer_config
 
-    # No random init: every parameter is overwritten by the load. CPU: the export streams from host memory.
-    config = transformer_config(arch, 1, 1, params_dtype=dtype, use_cpu_initialization=True,
-                                perform_initialization=False, use_te=False)
-    model = build_gpt_stage(arch, config, pre_process=True, post_process=True, use_te=False)
+    config = transformer_config(arch, tp, pp, params_dtype=dtype, use_cpu_initialization=True,
+                                perform_initialization=False, ep=ep, use_te=False)
+    return build_gpt_stage(arch, config, pre_process=pre_process, post_process=post_process, use_te=False)
+
+
+def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights; the process group must exist."""
+    model = cpu_stage(arch, dtype)  # CPU: the export streams from host memory
     load_model_part(model, ckpt)
     return model.eval()
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools._convert import _read_hf_config, check_layout
-from checkpoint_tools._dist import DIST_MODEL_KEY, RELEASE, TRACKER, DistModelCard, write_model_card
+from checkpoint_tools._dist import DIST_MODEL_KEY, RELEASE, TRACKER, DistModelCard, cpu_stage, write_model_card
 from checkpoint_tools._io import atomic_output_dir, check_output, open_safetensors_dir
 from checkpoint_tools._live import load_hf_into_stage
 from checkpoint_tools._mapping import check_hf_names
@@ -69,10 +69,11 @@ def hf_to_dist_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                          "layout only sets what each process holds: any layout loads it)")
     start = time.perf_counter()
     ctx = init_parallel(tp, pp, backend="gloo", ep=ep)
+    rank = ctx.rank
     try:
         stage = _stage_with_hf_weights(arch, tensors, tensors.dtype(tensors.names()[0]), ctx)
         card = DistModelCard(hf_config, str(next(stage.parameters()).dtype).removeprefix("torch."), ctx.layout())
-        if ctx.rank == 0:
+        if rank == 0:
             with atomic_output_dir(out, overwrite) as tmp:
                 dist.broadcast_object_list([str(tmp)], src=0)
                 _save(stage, tmp / RELEASE, tp, pp)
@@ -82,7 +83,6 @@ def hf_to_dist_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
             box = [None]
             dist.broadcast_object_list(box, src=0)
             _save(stage, Path(box[0]) / RELEASE, tp, pp)
-        rank = ctx.rank
     finally:
         destroy_parallel()
     if rank == 0:
@@ -93,11 +93,7 @@ def hf_to_dist_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
 def _stage_with_hf_weights(arch, tensors, dtype: torch.dtype, ctx) -> torch.nn.Module:
     """This rank's stage (local spec, CPU, no random init) holding its shard of every HF tensor."""
-    from megatron_offgrpo.model import build_gpt_stage, transformer_config
-
-    config = transformer_config(arch, ctx.tp_size, ctx.pp_size, params_dtype=dtype, use_cpu_initialization=True,
-                                perform_initialization=False, ep=ctx.ep_size, use_te=False)
-    stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage, use_te=False)
+    stage = cpu_stage(arch, dtype, ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.is_first_stage, ctx.is_last_stage)
     with torch.no_grad():
         load_hf_into_stage(stage, arch, tensors, ctx.tp_size, ctx.tp_rank, ctx.pp_size, ctx.pp_rank, ctx.ep_size,
                            ctx.ep_rank, ctx.expert_tp_size, ctx.expert_tp_rank)

@@ -28,11 +28,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-FUSED_ADAM = False  # whether the last policy's torch Adam runs fused (train._policy.use_fused_adam)
-
-
-def one_step(hf_dir: str, ctx, arch, precision: str, variant: dict, rng: dict) -> tuple[float, list, int]:
-    """One optimizer step of a policy built from ``rng`` with the ``model.`` keys of ``variant``."""
+def one_step(hf_dir: str, ctx, arch, precision: str, variant: dict, rng: dict) -> tuple[float, list, int, bool]:
+    """One optimizer step of a policy built from ``rng`` with the ``model.`` keys of ``variant``: its loss, main
+    grads, how many weights its fused weight-gradient GEMMs wrote, and whether its torch Adam ran fused."""
     _set_rng_state(rng)
     model = ModelConfig(hf_path=hf_dir, init="random", precision=precision, **variant)
     policy = build_policy(arch, ctx, model, OptimConfig(lr=1e-3, clip_grad=1.0), steps=2)
@@ -46,9 +44,8 @@ def one_step(hf_dir: str, ctx, arch, precision: str, variant: dict, rng: dict) -
     # megatron's linears mark the weights whose gradient their fused GEMM added to main_grad
     fused = sum(bool(getattr(p, "grad_added_to_main_grad", False)) for p in params)
     torch_adams = [w.optimizer for w in getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])]
-    global FUSED_ADAM
-    FUSED_ADAM = all(g["fused"] for opt in torch_adams for g in opt.param_groups)
-    return result.loss, [p.main_grad.detach().clone() for p in params], fused
+    fused_adam = all(g["fused"] for opt in torch_adams for g in opt.param_groups)
+    return result.loss, [p.main_grad.detach().clone() for p in params], fused, fused_adam
 
 
 def parse_variant(pairs: list[str]) -> dict:
@@ -66,7 +63,7 @@ def main() -> None:
     other = one_step(hf_dir, ctx, arch, precision, variant, rng)
     loss = abs(other[0] - eager[0]) / max(abs(eager[0]), 1e-30)
     grads = max(rel(c, e) for c, e in zip(other[1], eager[1]))
-    print(f"COMPILED loss={loss:.3e} grads={grads:.3e} fused={other[2]} fused_adam={int(FUSED_ADAM)} "
+    print(f"COMPILED loss={loss:.3e} grads={grads:.3e} fused={other[2]} fused_adam={int(other[3])} "
           f"eager_loss={eager[0]:.6g}", flush=True)
     destroy_parallel()
 
