@@ -125,6 +125,19 @@ def collect_errors(config: Any) -> list[str]:
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
+    errors.extend(_env_errors(config.env))
+    return errors
+
+
+def _env_errors(env: Any) -> list[str]:
+    """Multi-turn episodes' limits; the environment itself is checked when it is built (it may need imports)."""
+    errors = []
+    if env.max_turns < 1 or (env.max_tokens is not None and env.max_tokens < 1):
+        errors.append(f"env.max_turns={env.max_turns}, env.max_tokens={env.max_tokens}: must be >= 1")
+    if min(env.tool_cpu_s, env.tool_wall_s) <= 0 or min(env.tool_memory_mib, env.tool_output_bytes) < 1:
+        errors.append("env.tool_cpu_s, env.tool_wall_s, env.tool_memory_mib, env.tool_output_bytes: must be > 0")
+    if env.name is not None and not env.name.strip():
+        errors.append("env.name is empty: null for single-turn, or an environment's name")
     return errors
 
 

@@ -204,6 +204,35 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
+class EnvConfig:
+    """Multi-turn episodes: the environment the model talks to over several turns (tools, feedback)."""
+
+    name: str | None = None
+    """None: single-turn completions. "python_tool": math problems with a sandboxed Python tool the model may call
+    (Qwen's <tool_call> format) before it answers; "feedback": told too low / too high, the model answers again (a
+    right answer at turn k earns 0.5^(k-1)); or "package.module:Factory", a zero-argument callable returning an
+    ``envs.Environment`` (reset / step / close). The reward is the environment's (the shipped ones use
+    data.reward)."""
+    max_turns: int = 4
+    """Model turns per episode (>= 1); each is capped at rollout.max_new_tokens."""
+    max_tokens: int | None = None
+    """Response tokens per episode, the model's and the environment's together (null: rollout.max_new_tokens x
+    max_turns); prompt + this must fit the model's context. Overlong shaping measures an episode against it."""
+    tool_cpu_s: float = 5.0
+    """python_tool: CPU seconds of one tool run (then it is killed and the model reads the error)."""
+    tool_wall_s: float = 10.0
+    """python_tool: wall-clock seconds of one tool run."""
+    tool_memory_mib: int = 512
+    """python_tool: address space of one tool run, MiB."""
+    tool_output_bytes: int = 4096
+    """python_tool: output the model reads of one run (the rest is cut, marked)."""
+
+    def episode_tokens(self, max_new_tokens: int) -> int:
+        """The response budget of an episode (``max_tokens``, by default ``max_new_tokens x max_turns``)."""
+        return self.max_tokens if self.max_tokens is not None else max_new_tokens * self.max_turns
+
+
+@dataclasses.dataclass
 class AlgoConfig:
     """The objective (see megatron_offgrpo.algo for every formula)."""
 
@@ -367,6 +396,7 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -104,3 +104,55 @@ def worker_report(worker: Path, hf_dir: Path, tag: str, *args: str, cpu: bool = 
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     line = re.search(rf"^{tag} (.*)$", proc.stdout, re.M).group(1)
     return {k: float(v) for k, v in (part.split("=") for part in line.split())}
+
+
+def qwen3_tokenizer_dir(directory: Path) -> Path:
+    """A Qwen3 tokenizer in ``directory``: Qwen2.5's BPE files with Qwen3's four added tokens and chat template
+    (``megatron_offgrpo/assets/qwen3-chat``, which says where they come from)."""
+    import shutil
+
+    from megatron_offgrpo.data import ASSETS
+
+    source, qwen3 = ASSETS / "qwen2-tokenizer", ASSETS / "qwen3-chat"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+        shutil.copy(source / name, directory / name)
+    added = json.loads((source / "added_tokens.json").read_text()) | json.loads((qwen3 / "added_tokens.json").read_text())
+    write_json(directory / "added_tokens.json", added)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    for token in ("<tool_response>", "</tool_response>", "<think>", "</think>"):
+        config["added_tokens_decoder"][str(added[token])] = {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": False}
+    config["chat_template"] = (qwen3 / "chat_template.jinja").read_text()
+    write_json(directory / "tokenizer_config.json", config)
+    return directory
+
+
+def turn_ending_model(directory: Path, eos_id: int = 151645, eos_share: float = 0.2, seed: int = 0) -> Path:
+    """A random Qwen2 of the real vocabulary (151,936) that ends a turn with EOS after about 1 / ``eos_share``
+    tokens, for multi-turn tests (a random model almost never samples one of 151,936 ids, so its turns would all be
+    cut at their cap and no episode would reach a second turn).
+
+    Every embedding row is one direction plus small noise, and the layers' output projections are zero, so the final
+    hidden state is nearly that direction at every position; the EOS row of the output layer points along it, by
+    enough that EOS takes ``eos_share`` of the probability. The other tokens keep random logits: samples vary."""
+    # heads of 64: vLLM's CPU attention takes head sizes 32, 64, 80, ... (not tiny_hf_config's 16)
+    cfg = dict(tiny_hf_config(layers=1), vocab_size=151936, hidden_size=128, num_attention_heads=2,
+               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=151643, eos_token_id=eos_id)
+    model = make_hf_model(cfg, seed)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        generator = torch.Generator().manual_seed(seed)
+        direction = torch.randn(emb.shape[1], generator=generator)
+        emb.copy_(direction + 0.05 * torch.randn(emb.shape, generator=generator))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hidden = model.model.norm(direction.unsqueeze(0))[0]  # what every position's final state nearly is
+        head = model.lm_head.weight
+        others = (head @ hidden).logsumexp(0)
+        target = others + torch.log(torch.tensor(eos_share / (1 - eos_share)))
+        head[eos_id] = hidden / hidden.norm() ** 2 * target
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory

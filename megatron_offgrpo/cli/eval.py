@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.data import get_reward
     from megatron_offgrpo.model import resolve_model_dir
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import evaluate
+    from megatron_offgrpo.train import Rollouts, env_factory, evaluate
     from megatron_offgrpo.train import make_rollout_engine
     from megatron_offgrpo.train import config_or_exit
     from megatron_offgrpo.train import build_prompts, load_data, load_tokenizer, log_data
@@ -62,12 +62,18 @@ def main(argv: list[str] | None = None) -> None:
     report = log_data(config, data)
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
+    reward_fn = get_reward(config.data.reward)
+    try:
+        make_env = env_factory(config, reward_fn)  # env.name: episodes, checked before the engine starts
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     tune_cpu_memory()  # as in training: every decode step's logits reuse pages, not fault fresh ones
     engine = make_rollout_engine(config, Path(model), None, positions)
     try:
-        result = evaluate(engine, prompts, get_reward(config.data.reward), tokenizer, config.rollout.max_new_tokens,
-                          samples=config.train.eval_samples, temperature=config.rollout.temperature,
-                          seed=config.parallel.seed)
+        rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env)
+        result = evaluate(rollouts, prompts, config.rollout.max_new_tokens, samples=config.train.eval_samples,
+                          temperature=config.rollout.temperature, seed=config.parallel.seed)
     finally:
         engine.close()
     result.update(model=str(model), split=config.data.eval_split, dataset=config.data.name,

@@ -14,6 +14,7 @@ from megatron_offgrpo.data._rewards import (
     register_reward,
 )
 from megatron_offgrpo.data._sets import DataSets, load_datasets
+from megatron_offgrpo.data._turns import PLAIN, TurnWrapping, observation_ids, turn_wrapping
 from megatron_offgrpo.data._types import Prompt, Sample, SamplingParams
 
 __all__ = [
@@ -21,12 +22,14 @@ __all__ = [
     "DEFAULT_INSTRUCTION",
     "HELD_OUT_FRACTION",
     "MAX_ANSWER_DIGITS",
+    "PLAIN",
     "DataSets",
     "Prompt",
     "PromptStream",
     "QARecord",
     "Sample",
     "SamplingParams",
+    "TurnWrapping",
     "answer_error",
     "arithmetic_records",
     "build_prompt",
@@ -40,5 +43,7 @@ __all__ = [
     "math_exact_reward",
     "math_strict_reward",
     "normalize_number",
+    "observation_ids",
     "register_reward",
+    "turn_wrapping",
 ]

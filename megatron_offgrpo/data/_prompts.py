@@ -15,9 +15,12 @@ PROMPT_FORMATS = ("chat", "plain")
 
 def build_prompt(record: QARecord, tokenizer, system_prompt: str | None = None,
                  instruction: str = DEFAULT_INSTRUCTION, max_prompt_tokens: int | None = None,
-                 prompt_format: str = "chat") -> Prompt:
+                 prompt_format: str = "chat", tools: list[dict] | None = None) -> Prompt:
     """Tokenise one record: with the tokenizer's chat template (generation prompt appended), or as ``plain`` text
     (system prompt, question and instruction on their own lines, no special tokens: base-model style).
+
+    ``tools`` (chat only): the tools a multi-turn environment offers, in the template's ``tools=`` form
+    (``envs.ToolSpec.as_template_tool``): Qwen's templates list them in the system turn with the call format.
 
     Raises:
         ValueError: an unknown format, a chat format with a tokenizer without a chat template, or a prompt longer
@@ -32,11 +35,13 @@ def build_prompt(record: QARecord, tokenizer, system_prompt: str | None = None,
                              "or data.prompt_format=plain")
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": user}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 may return a BatchEncoding
             ids = ids["input_ids"]
     else:
         raise ValueError(f"prompt format {prompt_format!r}: expected one of {list(PROMPT_FORMATS)}")
+    if tools and prompt_format != "chat":
+        raise ValueError("tools need the chat template (data.prompt_format=chat): a plain prompt cannot announce them")
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         raise ValueError(f"prompt {record.record_id} has {len(ids)} tokens > "
                          f"data.max_prompt_tokens={max_prompt_tokens}")

@@ -60,7 +60,7 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class Sample:
-    """One completion of one prompt.
+    """One completion of one prompt, or one multi-turn episode (its turns and the environment's answers, in order).
 
     Attributes:
         prompt_id: the prompt's id. group_id: index of the prompt's group in the batch (the G samples of a
@@ -76,6 +76,10 @@ class Sample:
         server: which engine/server produced it (for logs and failover checks).
         attempts: the requests its group took: 1, or more when a server failed with the group in flight and it was
             sent again (generated anew on another server; nothing of the failed attempt is kept).
+        trainable: [T_resp] True where the response token is the model's own (it enters the loss), False where an
+            environment wrote it (a multi-turn episode's tool results and feedback: context, never trained; their
+            ``behavior_logprobs`` are 0); None: every response token is the model's (single-turn).
+        turns: the model turns of a multi-turn episode (1 for a single completion).
         routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
             integer tensor, the experts each layer routed each input position to (the prompt and every sampled
             token but the last, which was never fed back); the trainer's forward replays them. None otherwise.
@@ -94,6 +98,8 @@ class Sample:
     routed_experts: Any = None  # torch.Tensor | None (this room's types stay importable without torch)
     token_versions: list[int] | None = None
     attempts: int = 1
+    trainable: list[bool] | None = None
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -106,7 +112,14 @@ class Sample:
             raise ValueError(f"sample {self.prompt_id}/{self.group_id}: {len(self.token_versions)} token versions "
                              f"(oldest {min(self.token_versions, default=None)}) for {len(self.response_ids)} response "
                              f"tokens of policy_version {self.policy_version}")
+        if self.trainable is not None and len(self.trainable) != len(self.response_ids):
+            raise ValueError(f"sample {self.prompt_id}/{self.group_id}: {len(self.trainable)} trainable flags for "
+                             f"{len(self.response_ids)} response tokens")
         positions = len(self.prompt_ids) + len(self.response_ids) - 1
         if self.routed_experts is not None and self.routed_experts.shape[0] != positions:
             raise ValueError(f"sample {self.prompt_id}/{self.group_id}: routing of {self.routed_experts.shape[0]} "
                              f"positions for {positions} input positions (prompt + response less its last token)")
+
+    def trained_tokens(self) -> int:
+        """The response tokens that enter the loss (the model's own)."""
+        return len(self.response_ids) if self.trainable is None else sum(self.trainable)

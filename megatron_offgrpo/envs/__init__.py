@@ -1,10 +1,29 @@
-"""Environments for multi-turn episodes: the protocol, the shipped environments, adapters to ecosystem ones."""
+"""Environments for multi-turn episodes: the protocol, the shipped environments, adapters to ecosystem ones.
 
+``Environment`` is what an episode talks to (reset with a prompt, step with the model's turn, an ``Observation``
+back); ``environment_factory`` builds one per episode from ``env.name``: "python_tool" (``PythonToolEnv``, a
+sandboxed Python tool: ``run_python``), "feedback" (``FeedbackEnv``), or your own ``package.module:Factory``.
+"""
+
+from megatron_offgrpo.envs._feedback import FeedbackEnv
 from megatron_offgrpo.envs._protocol import ROLES, Environment, Observation, ToolSpec
+from megatron_offgrpo.envs._python_tool import PYTHON_TOOL, PythonToolEnv, parse_tool_call
+from megatron_offgrpo.envs._registry import SHIPPED, environment_factory, environment_tools
+from megatron_offgrpo.envs._sandbox import SandboxLimits, SandboxResult, run_python
 
 __all__ = [
+    "PYTHON_TOOL",
     "ROLES",
+    "SHIPPED",
     "Environment",
+    "FeedbackEnv",
     "Observation",
+    "PythonToolEnv",
+    "SandboxLimits",
+    "SandboxResult",
     "ToolSpec",
+    "environment_factory",
+    "environment_tools",
+    "parse_tool_call",
+    "run_python",
 ]

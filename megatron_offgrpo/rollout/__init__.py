@@ -7,6 +7,7 @@ the trainer's probe log-probs. Nothing here imports megatron: the rollout side r
 """
 
 from megatron_offgrpo.rollout._dispatch import RetryPolicy
+from megatron_offgrpo.rollout._episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from megatron_offgrpo.rollout._errors import EngineDiedError, FleetError, RefreshError, RefreshVerificationError
 from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
@@ -18,6 +19,9 @@ from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 
 __all__ = [
     "EngineDiedError",
+    "EpisodeLimits",
+    "EpisodeRunner",
+    "EpisodeStats",
     "PROBE_ATOL",
     "FleetEngine",
     "FleetError",

@@ -9,6 +9,8 @@ _EXPORTS = {
     "TrainResult": "megatron_offgrpo.train.loop",
     "sft": "megatron_offgrpo.train._sft",
     "evaluate": "megatron_offgrpo.train._eval",
+    "Rollouts": "megatron_offgrpo.train._generate",
+    "env_factory": "megatron_offgrpo.train._generate",
     "config_or_exit": "megatron_offgrpo.train._preflight",
     "claim_run_dir": "megatron_offgrpo.train._run_dir",
     "no_space_line": "megatron_offgrpo.train._disk",

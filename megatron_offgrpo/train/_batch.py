@@ -2,7 +2,8 @@
 
 Layout: each micro-batch is ``[b, s]`` batch-first (megatron transposes inside), right-padded, with the same
 ``b`` and ``s`` for every micro-batch of the step so the pipeline schedule's fixed-shape p2p works. Position ``t``
-predicts token ``t + 1``; ``loss_mask[t]`` is True where token ``t + 1`` is a response token of a valid sample.
+predicts token ``t + 1``; ``loss_mask[t]`` is True where token ``t + 1`` is a response token of a valid sample that
+the model sampled (a multi-turn episode's environment tokens are not).
 Groups (all G samples of a prompt) are dealt to DP ranks round-robin, so every rank sees whole groups. A step whose
 group count is not a multiple of DP deals them unevenly (3 groups over 2 ranks: 2 and 1; 1 group: 1 and 0): every
 rank still gets the same micro-batch shapes and count, the short ranks' extra rows pads outside the loss, and the
@@ -136,9 +137,12 @@ class StepRows:
         lo, hi = max(p - 1, first), last  # the response's targets: positions p-1 .. end-1
         if hi > lo:
             response = slice(start + lo - first, start + hi - first)
-            self.loss_mask[row, response] = valid
-            self.behavior[row, response] = torch.tensor(sample.behavior_logprobs[lo - p + 1:hi - p + 1],
-                                                        dtype=torch.float32)
+            tokens = slice(lo - p + 1, hi - p + 1)  # the response tokens these positions predict
+            if sample.trainable is None or not valid:
+                self.loss_mask[row, response] = valid
+            else:  # a multi-turn episode: the environment's tokens are context, never trained
+                self.loss_mask[row, response] = torch.tensor(sample.trainable[tokens], dtype=torch.bool)
+            self.behavior[row, response] = torch.tensor(sample.behavior_logprobs[tokens], dtype=torch.float32)
         return n
 
     def microbatch(self, rows: slice, seq_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MicroBatch:
@@ -215,8 +219,8 @@ def build_microbatches(
 
 
 def global_token_count(samples: Sequence[Sample], sample_valid: torch.Tensor) -> int:
-    """Valid response tokens of the whole step, over all DP ranks (the token-mean normaliser)."""
-    return sum(len(s.response_ids) for s, ok in zip(samples, sample_valid.tolist()) if ok)
+    """Valid trained response tokens of the whole step, over all DP ranks (the token-mean normaliser)."""
+    return sum(s.trained_tokens() for s, ok in zip(samples, sample_valid.tolist()) if ok)
 
 
 def global_seq_count(sample_valid: torch.Tensor) -> int:

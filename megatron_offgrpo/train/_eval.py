@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from megatron_offgrpo.data import Prompt, SamplingParams
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 
 EVAL_BATCH = 64
 """Prompts per engine call of an evaluation (one greedy sample each)."""
@@ -30,30 +30,30 @@ def pass_ks(n: int) -> list[int]:
     return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n})
 
 
-def evaluate(engine, prompts: Sequence[Prompt], reward_fn: Callable[[str, str | None], float], tokenizer,
+def evaluate(rollouts: Callable[[Sequence[Prompt], int, SamplingParams], list[Sample]], prompts: Sequence[Prompt],
              max_new_tokens: int, batch: int = EVAL_BATCH, samples: int = 1, temperature: float = 1.0,
              seed: int = 0) -> dict[str, float]:
     """Greedy accuracy (mean reward) and mean response length over ``prompts``; with ``samples`` n > 1 also
     ``eval_pass@k`` (k in ``pass_ks(n)``; a completion is right when its reward is >= 1) and ``eval_avg@n`` (the mean
     reward of the n completions) sampled at ``temperature`` with a fixed ``seed`` (every evaluation of a run draws
-    alike, so its points compare)."""
-    def decode(sample) -> str:
-        return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+    alike, so its points compare).
 
+    Args:
+        rollouts: prompts, n, sampling -> n rewarded samples per prompt (``train._generate.Rollouts``: completions
+            scored by the task's reward, or multi-turn episodes rewarded by their environment).
+    """
     greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     rewards, lengths, right, sampled = [], [], [], []
     for start in range(0, len(prompts), batch):
-        chunk = list(prompts[start:start + batch])
-        for sample, prompt in zip(engine.generate(chunk, 1, greedy), chunk):
-            rewards.append(reward_fn(decode(sample), prompt.answer))
+        for sample in rollouts(list(prompts[start:start + batch]), 1, greedy):
+            rewards.append(sample.reward)
             lengths.append(len(sample.response_ids))
     if samples > 1:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
         per_call = max(1, batch // samples)
         for start in range(0, len(prompts), per_call):
             chunk = list(prompts[start:start + per_call])
-            group_rewards = [reward_fn(decode(s), chunk[s.group_id].answer)
-                             for s in engine.generate(chunk, samples, params)]
+            group_rewards = [s.reward for s in rollouts(chunk, samples, params)]
             for i in range(len(chunk)):
                 mine = group_rewards[i * samples:(i + 1) * samples]
                 right.append(sum(r >= 1.0 for r in mine))

@@ -69,15 +69,17 @@ def length_errors(config: Config, max_positions: int, source: str | Path) -> lis
 
 
 def prompt_length_error(prompts, config: Config, max_positions: int, split: str) -> str | None:
-    """The longest prompt of ``split`` plus ``rollout.max_new_tokens`` over the model's positions (the engine would
-    cap such a completion short of ``max_new_tokens`` silently), or None."""
+    """The longest prompt of ``split`` plus the longest response (``rollout.max_new_tokens``, or a multi-turn
+    episode's ``env.max_tokens``) over the model's positions (the engine would cap it short silently), or None."""
     longest = max((len(p.prompt_ids) for p in prompts), default=0)
-    new = config.rollout.max_new_tokens
+    env = config.env
+    key, new = (("env.max_tokens", env.episode_tokens(config.rollout.max_new_tokens)) if env.name
+                else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
     if longest + new <= max_positions:
         return None
-    return (f"rollout.max_new_tokens={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
+    return (f"{key}={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
             f"sequence reaches {longest + new}, over the model's max_position_embeddings={max_positions}: lower "
-            f"rollout.max_new_tokens to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
+            f"{key} to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
 
 
 def resume_errors(config: Config) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import ASSETS, DataSets, Prompt, QARecord, build_prompt, load_datasets
+from megatron_offgrpo.envs import environment_tools
 from megatron_offgrpo.model import resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,12 @@ def used_records(config: Config, data: DataSets, role: str) -> list[QARecord]:
 def prompt_ids(config: Config, tokenizer, record: QARecord) -> tuple[int, ...]:
     """The token ids of ``record``'s prompt (chat template or plain text), whatever their length; cached."""
     d = config.data
+    tools = [t.as_template_tool() for t in environment_tools(config.env.name)] if config.env.name else None
     cache = _PROMPT_IDS.setdefault(tokenizer, {})
-    key = (d.system_prompt, d.instruction, d.prompt_format, record.question)
+    key = (d.system_prompt, d.instruction, d.prompt_format, repr(tools), record.question)
     if key not in cache:
-        cache[key] = build_prompt(record, tokenizer, d.system_prompt, d.instruction, None, d.prompt_format).prompt_ids
+        cache[key] = build_prompt(record, tokenizer, d.system_prompt, d.instruction, None, d.prompt_format,
+                                  tools).prompt_ids
     return cache[key]
 
 

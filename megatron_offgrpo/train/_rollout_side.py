@@ -17,10 +17,12 @@ from typing import Callable, Sequence
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
-from megatron_offgrpo.rollout import RefreshError, RefreshReport, RolloutEngine, make_engine, verify_refresh
+from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, make_engine,
+                                      verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
+from megatron_offgrpo.train._generate import Rollouts, env_factory
 from megatron_offgrpo.train._preflight import prompt_length_error
 from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
 from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
@@ -52,8 +54,7 @@ class RolloutSide:
     config: Config
     engine: RolloutEngine
     stream: PromptStream
-    tokenizer: object
-    reward_fn: Callable[[str, str | None], float]
+    rollouts: Rollouts  # prompts -> rewarded samples (completions, or multi-turn episodes)
     eval_prompts: list[Prompt]
     data_report: dict[str, int | str]  # both set sizes, where evaluation reads from, their overlap (run_info.json)
     # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
@@ -83,13 +84,18 @@ class RolloutSide:
             if error:  # before the engine starts
                 raise ConfigError(error)
         stream = PromptStream(train_prompts, config.parallel.seed)
+        reward_fn = get_reward(config.data.reward)
+        try:
+            make_env = env_factory(config, reward_fn)
+        except ValueError as exc:  # before the engine starts
+            raise ConfigError(str(exc)) from None
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
         if config.rollout.partial_rollouts and not getattr(engine, "partial_rollouts", False):
             engine.close()  # rollout.engine=auto fell back (its warning says why)
             raise ConfigError(f"rollout.partial_rollouts=true needs vLLM (in-process or a fleet); the run got the "
                               f"{engine.name} engine: install vLLM, or set partial_rollouts=false")
-        side = cls(config, engine, stream, tokenizer, get_reward(config.data.reward), eval_prompts,
-                   log_data(config, data))
+        rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env)
+        side = cls(config, engine, stream, rollouts, eval_prompts, log_data(config, data))
         if config.rollout.overlap:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         if config.rollout.mode == "async":
@@ -106,16 +112,18 @@ class RolloutSide:
         ``drawn()`` is called once the first round's prompts are drawn (``rollout.mode=async`` starts the next step
         then).
         """
-        start = time.perf_counter()
-        batch = self._fill(step, drawn)
+        start, episodes = time.perf_counter(), EpisodeStats()
+        batch = self._fill(step, drawn, episodes)
         batch.timing["generate_s"] = time.perf_counter() - start
+        batch.episodes = episodes.metrics()
         return batch
 
-    def _fill(self, step: int, drawn: Callable[[], None]) -> RolloutBatch:
+    def _fill(self, step: int, drawn: Callable[[], None], episodes: EpisodeStats) -> RolloutBatch:
         r = self.config.rollout
         if not r.dynamic_sampling:
-            return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn))
-        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn), r.prompts_per_step,
+            return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn, episodes))
+        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn, episodes),
+                           r.prompts_per_step,
                            r.group_size, r.max_sampling_rounds, r.oversample, self.config.algo.advantage_params(), step)
         if batch.stats.degenerate_kept:
             logger.info("step %d: %d of %d groups without reward variance after %d sampling rounds (masked; "
@@ -123,23 +131,23 @@ class RolloutSide:
                         batch.stats.rounds)
         return batch
 
-    def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None]) -> list[Sample]:
+    def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None],
+              episodes: EpisodeStats) -> list[Sample]:
         """The next ``count`` prompts of the stream, G scored samples each, group-major."""
         cfg = self.config
         params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_), step=step)
         with self._stream_lock:
             prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
         drawn()
-        samples = self.engine.generate(prompts, group_size, params)
+        samples = self.rollouts(prompts, group_size, params, episodes)
         release_free_memory()  # the decode steps' logits: not kept beside the optimizer step's buffers
         if len(samples) != len(prompts) * group_size:
             raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
-        for sample in samples:
-            text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-            sample.reward = float(self.reward_fn(text, prompts[sample.group_id].answer))
-            if cfg.rollout.overlong_buffer:
-                sample.shaping = overlong_penalty(len(sample.response_ids), cfg.rollout.max_new_tokens,
-                                                  cfg.rollout.overlong_buffer, cfg.rollout.overlong_penalty)
+        if cfg.rollout.overlong_buffer:  # against the longest response allowed: a completion's, or an episode's
+            limit = cfg.env.episode_tokens(cfg.rollout.max_new_tokens) if cfg.env.name else cfg.rollout.max_new_tokens
+            for sample in samples:
+                sample.shaping = overlong_penalty(len(sample.response_ids), limit, cfg.rollout.overlong_buffer,
+                                                  cfg.rollout.overlong_penalty)
                 sample.reward += sample.shaping
         return samples
 
@@ -201,8 +209,8 @@ class RolloutSide:
         if not cfg.train.eval_every:
             return {}
         with self.gate.exclusive():
-            return evaluate(self.engine, self.eval_prompts, self.reward_fn, self.tokenizer,
-                            cfg.rollout.max_new_tokens, samples=cfg.train.eval_samples,
+            return evaluate(self.rollouts, self.eval_prompts, cfg.rollout.max_new_tokens,
+                            samples=cfg.train.eval_samples,
                             temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
 
     def resume_state(self) -> RolloutState:
@@ -267,8 +275,11 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
 
 
 def generation_length(config: Config, max_positions: int) -> int:
-    """The longest sequence a run generates (prompt + completion), capped by the model's positions."""
-    return min(max_positions, config.data.max_prompt_tokens + config.rollout.max_new_tokens)
+    """The longest sequence a run generates (prompt + completion, or a multi-turn episode), capped by the model's
+    positions."""
+    r = config.rollout
+    response = config.env.episode_tokens(r.max_new_tokens) if config.env.name else r.max_new_tokens
+    return min(max_positions, config.data.max_prompt_tokens + response)
 
 
 def _collective_host(r) -> str | None:

@@ -60,15 +60,18 @@ class RolloutBatch:
             (batches ready behind it when it was taken), ``steps_in_flight`` (steps generating then) and
             ``fleet_paused_s`` (seconds since the previous step's batch was taken that no step was generating, held
             by the staleness bound).
+        episodes: multi-turn episodes' counts (``rollout.EpisodeStats.metrics``: turns, tool errors, environment
+            seconds); empty for single-turn samples.
     """
 
     samples: list[Sample]
     stats: SamplingStats | None = None
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    episodes: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        """Rank 0's sampling metrics: the dynamic-sampling counts and ``timing``."""
-        return ({} if self.stats is None else self.stats.metrics()) | self.timing
+        """Rank 0's sampling metrics: the dynamic-sampling counts, ``timing`` and ``episodes``."""
+        return ({} if self.stats is None else self.stats.metrics()) | self.timing | self.episodes
 
 
 class NoLearningSignalError(RuntimeError):

@@ -39,5 +39,5 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
     logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, trainer.arch.model_type, ctx.tp_size,
                 ctx.pp_size, ctx.dp_size, type(rollout.engine).__name__, config.rollout.refresh_every,
                 config.algo.objective)
-    return trainer, rollout, open_metrics_log(config, rollout.tokenizer)
+    return trainer, rollout, open_metrics_log(config, rollout.rollouts.tokenizer)
 

@@ -125,7 +125,7 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_pat
         assert bool(adv.group_valid.all())  # every kept group has variance
         assert {s.policy_version for s in samples} == {side.engine.version()} == {0}  # the engine's version
         # the prompts it took: the stream's next `generated`, in order (a fresh stream of the same seed replays them)
-        prompts = load_prompts(side.config, side.tokenizer, side.config.data.split)
+        prompts = load_prompts(side.config, side.rollouts.tokenizer, side.config.data.split)
         taken = PromptStream(prompts, side.config.parallel.seed).next_batch(stats.generated)
         assert side.stream.state_dict()["position"] == stats.generated
         odd = [p.prompt_id for p in taken if answer_value(p.answer) % 2]

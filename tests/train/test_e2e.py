@@ -15,6 +15,7 @@ import pytest
 
 from megatron_offgrpo.rollout import have_vllm
 from tests.helpers import REPO
+from tests.helpers import turn_ending_model
 from tests.train.conftest import kill_tree, metrics, run_train, train_cmd, train_env, train_proc
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -23,18 +24,30 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 MOE = "model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe"  # 8 experts, top-2
 
 
-@pytest.mark.parametrize("tp,pp,ep,v,overlap", [(2, 1, 1, 1, False), (1, 2, 1, 4, False), (1, 1, 1, 2, True),
-                                                (1, 1, 2, 2, False)],
-                         ids=["tp2-v1", "pp2-v4", "tp1-v2-overlap", "moe-ep2-v2"])
-def test_training_runs_with_versions_and_bounded_staleness(tmp_path, tp, pp, ep, v, overlap):
+@pytest.fixture(scope="module")
+def turn_ending_dir(tmp_path_factory):
+    return turn_ending_model(tmp_path_factory.mktemp("episodes") / "model")
+
+
+@pytest.mark.parametrize("tp,pp,ep,v,overlap,episodes", [(2, 1, 1, 1, False, True), (1, 2, 1, 4, False, False),
+                                                         (1, 1, 1, 2, True, False), (1, 1, 2, 2, False, False)],
+                         ids=["tp2-v1-episodes", "pp2-v4", "tp1-v2-overlap", "moe-ep2-v2"])
+def test_training_runs_with_versions_and_bounded_staleness(tmp_path, turn_ending_dir, tp, pp, ep, v, overlap,
+                                                           episodes):
     steps = 5
     # the MoE run replays the routing vLLM recorded (its engine core a process of its own under a job of 2 ranks) in
     # the trainer (the recipe's run, without it, is a docs test)
     engine = "rollout.engine=vllm" if have_vllm() else "rollout.engine=transformers"
     moe = [MOE, f"parallel.ep={ep}", "model.router_replay=true", engine] if ep > 1 else []
+    # multi-turn feedback episodes, on the in-process vLLM engine, packed, from a model that ends its turns
+    multi = [f"model.hf_path={turn_ending_dir}", "model.init=hf", "env.name=feedback", "env.max_turns=3",
+             "env.max_tokens=64", engine, "optim.packing=true"] if episodes else []
     proc = train_proc(tp * pp * ep, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
-                      f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}", *moe)
+                      f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}", *moe, *multi)
     records = metrics(tmp_path)
+    if episodes:  # several turns per episode, the trainer's token count the model's tokens only
+        assert max(r["episode_turns_mean"] for r in records) > 1.2
+        assert all(0 <= r["episode_truncated_fraction"] <= 1 and r["tool_error_rate"] == 0 for r in records)
     if moe:  # the router's load, every step: 8 experts, top-2 of every routed position, in each of the 2 layers
         for r in records:
             assert len(r["moe_tokens_per_expert"]) == 8 and r["moe_load_max"] >= 1.0 >= r["moe_load_min"] >= 0

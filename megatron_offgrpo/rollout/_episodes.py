@@ -1,0 +1,189 @@
+"""Multi-turn episodes over any ``RolloutEngine``: the engine samples a turn, the environment answers, the next turn
+continues from the exact tokens so far.
+
+Token in / token out: each turn is a request whose prompt is the episode's token ids so far (the prompt, every
+sampled turn, every observation), so the engine never sees text and the model's tokens are never re-encoded. An
+observation is tokenised alone, wrapped as the chat template wraps its role (``data.turn_wrapping``), and appended
+after the model's end-of-turn token. The episode is one ``Sample``: its response holds the turns and the
+observations in order, ``trainable`` marks the model's tokens (the loss trains those only), and every model token
+keeps the behavior log-prob and the weight version of the turn that sampled it (observation tokens: log-prob 0,
+the version of the turn before them, never trained).
+
+A GRPO group is G episodes of one prompt: turn 1 asks the engine for G completions of the prompt (one request),
+later turns one completion of each live episode. The live episodes' turns of a round are one ``generate`` call, so
+an engine batches them, and the environments' steps of a round run in threads beside each other (a sandboxed tool
+call is a process of its own).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from megatron_offgrpo.data import (PLAIN, Prompt, Sample, SamplingParams, TurnWrapping, observation_ids,
+                                   turn_wrapping)
+from megatron_offgrpo.envs import Environment
+from megatron_offgrpo.rollout._protocol import RolloutEngine
+
+_TURN_SEED_STRIDE = 1_000_003  # turn k's requests sample with seed + k * stride (a prime): no turn repeats another's
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    """When an episode ends besides the environment saying so.
+
+    Attributes:
+        max_turns: model turns per episode (>= 1).
+        max_tokens: response tokens per episode, the model's and the environment's together (what the context must
+            hold after the prompt); a turn is capped to what is left, and an observation that does not fit ends the
+            episode as truncated ("length").
+    """
+
+    max_turns: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tokens < 1:
+            raise ValueError(f"episode limits: max_turns={self.max_turns}, max_tokens={self.max_tokens}: both >= 1")
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    """What a batch of episodes did (summed over its episodes)."""
+
+    episodes: int = 0
+    turns: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0
+    truncated: int = 0  # ended by a token budget (a turn cut at its cap, or an observation with no room left)
+
+    def metrics(self) -> dict[str, float]:
+        if not self.episodes:
+            return {}
+        return {"episode_turns_mean": self.turns / self.episodes, "tool_error_rate": self.tool_errors / self.turns,
+                "episode_truncated_fraction": self.truncated / self.episodes, "env_s": self.env_seconds}
+
+
+@dataclasses.dataclass
+class _Episode:
+    """One episode in progress: the response so far, token by token."""
+
+    prompt: Prompt
+    group_id: int
+    env: Environment
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    trainable: list[bool] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    reward: float = 0.0
+    finish_reason: str = "stop"
+    last: Sample | None = None  # the latest turn as the engine returned it
+
+    def add_turn(self, turn: Sample) -> None:
+        self.ids += turn.response_ids
+        self.logprobs += turn.behavior_logprobs
+        self.versions += turn.token_versions or [turn.policy_version] * len(turn.response_ids)
+        self.trainable += [True] * len(turn.response_ids)
+        self.turns, self.finish_reason, self.last = self.turns + 1, turn.finish_reason, turn
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [self.versions[-1]] * len(ids)
+        self.trainable += [False] * len(ids)
+
+    def request(self, room: int) -> Prompt:
+        """The next turn's request: everything so far as its prompt, capped to ``room`` new tokens."""
+        cap = room if self.prompt.max_new_tokens is None else min(room, self.prompt.max_new_tokens)
+        return Prompt(self.prompt.prompt_id, self.prompt.prompt_ids + tuple(self.ids), self.prompt.text,
+                      self.prompt.answer, cap)
+
+    def sample(self) -> Sample:
+        last = self.last
+        mixed = len(set(self.versions)) > 1
+        return Sample(self.prompt.prompt_id, self.group_id, list(self.prompt.prompt_ids), self.ids, self.logprobs,
+                      min(self.versions), self.finish_reason, reward=self.reward, server=last.server,
+                      routed_experts=last.routed_experts, token_versions=self.versions if mixed else None,
+                      attempts=last.attempts, trainable=self.trainable, turns=self.turns)
+
+
+class EpisodeRunner:
+    """Runs G episodes of each prompt on an engine against fresh environments; returns one ``Sample`` per episode."""
+
+    def __init__(self, engine: RolloutEngine, make_env: Callable[[], Environment], tokenizer,
+                 limits: EpisodeLimits, plain: bool = False, threads: int = 8) -> None:
+        """Args:
+            engine: samples the turns. make_env: a new environment per episode. tokenizer: the policy's (chat
+            template, EOS, decoding the turns the environments read). limits: turns and tokens per episode.
+            plain: the prompts are plain text (``data.prompt_format=plain``): observations go on lines of their own
+            (``data.PLAIN``) instead of the chat template's turns. threads: environment steps run at once.
+        """
+        self.engine, self.make_env, self.tokenizer, self.limits = engine, make_env, tokenizer, limits
+        self.plain, self.threads = plain, threads
+        self._wrapping: dict[str, TurnWrapping] = {}
+
+    def wrapping(self, role: str) -> TurnWrapping:
+        """How the chat template wraps an observation of ``role`` (found once per role)."""
+        if role not in self._wrapping:
+            self._wrapping[role] = PLAIN if self.plain else turn_wrapping(self.tokenizer, role)
+        return self._wrapping[role]
+
+    def run(self, prompts: Sequence[Prompt], group_size: int, params: SamplingParams,
+            stats: EpisodeStats | None = None) -> list[Sample]:
+        """``len(prompts) * group_size`` episodes, group-major (sample ``i`` is of prompt ``i // group_size``),
+        each rewarded by its environment (the sum of its steps' rewards)."""
+        stats = stats if stats is not None else EpisodeStats()
+        episodes: list[_Episode] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                for _ in range(group_size):
+                    episode = _Episode(prompt, i, self.make_env())
+                    episodes.append(episode)
+                    episode.env.reset(prompt)
+            turns = self.engine.generate(list(prompts), group_size, params)
+            if len(turns) != len(episodes):
+                raise RuntimeError(f"engine returned {len(turns)} samples for {len(prompts)} prompts x G={group_size}")
+            live, round_ = episodes, 1
+            with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="offgrpo-env") as pool:
+                while live:
+                    for episode, turn in zip(live, turns):
+                        episode.add_turn(turn)
+                    live = self._answer(live, pool, stats)
+                    if live:
+                        seed = None if params.seed is None else params.seed + round_ * _TURN_SEED_STRIDE
+                        requests = [e.request(self.limits.max_tokens - len(e.ids)) for e in live]
+                        turns = self.engine.generate(requests, 1, dataclasses.replace(params, seed=seed))
+                        round_ += 1
+        finally:
+            for episode in episodes:
+                episode.env.close()
+        stats.episodes += len(episodes)
+        stats.turns += sum(e.turns for e in episodes)
+        stats.truncated += sum(e.finish_reason == "length" for e in episodes)
+        return [e.sample() for e in episodes]
+
+    def _answer(self, live: list[_Episode], pool: concurrent.futures.Executor, stats: EpisodeStats) -> list[_Episode]:
+        """Each live episode's environment answers its latest turn; returns the episodes that go on (their
+        observations appended)."""
+        # A turn cut at its token cap has no end-of-turn token to continue after: the episode ends there.
+        asking = [e for e in live if e.finish_reason == "stop"]
+        start = time.perf_counter()
+        texts = [self.tokenizer.decode(e.last.response_ids, skip_special_tokens=True) for e in asking]
+        observations = list(pool.map(lambda pair: pair[0].env.step(pair[1]), zip(asking, texts)))
+        stats.env_seconds += time.perf_counter() - start
+        going_on = []
+        for episode, obs in zip(asking, observations):
+            episode.reward += obs.reward
+            stats.tool_errors += obs.tool_error
+            if obs.done or episode.turns >= self.limits.max_turns:
+                continue
+            ids = observation_ids(self.tokenizer, self.wrapping(obs.role), obs.text)
+            if len(episode.ids) + len(ids) >= self.limits.max_tokens:
+                episode.finish_reason = "length"  # no room for the observation and a token of the next turn
+                continue
+            episode.add_observation(ids)
+            going_on.append(episode)
+        return going_on
