@@ -1,28 +1,31 @@
 """Run model-written Python contained: the code is hostile by assumption, the caller and the machine stay untouched.
 
-``run_python(code)`` starts a fresh interpreter (``python -I -S -B``: no site-packages, no environment variables of
-ours, no inherited descriptors) in its own session, in a fresh scratch directory that is its cwd and is removed
-afterwards. The child (``_sandbox_boot.py``) walls itself in with these layers, strongest first:
+``run_python(code)`` starts a fresh interpreter (``python -I -S -B``: no site-packages, no environment variable of
+ours, no inherited descriptor) in its own session, in a fresh scratch directory that is its cwd and is removed
+afterwards. The child (``_sandbox_boot.py``) walls itself in, strongest layer first:
 
-- **kernel, namespaces** (where unprivileged user namespaces work; they do on this project's machines, many
-  containers forbid them): a network namespace, so no network at all; a mount namespace whose root holds only the
-  standard library and the system libraries (read-only) and the scratch directory, so no other file exists for it.
+- **kernel, namespaces** (where unprivileged user namespaces work; they did on the machine this was written on, as
+  root; many containers forbid them): a network namespace, so no network at all; a mount namespace whose root holds
+  only the standard library and the system libraries (read-only; the stdlib's site-packages hidden) and the scratch
+  directory, so no other file exists for the code. The mounts are then locked by a second, nested user namespace.
 - **kernel, rlimits**: CPU seconds, address space, file size, no core file, 64 descriptors, no process (RLIMIT_NPROC;
   the kernel exempts uid 0 from it, so as root this one is void).
 - **kernel, seccomp** (x86_64 and aarch64): no fork/exec/clone of a process, no socket, no signal to another
   process, no mount/unshare/setns/pivot_root (the namespaces cannot be undone), no setrlimit (the limits cannot be
   raised, which root could), no ptrace, io_uring, bpf, perf, keyring or module calls.
-- **Python, an audit hook** (``sys.addaudithook``), always on: refuses network, process creation, signals, threads,
-  ctypes and foreign extension modules, tracing and code-object surgery, and file access outside the scratch
-  directory (reads also allowed in the standard library, not site-packages, not /work, not $HOME). It gives the
-  model its one-line reasons. It is NOT a security boundary (PEP 578 says so): it lives in the interpreter the code
-  controls. It is hardened against the easy tricks (it looks up no global name, so rebinding ``os.path`` or a
-  builtin does not reach it; no symlink or chdir, so what it checked is what gets opened), but a CPython memory bug
-  or native code reached without an audit event (``marshal.loads`` of crafted bytecode via importlib; ``os.stat``
-  of any path, which raises no event) is outside its reach. Where the namespaces or seccomp are missing (logged once
-  as a warning), it is all that guards files and processes.
+- **Python, an audit hook** (``sys.addaudithook``), always on: refuses network, process creation, signals, threads
+  (3.11 has no audit event for them: ``_thread.start_new_thread`` is replaced), ctypes and extension modules from
+  outside the standard library, tracing, code-object surgery and gc introspection, and file access outside the
+  scratch directory (reads are also allowed in the standard library: not its site-packages, not our venv, not /work,
+  not $HOME; regular files only, no symlink, no chdir). It gives the model its one-line reasons.
+  It is NOT a security boundary (PEP 578 says so): it runs inside the interpreter the code controls. It is hardened
+  against the easy tricks (it looks up no global name and holds no mutable table, so rebinding ``os.path`` or a
+  builtin does not reach it; with no symlink and no chdir, what it checked is what gets opened), but a CPython
+  memory bug, or native code reached without an audit event (``marshal.loads`` of crafted bytecode through
+  importlib; ``os.stat`` of any path raises no event, so the existence and size of files leak) is beyond it. Where
+  the namespaces or seccomp are missing (logged once, as a warning), it is all that guards files and processes.
 
-The parent, whatever the child did: reads at most ``output_bytes`` of its output (the run is killed when it writes
+The parent, whatever the child does: keeps at most ``output_bytes`` of its output (and kills the run when it writes
 more), kills its whole process group and every process of its session when it exits or at the wall-clock limit,
 and reaps it. Linux only (pidfd, /proc).
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import selectors
 import shutil
@@ -56,7 +60,7 @@ class SandboxLimits:
     Attributes:
         cpu_seconds: CPU time (RLIMIT_CPU, rounded up to whole seconds).
         wall_seconds: wall-clock time; then the run's whole process group and session are killed.
-        memory_bytes: address space (RLIMIT_AS); the interpreter itself takes about 20 MiB of it.
+        memory_bytes: address space (RLIMIT_AS); the interpreter itself takes about 15 MiB of it.
         output_bytes: stdout + stderr kept; a run that writes more is killed.
         file_bytes: the largest file the code may write in its scratch directory (RLIMIT_FSIZE).
     """
@@ -132,8 +136,9 @@ def _active_layers() -> tuple[str, ...]:
 
 @functools.cache
 def _warn_once(missing: tuple[str, ...]) -> None:
-    logger.warning("sandbox: %s unavailable on this machine; the audit hook alone guards what they would have "
-                   "(it is not a security boundary; see megatron_offgrpo/envs/_sandbox.py)", ", ".join(missing))
+    logger.warning("sandbox: %s unavailable on this machine, weaker containment: what they guard falls to the other "
+                   "layers (the audit hook is not a security boundary; see megatron_offgrpo/envs/_sandbox.py)",
+                   ", ".join(missing))
 
 
 def _run(code: str, limits: SandboxLimits, layers: tuple[str, ...]) -> SandboxResult:
@@ -143,13 +148,18 @@ def _run(code: str, limits: SandboxLimits, layers: tuple[str, ...]) -> SandboxRe
     try:
         proc = subprocess.Popen(_argv(base, limits, layers), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=_env(base), close_fds=True, start_new_session=True)
-        out, err, overflow, timed_out, status, cpu = _watch(proc, limits, start)
+        try:
+            out, err, overflow, timed_out, status, cpu = _watch(proc, limits, start)
+        finally:
+            if proc.returncode is None:  # _watch failed (in this process): the run must not outlive the call
+                _kill(proc.pid)
+                proc.wait()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     text = (out + err)[: limits.output_bytes].decode("utf-8", "replace")
     truncated = overflow or len(out) + len(err) > limits.output_bytes
     if truncated:
-        text += f"{'' if text.endswith(chr(10)) else chr(10)}[output truncated to {limits.output_bytes} bytes]\n"
+        text += ("" if text.endswith("\n") else "\n") + f"[output truncated to {limits.output_bytes} bytes]\n"
     error = _error_line(limits, overflow, timed_out, status, cpu)
     return SandboxResult(output=text, error=error, truncated=truncated, seconds=time.monotonic() - start)
 
@@ -164,9 +174,13 @@ def _make_base(code: str) -> str:
 
 
 def _argv(base: str, limits: SandboxLimits, layers: tuple[str, ...]) -> list[str]:
-    cpu = max(1, int(-(-limits.cpu_seconds // 1)))
-    return [sys.executable, "-I", "-S", "-B", "-X", "utf8", str(_BOOT), base, str(cpu), str(limits.memory_bytes),
-            str(limits.file_bytes), ",".join(layers)]
+    return [sys.executable, "-I", "-S", "-B", "-X", "utf8", str(_BOOT), base, str(_cpu_limit(limits)),
+            str(limits.memory_bytes), str(limits.file_bytes), ",".join(layers)]
+
+
+def _cpu_limit(limits: SandboxLimits) -> int:
+    """RLIMIT_CPU counts whole seconds: ``cpu_seconds`` rounded up."""
+    return max(1, math.ceil(limits.cpu_seconds))
 
 
 def _env(base: str) -> dict[str, str]:
@@ -237,7 +251,7 @@ def _kill(sid: int) -> None:
 
 def _error_line(limits: SandboxLimits, overflow: bool, timed_out: bool, status: int, cpu: float) -> str | None:
     """The one line the model reads about how the run ended; None for a clean exit."""
-    cpu_limit = max(1, int(-(-limits.cpu_seconds // 1)))
+    cpu_limit = _cpu_limit(limits)
     if timed_out:
         return f"timed out after {limits.wall_seconds:g} s (wall clock)"
     if overflow:
@@ -247,8 +261,8 @@ def _error_line(limits: SandboxLimits, overflow: bool, timed_out: bool, status: 
     if status == -signal.SIGXCPU or (status == -signal.SIGKILL and cpu >= cpu_limit):
         return f"CPU time limit ({cpu_limit} s) exceeded"
     if status < 0:
-        name = signal.Signals(-status).name if -status in signal.valid_signals() else "?"
-        return f"killed by signal {-status} ({name})"
+        name = {s.value: s.name for s in signal.Signals}.get(-status)
+        return f"killed by signal {-status}" + (f" ({name})" if name else "")
     kind = boot.KINDS[status - boot.EXIT_BASE] if 0 <= status - boot.EXIT_BASE < len(boot.KINDS) else None
     if kind == "memory":
         return f"memory limit ({_size(limits.memory_bytes)}) exceeded"

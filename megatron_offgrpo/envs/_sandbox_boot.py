@@ -97,8 +97,7 @@ _CLONE, _CLONE3 = (56, 220), (435, 435)
 def main(argv: list[str]) -> int:
     """Wall the process in (module docstring), then run the code; returns the exit status."""
     base, cpu, memory, fsize, layers = argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5].split(",")
-    scratch = base + "/work"
-    scratch = os.path.realpath(scratch)  # the hook compares resolved paths
+    scratch = os.path.realpath(base + "/work")  # the hook compares resolved paths
     roots = tuple(os.path.realpath(p) for p in sys.path if os.path.isdir(p) and "-packages" not in p)  # stdlib
     os.chdir(scratch)
     with open("main.py", encoding="utf-8") as f:
@@ -379,16 +378,24 @@ def _run(source: str, record: list[str]) -> int:
             kind = "memory"
         elif kind is None and isinstance(exc, OSError) and exc.errno == 27:  # EFBIG: RLIMIT_FSIZE
             kind = "file_size"
-        tb, frames = exc.__traceback__, []
-        while tb is not None:  # the model sees its own frames only, not this file's (nor the hook's)
-            frames += [tb] if tb.tb_frame.f_code.co_filename != __file__ else []
-            tb = tb.tb_next
-        for tb, after in zip(frames, frames[1:] + [None]):
-            tb.tb_next = after
-        exc.__traceback__ = frames[0] if frames else None  # what the printer reads
-        sys.__excepthook__(type(exc), exc, exc.__traceback__)  # the C printer, as Python's own
+        try:
+            _print_traceback(exc)
+        except MemoryError:  # the frames of the traceback still hold the memory: the error line says it all
+            pass
         return EXIT_BASE + KINDS.index(kind) if kind else 1
     return 0
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """Print ``exc`` as Python would, keeping the frames of the code only (not this file's, not the hook's)."""
+    tb, frames = exc.__traceback__, []
+    while tb is not None:
+        frames += [tb] if tb.tb_frame.f_code.co_filename != __file__ else []
+        tb = tb.tb_next
+    for tb, after in zip(frames, frames[1:] + [None]):
+        tb.tb_next = after
+    exc.__traceback__ = frames[0] if frames else None  # what the printer reads
+    sys.__excepthook__(type(exc), exc, exc.__traceback__)  # the C printer
 
 
 if __name__ == "__main__":

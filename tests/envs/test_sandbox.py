@@ -83,6 +83,7 @@ def test_for_model_and_errors_of_ordinary_failures():
     assert run_python("import sys; sys.exit(3)").for_model() == "error: exit status 3"
     assert run_python("pass").for_model() == "(no output)"
     assert "SyntaxError" in run_python("print(1").output
+    assert run_python("import faulthandler\nfaulthandler._sigsegv()").error == "killed by signal 11 (SIGSEGV)"
 
 
 def test_limits_validate():
