@@ -169,7 +169,7 @@ def _make_base(code: str) -> str:
     base = os.path.realpath(tempfile.mkdtemp(prefix="offgrpo-sandbox-"))
     os.mkdir(f"{base}/work")
     os.mkdir(f"{base}/root")
-    Path(f"{base}/work/main.py").write_text(code, encoding="utf-8")
+    Path(f"{base}/work/main.py").write_bytes(code.encode("utf-8", "replace"))  # a lone surrogate: "?"
     return base
 
 

@@ -71,8 +71,9 @@ _IMPORTS = {  # top-level module names whose import is refused (their dangerous 
     "posix": "internals", "_thread": "thread",
 }
 
-# Syscall numbers (asm/unistd_64.h; asm-generic/unistd.h for aarch64). Refused with EPERM; clone only without
-# CLONE_THREAD; kill/tkill/tgkill only towards this process; clone3 with ENOSYS so that libc falls back to clone.
+# Syscall numbers (asm/unistd_64.h; asm-generic/unistd.h for aarch64). Refused with EPERM; clone only with
+# CLONE_THREAD (a thread, which dies with the process) and no CLONE_NEW* flag; kill/tkill/tgkill only towards this
+# process; clone3 with ENOSYS (its flags are behind a pointer), so that libc falls back to clone.
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _SYSCALLS = {  # name: (x86_64, aarch64)
     "fork": (57, None), "vfork": (58, None), "execve": (59, 221), "execveat": (322, 281), "socket": (41, 198),
@@ -92,6 +93,7 @@ _SYSCALLS = {  # name: (x86_64, aarch64)
 }
 _OWN_PID_ONLY = {"kill": (62, 129), "tkill": (200, 130), "tgkill": (234, 131)}
 _CLONE, _CLONE3 = (56, 220), (435, 435)
+_CLONE_NEW = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 
 
 def main(argv: list[str]) -> int:
@@ -197,9 +199,13 @@ def _new_root(libc, root: str, scratch: str, roots: tuple[str, ...]) -> None:
 
 def _limits(cpu: int, memory: int, fsize: int) -> None:
     """Kernel resource limits; set before seccomp, which then forbids raising them (root could)."""
+    import ctypes
     import resource
 
-    # SIGXCPU at the soft limit, SIGKILL a second later (if the code ignores SIGXCPU).
+    # No core dump, even where core_pattern pipes to a helper (apport, systemd-coredump), which ignores RLIMIT_CORE.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    # SIGXCPU at the soft limit; SIGKILL a second later, at the hard one, if the code ignores SIGXCPU. (Soft = hard
+    # would SIGKILL at once, but then the parent could tell the CPU limit only from the rusage, which can fall short.)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))  # Python ignores SIGXFSZ: writes fail with EFBIG
@@ -227,9 +233,9 @@ def _seccomp() -> bool:
     prog += [(jeq, nrs[arch], "deny", None) for nrs in _SYSCALLS.values() if nrs[arch] is not None]
     prog += [(jeq, nrs[arch], "own_pid", None) for nrs in _OWN_PID_ONLY.values()]
     prog += [(jeq, _CLONE[arch], "clone", None), (jeq, _CLONE3[arch], "enosys", None), (ret, allow, None, None)]
-    labels = {"clone": len(prog), "own_pid": len(prog) + 2, "allow": len(prog) + 4, "deny": len(prog) + 5,
-              "enosys": len(prog) + 6, "kill": len(prog) + 7}
-    prog += [(ld, 16, None, None), (jset, 0x00010000, "allow", "deny"),  # args[0] & CLONE_THREAD
+    labels = {"clone": len(prog), "own_pid": len(prog) + 3, "allow": len(prog) + 5, "deny": len(prog) + 6,
+              "enosys": len(prog) + 7, "kill": len(prog) + 8}
+    prog += [(ld, 16, None, None), (jset, _CLONE_NEW, "deny", None), (jset, 0x00010000, "allow", "deny"),
              (ld, 16, None, None), (jeq, os.getpid(), "allow", "deny"),
              (ret, allow, None, None), (ret, eperm, None, None), (ret, enosys, None, None), (ret, kill, None, None)]
     code = b"".join(

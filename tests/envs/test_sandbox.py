@@ -8,8 +8,10 @@ namespaces and seccomp); ``kernel`` (namespaces, seccomp and rlimits, no hook: t
 from __future__ import annotations
 
 import dis
+import functools
 import os
 import re
+import signal
 import statistics
 import sys
 import threading
@@ -127,8 +129,6 @@ def test_concurrent_calls_from_threads():
 
 LIMITS = [  # (code, limits, error line)
     ("while True: pass", SandboxLimits(cpu_seconds=1, wall_seconds=30), "CPU time limit (1 s) exceeded"),
-    ("import signal, os\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass",
-     SandboxLimits(cpu_seconds=1, wall_seconds=30), "CPU time limit (1 s) exceeded"),  # SIGKILL at the hard limit
     ("import time\ntime.sleep(60)", SandboxLimits(wall_seconds=1), "timed out after 1 s (wall clock)"),
     ("x = bytearray(10**10)", FAST, "memory limit (512 MiB) exceeded"),
     ("x = []\nwhile True: x.append(bytearray(10**6))", SandboxLimits(memory_bytes=128 * 2**20),
@@ -136,8 +136,10 @@ LIMITS = [  # (code, limits, error line)
     ("open('big', 'wb').write(b'x' * 2**21)", FAST, "file size limit (1 MiB) exceeded"),
     ("while True: print('spam')", FAST, "output limit (4096 bytes) exceeded; the run was stopped"),
     ("print('x' * 10**8)", FAST, "output limit (4096 bytes) exceeded; the run was stopped"),
+    ("print('x' * 10**9)", FAST, "memory limit (512 MiB) exceeded"),  # 1 GB: the string cannot even be made
 ]
-LIMIT_IDS = ["cpu", "cpu-sigxcpu-ignored", "wall", "bytearray", "growing-list", "file-size", "print-loop", "huge-print"]
+LIMIT_IDS = ["cpu", "wall", "bytearray", "growing-list", "file-size", "print-loop", "huge-print",
+             "huger-print"]
 
 
 @pytest.mark.parametrize(("code", "limits", "error"), LIMITS, ids=LIMIT_IDS)
@@ -148,6 +150,32 @@ def test_limits(contained, code, limits, error):
     if "output" in error:
         assert result.truncated and result.output.endswith("[output truncated to 4096 bytes]\n")
         assert len(result.output.encode()) <= 4096 + 40
+
+
+@pytest.mark.parametrize(("run", "error"), [(run_python, "process creation is not allowed"),
+                                            (hook_only, "process creation is not allowed"),
+                                            (kernel_only, "exit status 1")], ids=["all-layers", "hook", "kernel"])
+def test_fork_bomb(contained, run, error):
+    result = contained(run, "import os\nwhile True: os.fork()")
+    assert result.error == error, result.output
+    assert result.output.rstrip().endswith(("PermissionError: process creation is not allowed (sandbox: os.fork)",
+                                            "PermissionError: [Errno 1] Operation not permitted"))
+
+
+def test_error_lines():
+    limits = SandboxLimits(cpu_seconds=2.5, wall_seconds=7, memory_bytes=96 * 2**20, file_bytes=1000)
+    line = functools.partial(_sandbox._error_line, limits, False, False)
+    assert line(-signal.SIGXCPU, 3.0) == "CPU time limit (3 s) exceeded"  # RLIMIT_CPU: 2.5 s rounded up
+    assert line(-signal.SIGKILL, 4.0) == "CPU time limit (3 s) exceeded"  # SIGXCPU ignored: SIGKILL at soft + 1
+    assert line(-signal.SIGKILL, 0.2) == "killed by signal 9 (SIGKILL)"
+    assert line(-40, 0.0) == "killed by signal 40"  # a real-time signal: no name
+    assert line(_sandbox_boot.EXIT_BASE + _sandbox_boot.KINDS.index("memory"), 0.1) == "memory limit (96 MiB) exceeded"
+    assert line(_sandbox_boot.EXIT_BASE + _sandbox_boot.KINDS.index("file_size"), 0.1) == (
+        "file size limit (1000 bytes) exceeded")
+    assert line(2, 0.1) == "exit status 2" and line(0, 0.1) is None
+    assert _sandbox._error_line(limits, True, True, -9, 0.0) == "timed out after 7 s (wall clock)"
+    assert _sandbox._error_line(limits, True, False, -9, 0.0) == "output limit (4096 bytes) exceeded; the run was " \
+                                                                 "stopped"
 
 
 def test_files_written_in_scratch_are_bounded(contained):
@@ -236,6 +264,9 @@ KERNEL_CASES = {  # the kernel alone (no audit hook): what the code gets back fr
     "open('/tmp/escaped', 'w')": "OSError: [Errno 30] Read-only file system",
     "resource.setrlimit(resource.RLIMIT_CPU, (100, 100))": "ValueError: not allowed to raise maximum limit",
     "print(lib.unshare(0x10000000), ctypes.get_errno())": "-1 1",  # EPERM: seccomp
+    # a thread that would get its own network namespace (allowed, the stack-less thread would crash the run)
+    f"print('thread', lib.syscall({_sandbox_boot._CLONE[os.uname().machine != 'x86_64']}, 0x40010900, 0, 0, 0, 0), "
+    "ctypes.get_errno())": "thread -1 1",
     "sp = os.path.dirname(os.__file__) + '/site-packages'; print('packages', os.listdir(sp) if os.path.isdir(sp) "
     "else [])": "packages []",  # the base interpreter's installed packages: hidden under an empty tmpfs
 }
