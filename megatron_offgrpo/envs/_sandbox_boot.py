@@ -1,17 +1,10 @@
 """The sandbox's child side: started as ``python -I -S -B _sandbox_boot.py BASE CPU MEMORY FSIZE LAYERS``.
 
-``main`` walls the process in, in this order, then runs ``BASE/work/main.py`` with a fresh ``__main__``:
-
-1. namespaces (needs unprivileged user namespaces): a new network namespace (no interface but a down loopback), and
-   a new mount namespace whose root is an empty tmpfs holding read-only binds of the standard library and the
-   system libraries, and the scratch directory read-write; everything else on the machine is not there at all;
-2. resource limits (CPU time, address space, file size, no core files, few descriptors, no processes);
-3. a seccomp filter: no fork/exec, no socket, no signal to another process, no mount or namespace call (so step 1
-   cannot be undone), no ptrace, io_uring, bpf, setrlimit (so step 2 cannot be undone);
-4. an audit hook (``sys.addaudithook``), the only layer the code's Python can see: it refuses with one clear line.
-
-The parent imports this module for its constants only: importing it runs nothing.
-Standard library only: the child runs without site-packages, and this file is its only code besides the user's.
+``main`` walls the process in, then runs ``BASE/work/main.py`` as a fresh ``__main__``. In order: (1) namespaces:
+no network; a root holding only the standard library, the system libraries and the scratch dir; (2) rlimits;
+(3) a seccomp filter, which also forbids undoing (1) and (2); (4) the audit hook, which refuses with one clear line.
+``_sandbox``'s docstring says what each layer guards and what it does not. The parent imports this module for its
+constants only (importing it runs nothing). Standard library only: the child runs without site-packages.
 """
 
 from __future__ import annotations
@@ -56,17 +49,14 @@ _EVENTS = {
     "gc.get_objects": "internals", "gc.get_referrers": "internals", "gc.get_referents": "internals",
 }
 _READ_EVENTS = {"os.listdir": (0,), "os.scandir": (0,), "os.getxattr": (0,), "os.listxattr": (0,)}
-_WRITE_EVENTS = {
-    "os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
-    "os.truncate": (0,), "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,), "os.setxattr": (0,),
-    "os.removexattr": (0,), "os.chflags": (0,), "os.lchflags": (0,),
-}
+_WRITE_EVENTS = {"os.mkdir": (0,), "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
+                 "os.truncate": (0,), "os.chmod": (0,), "os.chown": (0,), "os.utime": (0,), "os.setxattr": (0,),
+                 "os.removexattr": (0,), "os.chflags": (0,), "os.lchflags": (0,)}
 _IMPORTS = {  # top-level module names whose import is refused (their dangerous calls raise no audit event)
     "ctypes": "native", "_ctypes": "native", "socket": "network", "_socket": "network", "ssl": "network",
     "_ssl": "network", "subprocess": "process", "_posixsubprocess": "process", "multiprocessing": "process",
     "_multiprocessing": "process", "pty": "process", "concurrent": "thread", "_xxsubinterpreters": "internals",
-    "_testcapi": "internals", "_testinternalcapi": "internals", "_testbuffer": "internals",
-    "_testmultiphase": "internals", "_testsinglephase": "internals", "_ctypes_test": "internals",
+    "_ctypes_test": "internals",  # and every "_test*" module (the hook checks the prefix): C API test helpers
     # Already imported at startup: importing them again would bring back what ``main`` removes from them.
     "posix": "internals", "_thread": "thread",
 }

@@ -264,7 +264,7 @@ KERNEL_CASES = {  # the kernel alone (no audit hook): what the code gets back fr
     "open('/tmp/escaped', 'w')": "OSError: [Errno 30] Read-only file system",
     "resource.setrlimit(resource.RLIMIT_CPU, (100, 100))": "ValueError: not allowed to raise maximum limit",
     "print(lib.unshare(0x10000000), ctypes.get_errno())": "-1 1",  # EPERM: seccomp
-    # a thread that would get its own network namespace (allowed, the stack-less thread would crash the run)
+    # a thread with a network namespace of its own (were it allowed, the stack-less thread would crash the run)
     f"print('thread', lib.syscall({_sandbox_boot._CLONE[os.uname().machine != 'x86_64']}, 0x40010900, 0, 0, 0, 0), "
     "ctypes.get_errno())": "thread -1 1",
     "sp = os.path.dirname(os.__file__) + '/site-packages'; print('packages', os.listdir(sp) if os.path.isdir(sp) "
