@@ -24,6 +24,7 @@ afterwards. The child (``_sandbox_boot.py``) walls itself in, strongest layer fi
   memory bug, or native code reached without an audit event (``marshal.loads`` of crafted bytecode through
   importlib; ``os.stat`` of any path raises no event, so the existence and size of files leak) is beyond it. Where
   the namespaces or seccomp are missing (logged once, as a warning), it is all that guards files and processes.
+  It alone bounds the number of files written (256, each at most ``file_bytes``): the scratch dir is on /tmp's disk.
 
 The parent, whatever the child does: keeps at most ``output_bytes`` of its output (and kills the run when it writes
 more), kills its whole process group and every process of its session when it exits or at the wall-clock limit,
