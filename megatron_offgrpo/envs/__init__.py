@@ -2,10 +2,12 @@
 
 ``Environment`` is what an episode talks to (reset with a prompt, step with the model's turn, an ``Observation``
 back); ``environment_factory`` builds one per episode from ``env.name``: "python_tool" (``PythonToolEnv``, a
-sandboxed Python tool: ``run_python``), "feedback" (``FeedbackEnv``), or your own ``package.module:Factory``.
+sandboxed Python tool: ``run_python``), "feedback" (``FeedbackEnv``), or your own ``package.module:Factory``;
+``OpenEnvEnvironment`` runs an OpenEnv environment as one (the ``openenv`` extra).
 """
 
 from megatron_offgrpo.envs._feedback import FeedbackEnv
+from megatron_offgrpo.envs._openenv import OpenEnvEnvironment
 from megatron_offgrpo.envs._protocol import ROLES, Environment, Observation, ToolSpec
 from megatron_offgrpo.envs._python_tool import PYTHON_TOOL, PythonToolEnv, parse_tool_call
 from megatron_offgrpo.envs._registry import SHIPPED, environment_factory, environment_tools
@@ -18,6 +20,7 @@ __all__ = [
     "Environment",
     "FeedbackEnv",
     "Observation",
+    "OpenEnvEnvironment",
     "PythonToolEnv",
     "SandboxLimits",
     "SandboxResult",
