@@ -117,7 +117,8 @@ def qwen3_tokenizer_dir(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
         shutil.copy(source / name, directory / name)
-    added = json.loads((source / "added_tokens.json").read_text()) | json.loads((qwen3 / "added_tokens.json").read_text())
+    added = {**json.loads((source / "added_tokens.json").read_text()),
+             **json.loads((qwen3 / "added_tokens.json").read_text())}
     write_json(directory / "added_tokens.json", added)
     config = json.loads((source / "tokenizer_config.json").read_text())
     for token in ("<tool_response>", "</tool_response>", "<think>", "</think>"):

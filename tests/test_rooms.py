@@ -30,7 +30,10 @@ GENERATION_MAY_IMPORT = {
         "megatron_offgrpo.fleet",
         "checkpoint_tools",
         "megatron_offgrpo.data",
+        "megatron_offgrpo.envs",
     },
+    # environments see prompts and text, never the model; optional packages through the root's require_extra
+    "megatron_offgrpo.envs": {"megatron_offgrpo.data", "megatron_offgrpo.require_extra"},
 }
 
 
