@@ -110,6 +110,8 @@ RULES: tuple[Rule, ...] = (
          needs=("moe-sft",), forbid=_VLLM),
     Rule(r"rollout\.engine=fleet", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint",
          append=_SHORT_RL, needs=("sft", "fleet")),
+    Rule(rf"^offgrpo train {_TINY} env\.name=", "run-shortened", "multi-turn episodes on the warm-up, 2 steps",
+         append=_SHORT_RL, needs=("sft",), forbid=_VLLM),
     Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes make demo's 40-step run for one more "
          "step", append=("train.steps=41", "train.save_every=1"), needs=("sft", "rl-run"), forbid=_VLLM),
     Rule(r"^offgrpo convert hf-to-megatron --hf runs/tiny-cpu-sft/hf\b", "run", "the warm-up's policy as a megatron "

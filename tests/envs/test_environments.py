@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_offgrpo.data import Prompt, get_reward
@@ -99,3 +101,22 @@ class EchoEnv:
 
     def close(self) -> None:
         pass
+
+
+@pytest.mark.parametrize("code", [
+    "while True: pass",
+    "import os\nwhile True: os.fork()",
+    "x = bytearray(10**10)",
+    "print('x' * 10**6)",
+    "print(open('/etc/passwd').read())",
+    "import socket; socket.create_connection(('127.0.0.1', 22))",
+])
+def test_hostile_tool_code_is_a_tool_error_and_the_episode_goes_on(code):
+    """Each hostile call comes back as a tool response with an error line; the next call of the same episode runs."""
+    env = PythonToolEnv(REWARD, SandboxLimits(cpu_seconds=1, wall_seconds=3, output_bytes=512))
+    env.reset(PROMPT)
+    hostile = env.step(_call(json.dumps({"name": "python", "arguments": {"code": code}})))
+    assert hostile.role == "tool" and hostile.tool_error and not hostile.done and "error:" in hostile.text
+    assert len(hostile.text) < 1024  # the model reads a bounded answer
+    after = env.step(_call('{"name": "python", "arguments": {"code": "print(6 * 7)"}}'))
+    assert after.text.strip() == "42" and not after.tool_error
