@@ -71,7 +71,7 @@ def _train(config: Config, stop: StopRequest) -> TrainResult:
         learn_start = time.perf_counter()
         metrics |= trainer.learn(samples)
         times["time_train_s"] = time.perf_counter() - learn_start
-        tokens = sum(len(s.response_ids) for s in samples)
+        tokens = sum(s.trained_tokens() for s in samples)  # the model's: an episode's observations are not generated
         metrics |= times | {"policy_version": version, "tokens_per_s": tokens / max(sum(times.values()), 1e-9)}
         if step == start:
             metrics |= first_eval
