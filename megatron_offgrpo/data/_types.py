@@ -78,7 +78,8 @@ class Sample:
             sent again (generated anew on another server; nothing of the failed attempt is kept).
         trainable: [T_resp] True where the response token is the model's own (it enters the loss), False where an
             environment wrote it (a multi-turn episode's tool results and feedback: context, never trained; their
-            ``behavior_logprobs`` are 0); None: every response token is the model's (single-turn).
+            ``behavior_logprobs`` are 0); None: every response token is the model's (single-turn). The turn
+            boundaries: each maximal run of True is one model turn (an observation always separates two turns).
         turns: the model turns of a multi-turn episode (1 for a single completion).
         routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
             integer tensor, the experts each layer routed each input position to (the prompt and every sampled
