@@ -126,6 +126,11 @@ def collect_errors(config: Any) -> list[str]:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
     errors.extend(_env_errors(config.env))
+    d = config.distill
+    if d.teacher_path is not None and (not d.teacher_path.strip() or min(d.weight, d.reward_weight) < 0
+                                       or not 0 <= d.discount <= 1 or d.weight + d.reward_weight == 0):
+        errors.append(f"distill.teacher_path={d.teacher_path!r}, weight={d.weight}, reward_weight={d.reward_weight}, "
+                      f"discount={d.discount}: a teacher path, weights >= 0 (not both 0) and a discount in [0, 1]")
     return errors
 
 

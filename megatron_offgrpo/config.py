@@ -302,6 +302,22 @@ class AlgoConfig:
 
 
 @dataclasses.dataclass
+class DistillConfig:
+    """On-policy distillation: a frozen teacher scores every sampled token; minus its per-token reverse KL is an
+    advantage, alone or beside the reward's."""
+
+    teacher_path: str | None = None
+    """The teacher, a HF directory or hub id (the student's tokenizer family). Scored on the trainer's ranks at the
+    student's TP/PP layout, once per step. None: no distillation."""
+    weight: float = 1.0
+    """The distillation advantage's weight: A_t += weight * (log pi_teacher - log pi_student) at each sampled token."""
+    reward_weight: float = 0.0
+    """The reward's (group) advantage's weight beside it (0: pure distillation, every sample trained; > 0: both)."""
+    discount: float = 0.0
+    """gamma in [0, 1]: a token is also credited with later tokens' terms, gamma^(k-t) (0: each token its own)."""
+
+
+@dataclasses.dataclass
 class OptimConfig:
     """Megatron optimizer."""
 
@@ -398,6 +414,7 @@ class Config:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     sft: SftConfig = dataclasses.field(default_factory=SftConfig)

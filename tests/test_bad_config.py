@@ -53,6 +53,12 @@ CASES = [  # (overrides, what the message must name)
     (["model.megatron_path=runs/x"], "with model.megatron_path='runs/x': init=megatron starts from"),
     (["model.init=megatron", "model.megatron_path=/nonexistent"],
      "model.megatron_path=/nonexistent: /nonexistent: not a megatron checkpoint"),
+    (["distill.teacher_path=/nonexistent/teacher"], "distill.teacher_path=/nonexistent/teacher: "),
+    (["distill.teacher_path=megatron_offgrpo/assets/tiny-qwen2"], "distill.teacher_path=megatron_offgrpo/assets/"
+     "tiny-qwen2: "),  # a config without weights
+    (["distill.teacher_path=t", "distill.weight=0"], "weights >= 0 (not both 0)"),
+    (["env.max_turns=0"], "env.max_turns=0, env.max_tokens=None: must be >= 1"),
+    (["env.name=chess"], "env.name='chess': expected one of ['feedback', 'python_tool']"),
 ]
 
 

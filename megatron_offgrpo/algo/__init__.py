@@ -18,6 +18,7 @@ V vocabulary. Every mask says what True means.
 
 from megatron_offgrpo.algo._advantages import GroupAdvantages, compute_group_advantages
 from megatron_offgrpo.algo._aggregate import aggregate
+from megatron_offgrpo.algo._distill import distill_advantages, reverse_kl_sums
 from megatron_offgrpo.algo._kl import LOG_RATIO_CLAMP, kl_penalty
 from megatron_offgrpo.algo._objectives import (
     asymre,
@@ -53,6 +54,7 @@ __all__ = [
     "ObjectiveParams",
     "ObjectiveTerms",
     "aggregate",
+    "distill_advantages",
     "asymre",
     "broadcast_to_tokens",
     "cispo",
@@ -70,6 +72,7 @@ __all__ = [
     "rec",
     "rec_keep_mask",
     "reference_loss",
+    "reverse_kl_sums",
     "register_objective",
     "resolve_seq_ids",
     "segment_sum",

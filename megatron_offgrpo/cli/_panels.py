@@ -122,8 +122,9 @@ def clip_curves(records: list[dict], window: int) -> list[Curve]:
 
 
 def entropy_curves(records: list[dict], window: int) -> list[Curve]:
-    """Every ``entropy*`` metric (the policy's mean token entropy)."""
-    return _curves(records, keys_like(records, lambda k: k.startswith("entropy")), window)
+    """Every ``entropy*`` metric (the policy's mean token entropy), and with on-policy distillation ``teacher_kl``
+    (the per-token reverse KL to the teacher), both in nats."""
+    return _curves(records, keys_like(records, lambda k: k.startswith("entropy") or k == "teacher_kl"), window)
 
 
 def length_curves(records: list[dict], window: int) -> list[Curve]:
@@ -192,7 +193,7 @@ PANELS = (
     Panel("staleness and policy version", "staleness (steps)", "staleness_mean, staleness_max, policy_version",
           staleness_curves, right_label="policy version"),
     Panel("clip fractions", "fraction of the loss tokens", "clip*_fraction", clip_curves),
-    Panel("entropy", "mean token entropy (nats)", "entropy_mean", entropy_curves),
+    Panel("entropy (and reverse KL to the teacher)", "nats per token", "entropy_mean, teacher_kl", entropy_curves),
     Panel("response length", "tokens", "response_len*, truncated_fraction", length_curves,
           right_label="truncated fraction"),
     Panel("trainer / behavior log-prob mismatch", "|trainer - behavior log-prob| (nats)",

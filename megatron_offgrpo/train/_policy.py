@@ -140,6 +140,17 @@ def frozen_copy(
     return copy
 
 
+def frozen_from_weights(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
+                        sequence_parallel: bool | None) -> torch.nn.Module:
+    """A non-trainable stage of ``arch`` at this run's layout with the weights ``model_cfg`` names (a teacher; every
+    rank calls it)."""
+    stage = _stage(arch, ctx, model_cfg, sequence_parallel, trained=False).eval()
+    load_initial_weights(stage, arch, ctx, model_cfg)
+    for param in stage.parameters():
+        param.requires_grad_(False)
+    return stage
+
+
 @torch.no_grad()
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """Copy every parameter of ``source`` into ``target`` (same layout)."""

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
-from megatron_offgrpo.model import load_arch, resolve_model_dir
+from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.train._trackers import missing_trackers
 
 
@@ -161,7 +161,26 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
                 "parallel.sequence_parallel=null (or true), or parallel.tp=1"]
     if config.model.router_replay and not arch.is_moe:
         return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
+    teacher = config.distill.teacher_path
+    if teacher and not model_dir:
+        errors = model_dir_errors(teacher, "distill.teacher_path")
+        return errors or teacher_errors(load_arch(teacher), arch, p.tp, p.pp, p.ep, p.etp)
     return []
+
+
+def teacher_errors(teacher: QwenArch, student: QwenArch, tp: int, pp: int, ep: int, etp: int | None) -> list[str]:
+    """Why the distillation teacher cannot score the student's tokens at this layout (empty when it can)."""
+    errors = []
+    if teacher.vocab_size < student.vocab_size:
+        errors.append(f"distill.teacher_path: its vocabulary ({teacher.vocab_size}) is smaller than the student's "
+                      f"({student.vocab_size}): it must score every token the student samples (the same tokenizer "
+                      "family)")
+    try:
+        teacher.check_layout(tp, pp, ep, etp)
+    except ValueError as exc:
+        errors += [f"distill.teacher_path at parallel.tp={tp}, parallel.pp={pp}: {line.strip()} (the teacher runs at "
+                   "the student's layout)" for line in str(exc).splitlines()[1:]]
+    return errors
 
 
 def layout_errors(config: Config) -> list[str]:

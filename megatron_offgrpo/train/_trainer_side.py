@@ -31,6 +31,7 @@ from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule,
 from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
 from megatron_offgrpo.train._router_load import RouterLoad
 from megatron_offgrpo.train._step import policy_step, sequence_shard, token_logprobs
+from megatron_offgrpo.train._teacher import Teacher
 from megatron_offgrpo.train._weights import export_buckets, export_hf_dir, hf_extra_dirs, model_card
 
 
@@ -41,6 +42,7 @@ class TrainerSide:
     Attributes:
         snapshot: the weights the engine serves (``rollout.behavior_logprobs=recompute``): exact behavior log-probs.
         reference: the initial policy (``algo.kl_beta > 0``): the KL term's log-probs.
+        teacher: on-policy distillation's frozen teacher (``distill.teacher_path``): scores every sampled token.
         router_load: MoE models: counts each step's routing (the ``moe_*`` metrics).
     """
 
@@ -52,6 +54,7 @@ class TrainerSide:
     advantage: AdvantageParams
     snapshot: torch.nn.Module | None = None
     reference: torch.nn.Module | None = None
+    teacher: Teacher | None = None
     router_load: RouterLoad | None = None
 
     @classmethod
@@ -69,6 +72,8 @@ class TrainerSide:
             side.snapshot = frozen_copy(policy.model, arch, ctx, config.model)
         if config.algo.kl_beta > 0:
             side.reference = frozen_copy(policy.model, arch, ctx, config.model)
+        if config.distill.teacher_path:
+            side.teacher = Teacher.build(config, ctx, arch)
         if arch.is_moe:
             side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
         return side
@@ -80,6 +85,8 @@ class TrainerSide:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         adv = compute_group_advantages(rewards, cfg.rollout.group_size, self.advantage)
         valid = adv.sample_valid
+        if self.teacher is not None:  # every sampled token carries the teacher's signal, whatever its group's rewards
+            valid = torch.ones_like(valid)
         if cfg.rollout.mask_truncated:  # overlong filtering: a cut response leaves the loss, not the baseline
             valid = valid & torch.tensor([s.finish_reason != "length" for s in samples])
         build = (build_shared_prompt_microbatches if cfg.optim.shared_prompt else
@@ -88,6 +95,7 @@ class TrainerSide:
                              cfg.optim.micro_batch_tokens, device=ctx.device,
                              seq_multiple=sequence_shard(self.policy.model, ctx)[1])
         self.fill_logprobs(microbatches)
+        distill = self.teacher.apply(ctx, microbatches, cfg.rollout.temperature) if self.teacher else {}
         with self.router_load.counting() if self.router_load else contextlib.nullcontext():
             result = policy_step(self.policy.ddp, self.policy.optimizer, ctx, microbatches, self.objective,
                                  global_token_count(samples, valid), global_seq_count(valid), cfg.rollout.temperature)
@@ -96,7 +104,8 @@ class TrainerSide:
         release_free_memory()  # the step's loss chunks and grads: not kept beside the next generation's buffers
         routing = self.router_load.metrics(ctx, len(microbatches)) if self.router_load else {}
         return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
-                "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics, **routing}
+                "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics, **routing,
+                **distill}
 
     def fill_logprobs(self, microbatches: Sequence[MicroBatch]) -> None:
         """Exact behavior log-probs (from the snapshot of the pushed weights) and reference log-probs, in place."""

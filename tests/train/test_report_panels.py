@@ -60,6 +60,8 @@ def test_families_of_keys_are_found_by_pattern():
     assert list(lengths) == ["response_len", "response_length_p90", "truncated_fraction"]
     assert lengths["truncated_fraction"].right and not lengths["response_len"].right
     assert _by_name(panels.entropy_curves(records, 1))["entropy_mean"].y == [2.0, 1.0, 0.0, -1.0]
+    distilled = [dict(r, teacher_kl=0.5 / (i + 1)) for i, r in enumerate(records)]  # on-policy distillation's KL
+    assert _by_name(panels.entropy_curves(distilled, 1))["teacher_kl"].y == pytest.approx([0.5, 0.25, 0.5 / 3, 0.125])
     staleness = _by_name(panels.staleness_curves(records, 5))  # never averaged: the saw-tooth of v is the point
     assert staleness["staleness_max"].y == [0, 1, 0, 1] and staleness["policy_version"].y == [0, 0, 2, 2]
     assert staleness["policy_version"].right
