@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo._config_load import ConfigError, apply_values, parse_override, read_recipe
+from megatron_offgrpo._config_sections import DistillConfig, EnvConfig, SftConfig
 
 # ConfigError and parse_override live with the loader (_config_load) and are part of this module's interface
 __all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
@@ -204,35 +205,6 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
-class EnvConfig:
-    """Multi-turn episodes: the environment the model talks to over several turns (tools, feedback)."""
-
-    name: str | None = None
-    """None: single-turn completions. "python_tool": math problems with a sandboxed Python tool the model may call
-    (Qwen's <tool_call> format) before it answers; "feedback": told too low / too high, the model answers again (a
-    right answer at turn k earns 0.5^(k-1)); or "package.module:Factory", a zero-argument callable returning an
-    ``envs.Environment`` (reset / step / close). The reward is the environment's (the shipped ones use
-    data.reward)."""
-    max_turns: int = 4
-    """Model turns per episode (>= 1); each is capped at rollout.max_new_tokens."""
-    max_tokens: int | None = None
-    """Response tokens per episode, the model's and the environment's together (null: rollout.max_new_tokens x
-    max_turns); prompt + this must fit the model's context. Overlong shaping measures an episode against it."""
-    tool_cpu_s: float = 5.0
-    """python_tool: CPU seconds of one tool run (then it is killed and the model reads the error)."""
-    tool_wall_s: float = 10.0
-    """python_tool: wall-clock seconds of one tool run."""
-    tool_memory_mib: int = 512
-    """python_tool: address space of one tool run, MiB."""
-    tool_output_bytes: int = 4096
-    """python_tool: output the model reads of one run (the rest is cut, marked)."""
-
-    def episode_tokens(self, max_new_tokens: int) -> int:
-        """The response budget of an episode (``max_tokens``, by default ``max_new_tokens x max_turns``)."""
-        return self.max_tokens if self.max_tokens is not None else max_new_tokens * self.max_turns
-
-
-@dataclasses.dataclass
 class AlgoConfig:
     """The objective (see megatron_offgrpo.algo for every formula)."""
 
@@ -299,22 +271,6 @@ class AlgoConfig:
             form=self.advantage_form, std_normalize=self.std_normalize, leave_one_out=self.leave_one_out,
             gpg_scale=self.gpg_scale, red_drop=self.red_drop, mask_zero_variance=self.mask_zero_variance,
         )
-
-
-@dataclasses.dataclass
-class DistillConfig:
-    """On-policy distillation: a frozen teacher scores every sampled token; minus its per-token reverse KL is an
-    advantage, alone or beside the reward's."""
-
-    teacher_path: str | None = None
-    """The teacher, a HF directory or hub id (the student's tokenizer family). Scored on the trainer's ranks at the
-    student's TP/PP layout, once per step. None: no distillation."""
-    weight: float = 1.0
-    """The distillation advantage's weight: A_t += weight * (log pi_teacher - log pi_student) at each sampled token."""
-    reward_weight: float = 0.0
-    """The reward's (group) advantage's weight beside it (0: pure distillation, every sample trained; > 0: both)."""
-    discount: float = 0.0
-    """gamma in [0, 1]: a token is also credited with later tokens' terms, gamma^(k-t) (0: each token its own)."""
 
 
 @dataclasses.dataclass
@@ -393,15 +349,6 @@ class TrainConfig:
     samples_every: int = 10
     """At steps 0, N, 2N, ...: the first 2 groups' completions (prompt, response, reward, policy version, finish
     reason, length) to RUN/samples.jsonl and to each tracker as a table (0: never)."""
-
-
-@dataclasses.dataclass
-class SftConfig:
-    """The supervised warm-up (`offgrpo sft` only)."""
-
-    off_by_one_fraction: float = 0.0
-    """Fraction of warm-up answers given as the ground truth plus one (integer answers; 0: never): a teacher more often
-    wrong than right leaves a model that samples but does not decode the right answer, which the demo's RL learns."""
 
 
 @dataclasses.dataclass

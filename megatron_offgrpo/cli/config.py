@@ -31,9 +31,14 @@ class KeyDoc:
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """Class name -> field name -> the docstring written under the field (``config.py``'s source, parsed)."""
+    """Class name -> field name -> the docstring written under the field (the source of ``config.py`` and of every
+    module a section's class lives in, parsed)."""
     docs: dict[str, dict[str, str]] = {}
-    for node in ast.parse(inspect.getsource(inspect.getmodule(Config))).body:
+    modules = {inspect.getmodule(Config)} | {inspect.getmodule(type(getattr(Config(), f.name)))
+                                            for f in dataclasses.fields(Config)}
+    nodes = [node for module in sorted(modules, key=lambda m: m.__name__)
+             for node in ast.parse(inspect.getsource(module)).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         fields, body = {}, node.body
