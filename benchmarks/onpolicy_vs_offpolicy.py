@@ -10,7 +10,10 @@ training loop's wall-clock, engine start-up excluded). Writes ``offgrpo report``
 Variants (``--variants``), each run at every v from the same warm-ups: ``grpo`` (the recipe: GRPO-clip), ``gspo``
 (``algo.objective=gspo``, sequence-mean aggregation, the paper's clip range) and ``dapo`` (DAPO's dynamic sampling
 with refill and its clip-higher ``algo.eps_high=0.28``), and ``grpo-async`` (the recipe in ``rollout.mode=async``,
-staleness bound v: the learning side of ``benchmarks/async_rollout.py``). The default runs the first three.
+staleness bound v: the learning side of ``benchmarks/async_rollout.py``). ``distill`` (on-policy distillation alone,
+``distill.reward_weight=0``) and ``grpo-distill`` (beside the reward) take as their teacher the same seed's ``grpo``
+run at the largest v (its trained policy, ``RUN/hf``), the student its warm-up: list ``grpo`` before them. The
+default runs the first three.
 
 Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 4] [--variants grpo gspo dapo] [--seeds 3] [--steps 40]
 [--target 0.6]
@@ -31,8 +34,10 @@ VARIANTS = {
     "gspo": ["algo.objective=gspo", "algo.aggregation=seq_mean_token_mean"],
     "dapo": ["rollout.dynamic_sampling=true", "algo.eps_high=0.28"],
     "grpo-async": ["rollout.mode=async"],
+    "distill": ["distill.teacher_path={teacher}", "distill.reward_weight=0.0"],
+    "grpo-distill": ["distill.teacher_path={teacher}", "distill.reward_weight=1.0"],
 }
-"""Variant -> the overrides of ``configs/tiny-cpu.yaml`` that make it."""
+"""Variant -> the overrides of ``configs/tiny-cpu.yaml`` that make it ({teacher}: the seed's grpo policy)."""
 
 
 def _run(cmd: list[str]) -> None:
@@ -71,14 +76,19 @@ def main() -> None:
         if not (warmup / "hf" / "config.json").exists():
             _run(offgrpo + ["sft", "--config", "configs/tiny-cpu-sft.yaml", f"parallel.seed={1234 + seed}",
                             f"train.out_dir={warmup}"])
+        teacher = _run_dir(args, "grpo", max(args.vs), seed) / "hf"
         for variant in args.variants:
+            overrides = [o.format(teacher=teacher) for o in VARIANTS[variant]]
+            if "{teacher}" in " ".join(VARIANTS[variant]) and not (teacher / "config.json").exists():
+                parser.error(f"--variants {variant}: its teacher is seed {seed}'s grpo run at v={max(args.vs)}; list "
+                             "grpo before it")
             for v in args.vs:
                 run_dir = _run_dir(args, variant, v, seed)
                 if not (run_dir / "metrics.jsonl").exists() or len(_records(run_dir)) < args.steps:
                     _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
                                     f"parallel.seed={1234 + seed}", f"train.steps={args.steps}",
                                     f"train.out_dir={run_dir}", f"rollout.engine={args.engine}", "train.save_every=0",
-                                    "train.overwrite=true", f"model.hf_path={warmup / 'hf'}", *VARIANTS[variant]])
+                                    "train.overwrite=true", f"model.hf_path={warmup / 'hf'}", *overrides])
                 results.setdefault((variant, v), []).append(_summarise(_records(run_dir), args.target))
                 print(f"{variant} v={v} seed={seed}: {results[variant, v][-1]}", file=sys.stderr)
     _print_table(results, args)

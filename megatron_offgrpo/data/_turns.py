@@ -37,15 +37,15 @@ class TurnWrapping:
         return self.before + text + self.after
 
 
-def _text(tokenizer, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+def _text(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 PLAIN = TurnWrapping("\n", "\n")
 """Plain-text prompts (``data.prompt_format=plain``, base-model style): the message on a line of its own."""
 
 
-def turn_wrapping(tokenizer, role: str, tools: list[dict] | None = None) -> TurnWrapping:
+def turn_wrapping(tokenizer, role: str) -> TurnWrapping:
     """How ``tokenizer``'s chat template wraps a message of ``role`` ("user" or "tool") that follows a model turn
     (``PLAIN`` is the wrapping of plain-text prompts, which have no template).
 
@@ -57,8 +57,8 @@ def turn_wrapping(tokenizer, role: str, tools: list[dict] | None = None) -> Turn
         raise ValueError("multi-turn episodes need a tokenizer with a chat template and an EOS token (the model's "
                          "end-of-turn): use a chat/instruct tokenizer such as Qwen2.5's or Qwen3's")
     marker = "\x00OBSERVATION\x00"  # no template writes this: it marks where the message sits
-    base = _text(tokenizer, _PROBE, False, tools)
-    full = _text(tokenizer, _PROBE + [{"role": role, "content": marker}], True, tools)
+    base = _text(tokenizer, _PROBE, False)
+    full = _text(tokenizer, _PROBE + [{"role": role, "content": marker}], True)
     if not full.startswith(base) or full.count(marker) != 1:
         raise ValueError(f"the chat template renders a {role!r} message in a way that changes what comes before it: "
                          "the environment's tokens cannot be appended to the sampled ones")

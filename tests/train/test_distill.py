@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.helpers import save_hf_model
+from tests.helpers import REPO, run_torchrun, save_hf_model
 from tests.train.conftest import run_train
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -44,3 +44,12 @@ def test_a_teacher_with_the_students_weights_agrees_at_tp2_and_pp2(tmp_path, mod
     records = run_train(2, tmp_path, f"model.hf_path={student}", "model.init=hf", f"distill.teacher_path={student}",
                         "distill.reward_weight=1.0", "distill.weight=0.5", "train.steps=1", layout)
     assert abs(records[0]["teacher_kl"]) < 1e-4, records[0]["teacher_kl"]
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+def test_distillation_loss_and_gradient_equal_the_fp64_reference(tmp_path, models, layout):
+    """Distillation beside the reward, discounted, off-policy (tests/workers/distill_grad_worker.py)."""
+    student, teacher = models
+    proc = run_torchrun(REPO / "tests" / "workers" / "distill_grad_worker.py", 2,
+                        [str(tmp_path), str(student), str(teacher), layout])
+    assert "MATCH" in proc.stdout, proc.stdout[-2000:]
