@@ -123,8 +123,8 @@ class RolloutSide:
         if not r.dynamic_sampling:
             return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn, episodes))
         batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn, episodes),
-                           r.prompts_per_step,
-                           r.group_size, r.max_sampling_rounds, r.oversample, self.config.algo.advantage_params(), step)
+                           r.prompts_per_step, r.group_size, r.max_sampling_rounds, r.oversample,
+                           self.config.algo.advantage_params(), step)
         if batch.stats.degenerate_kept:
             logger.info("step %d: %d of %d groups without reward variance after %d sampling rounds (masked; "
                         "rollout.max_sampling_rounds)", step, batch.stats.degenerate_kept, r.prompts_per_step,
