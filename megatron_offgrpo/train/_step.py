@@ -253,7 +253,9 @@ def policy_step(ddp_model, optimizer, ctx: ParallelContext, microbatches: Sequen
 @torch.no_grad()
 def token_logprobs(model, ctx: ParallelContext, microbatches: Sequence[MicroBatch], temperature: float = 1.0,
                    impl: str = "auto", exact: bool = False) -> list[torch.Tensor]:
-    """Log-probs ``[b, s]`` of every target under ``model`` (a snapshot or the reference), on the last stage.
+    """Log-probs ``[b, s]`` of every target under ``model`` (a snapshot, the reference or a teacher), on the last
+    stage: at the loss's positions (``MicroBatch.loss_rows``; 0 elsewhere), or at every position of a micro-batch
+    without them (the refresh probe).
 
     Other stages return an empty list. Used for exact behavior log-probs and for the KL reference; ``exact``
     (the refresh probe): the log-softmax in float64, whatever the TP split (``kernels.vocab_parallel_logprobs``).
@@ -261,10 +263,15 @@ def token_logprobs(model, ctx: ParallelContext, microbatches: Sequence[MicroBatc
     out: list[torch.Tensor] = []
 
     def closure(mb: MicroBatch, hidden: torch.Tensor):
-        h = hidden.reshape(-1, hidden.shape[-1])
-        logp, _ = vocab_parallel_logprobs(h, output_weight(model), mb.flat("targets"), temperature=temperature,
+        h, targets = hidden.reshape(-1, hidden.shape[-1]), mb.flat("targets")
+        rows = mb.loss_rows  # only the loss's positions are read: the output layer's GEMM over those alone
+        if rows is not None:
+            h, targets = h.index_select(0, rows), targets.index_select(0, rows)
+        logp, _ = vocab_parallel_logprobs(h, output_weight(model), targets, temperature=temperature,
                                           tp_group=ctx.tp_group if ctx.tp_size > 1 else None, impl=impl,
                                           exact=exact)
+        if rows is not None:  # 0 elsewhere: nothing reads a position outside the loss
+            logp = torch.zeros(mb.targets.numel(), dtype=logp.dtype, device=logp.device).index_copy_(0, rows, logp)
         out.append(logp.reshape(mb.targets.shape).float())
         return hidden.sum() * 0.0, {}
 
