@@ -3,8 +3,8 @@
 Where it runs: on the trainer's ranks at the student's TP/PP layout, in the same megatron schedule as the reference
 model's forward (``token_logprobs``), over the step's own micro-batches. The alternative, the fleet's engines scoring
 the sequences with prompt log-probs, needs a second served model and sends every sequence out and the log-probs back;
-here the tokens are already where the loss is computed, and a forward costs a third of a training step of the same
-model.
+here the tokens are already where the loss is computed, and its forward (at the loss's positions only) cost a third of
+a training step on the CPU task (README "On-policy distillation": 0.27-0.46 s against 1.0-1.5 s).
 """
 
 from __future__ import annotations
