@@ -35,6 +35,21 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return decorator
 
 
+def import_dotted(path: str, key: str):
+    """The object ``"package.module:name"`` names (a user's reward, environment, ...).
+
+    Raises:
+        ValueError: naming ``key`` and the path when the module or the name cannot be imported.
+    """
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{key}={path!r}: cannot import {attr!r} from {module!r} ({exc})") from None
+
+
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as ``name``, or ``"package.module:function"`` for your own.
 
@@ -45,13 +60,7 @@ def get_reward(name: str) -> RewardFn:
         ValueError: listing the registered names when ``name`` is neither registered nor importable.
     """
     if ":" in name:
-        import importlib
-
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"reward={name!r}: cannot import {attr!r} from {module!r} ({exc})") from None
+        fn = import_dotted(name, "reward")
         if not callable(fn):
             raise ValueError(f"reward={name!r} is not callable")
         return fn

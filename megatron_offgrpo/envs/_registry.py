@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
+from megatron_offgrpo.data import import_dotted
 from megatron_offgrpo.envs._feedback import FeedbackEnv
 from megatron_offgrpo.envs._protocol import Environment, ToolSpec
 from megatron_offgrpo.envs._python_tool import PythonToolEnv
@@ -48,11 +48,7 @@ def environment_factory(name: str, reward_fn: Callable[[str, str | None], float]
 def _imported(name: str):
     if ":" not in name:
         raise ValueError(f"env.name={name!r}: expected one of {list(SHIPPED)} or 'package.module:Factory'")
-    module, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"env.name={name!r}: cannot import {attr!r} from {module!r} ({exc})") from None
+    return import_dotted(name, "env.name")
 
 
 def environment_tools(name: str) -> tuple[ToolSpec, ...]:

@@ -51,10 +51,10 @@ def used_records(config: Config, data: DataSets, role: str) -> list[QARecord]:
     return data.train if role == "train" else data.eval[: config.train.eval_prompts]
 
 
-def prompt_ids(config: Config, tokenizer, record: QARecord) -> tuple[int, ...]:
-    """The token ids of ``record``'s prompt (chat template or plain text), whatever their length; cached."""
+def prompt_ids(config: Config, tokenizer, record: QARecord, tools: list[dict] | None) -> tuple[int, ...]:
+    """The token ids of ``record``'s prompt (chat template or plain text, announcing ``tools``), whatever their
+    length; cached."""
     d = config.data
-    tools = [t.as_template_tool() for t in environment_tools(config.env.name)] if config.env.name else None
     cache = _PROMPT_IDS.setdefault(tokenizer, {})
     key = (d.system_prompt, d.instruction, d.prompt_format, repr(tools), record.question)
     if key not in cache:
@@ -70,8 +70,10 @@ def build_prompts(config: Config, tokenizer, records: list[QARecord]) -> list[Pr
         ValueError: a prompt longer than ``data.max_prompt_tokens``, naming its row.
     """
     prompts = []
+    # the environment's tools (env.name), which the chat template lists in the system turn: found once per build
+    tools = [t.as_template_tool() for t in environment_tools(config.env.name)] if config.env.name else None
     for record in records:
-        ids = prompt_ids(config, tokenizer, record)
+        ids = prompt_ids(config, tokenizer, record, tools)
         if len(ids) > config.data.max_prompt_tokens:
             raise ValueError(f"{record.where or record.record_id}: the prompt has {len(ids)} tokens > "
                              f"data.max_prompt_tokens={config.data.max_prompt_tokens}: shorten or remove the row, or "
