@@ -71,7 +71,7 @@ convert-demo: setup
 TEST_WORKERS ?= 2
 SUITE_LIMIT_S ?= 4500
 test: setup
-	OFFGRPO_SUITE_LIMIT_S=$(SUITE_LIMIT_S) $(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
+	OFFGRPO_SUITE_LIMIT_S=$(SUITE_LIMIT_S) OFFGRPO_SUITE_TIMES=.pytest_cache/suite-times.json $(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
 	$(PY) -m pytest -q -ra -m "not multiproc and not slow" -n $(TEST_WORKERS) --dist loadfile

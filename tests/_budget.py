@@ -11,6 +11,8 @@ change pays. This plugin:
 - prints, at the end, the session's wall time against its budget and the files that cost most;
 - names every test that took over ``SLOW_UNMARKED_S`` without the ``slow`` or ``multiproc`` mark (``make test-fast``
   skips only marked tests, so an unmarked slow test silently slows everyone's quick loop);
+- with ``OFFGRPO_SUITE_TIMES=FILE`` set (``make test`` sets it to ``.pytest_cache/suite-times.json``), writes every
+  file's and every test's summed time there as JSON: where the next cut of the suite's time should go;
 - with ``OFFGRPO_SUITE_LIMIT_S`` set (``make test`` sets it), fails the session when its wall time is over that
   limit, so the suite cannot creep past CI's patience unnoticed. Its default in the Makefile leaves room for the
   tens of percent these machines drift between runs; the target printed is the one to keep.
@@ -18,6 +20,7 @@ change pays. This plugin:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import defaultdict
@@ -40,10 +43,12 @@ class SuiteBudget:
     def __init__(self) -> None:
         self.start = time.monotonic()
         self.per_file: dict[str, float] = defaultdict(float)
+        self.per_test: dict[str, float] = defaultdict(float)
         self.slow_unmarked: list[tuple[str, float]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.per_file[report.nodeid.split("::", 1)[0]] += report.duration
+        self.per_test[report.nodeid] += report.duration
         if report.when == "call" and report.duration > SLOW_UNMARKED_S and not (
                 {"slow", "multiproc"} & set(report.keywords)):
             self.slow_unmarked.append((report.nodeid, report.duration))
@@ -66,6 +71,12 @@ class SuiteBudget:
             tr.write_line(f"  {seconds / 60:6.1f} min  {path}")
         for nodeid, seconds in self.slow_unmarked:
             tr.write_line(f"not marked slow or multiproc but took {seconds:.0f} s: {nodeid}")
+        if times := os.environ.get("OFFGRPO_SUITE_TIMES"):
+            os.makedirs(os.path.dirname(os.path.abspath(times)), exist_ok=True)
+            with open(times, "w") as out:
+                json.dump({"wall_s": round(wall, 1), "files": _by_cost(self.per_file),
+                           "tests": _by_cost(self.per_test)}, out, indent=1)
+            tr.write_line(f"every file's and test's time: {times}")
         if (over := self.over_limit()) is not None:
             tr.write_line(f"error: the suite took {over[0] / 60:.1f} min, over OFFGRPO_SUITE_LIMIT_S "
                           f"({over[1] / 60:.0f} min): see the costliest files above", red=True)
@@ -74,6 +85,10 @@ class SuiteBudget:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.over_limit() is not None and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _by_cost(seconds: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(((name, round(s, 2)) for name, s in seconds.items()), key=lambda kv: -kv[1]))
 
 
 @pytest.hookimpl(trylast=True)

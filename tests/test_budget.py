@@ -1,12 +1,14 @@
 """tests/_budget.py's order, on a generated tree of four files named like the suite's: under `-n 2 --dist loadfile`
 the heaviest files are handed out first (xdist alone hands out the file with most tests first, and a heavy
-one-test file last), and plain pytest (no xdist) runs them in the same order."""
+one-test file last), and plain pytest (no xdist) runs them in the same order; every file's and test's time is
+written where ``OFFGRPO_SUITE_TIMES`` says."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import json
 from collections import defaultdict
 
 import pytest
@@ -23,14 +25,14 @@ def test_{i}():
 """
 
 
-def _run(root, *args: str) -> dict[str, list[str]]:
+def _run(root, *args: str, **extra_env: str) -> dict[str, list[str]]:
     """pytest on the tree with tests/_budget.py loaded: the files each worker ran, in the order it ran them."""
     log = root / "order.log"
     log.unlink(missing_ok=True)
     # without the outer run's PYTEST_* variables: under `make test` this test runs in an xdist worker, whose
     # PYTEST_XDIST_WORKER the inner plain-pytest run would otherwise report as its own
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(PYTHONPATH=str(REPO), ORDER_LOG=str(log))
+    env.update(PYTHONPATH=str(REPO), ORDER_LOG=str(log), **extra_env)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests._budget", "-p", "no:cacheprovider",
                            "--rootdir", str(root), "-c", str(root / "pytest.ini"), *args],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
@@ -65,3 +67,11 @@ def test_loadfile_hands_out_the_heaviest_files_first(tree):
 def test_without_xdist_the_order_is_the_same(tree):
     assert _run(tree, "-p", "no:xdist") == {"main": ["tests/test_docs_demo.py", "tests/train/test_e2e.py",
                                                      "tests/train/test_signals.py", "tests/test_many.py"]}
+
+
+def test_every_files_and_tests_time_is_written_when_asked(tree, tmp_path):
+    times = tmp_path / "times" / "suite-times.json"
+    _run(tree, "-p", "no:xdist", OFFGRPO_SUITE_TIMES=str(times))
+    written = json.loads(times.read_text())
+    assert sorted(written["files"]) == sorted(TREE) and len(written["tests"]) == sum(TREE.values())
+    assert written["wall_s"] > 0 and all(seconds >= 0 for seconds in written["tests"].values())

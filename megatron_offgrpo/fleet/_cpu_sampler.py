@@ -14,6 +14,11 @@ uniform.
 (``fleet._worker_ext`` calls it at import, which runs in every vLLM worker: the fleet's servers and the in-process
 engine). If a later vLLM renames or reshapes that method, ``install`` leaves vLLM's sampler alone and logs why.
 ``OFFGRPO_CPU_SAMPLER=vllm`` keeps vLLM's own (to compare, or if this one is ever in doubt).
+
+The same ``install()`` runs the sampled token's rank (part of every log-prob answer) eagerly on CPU: vLLM 0.32's
+``batched_count_greater_than`` is ``torch.compile``d with inductor, which compiled it on the first request of every
+engine: 3.7 s of the first generation of each in-process engine and fleet server (profiled on the 2-core CPU, a
+1-step tiny ``offgrpo train``), for a comparison and a row sum that take microseconds eagerly on CPU.
 """
 
 from __future__ import annotations
@@ -60,6 +65,12 @@ def sample_from_logprobs(logprobs: torch.Tensor, generators: dict[int, torch.Gen
     return (block * BLOCK + offset).view(-1)
 
 
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` [rows, V], how many entries are >= that row's ``values`` [rows, 1]: the sampled token's
+    rank as vLLM's ``batched_count_greater_than`` counts it, without its compile."""
+    return (x >= values).sum(-1)
+
+
 def _forward_cpu(self, logits: torch.Tensor, generators: dict[int, torch.Generator], k: torch.Tensor | None,
                  p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``TopKTopPSampler.forward_cpu`` with the inverse-CDF draw (vLLM's own for the modes it does not cover)."""
@@ -95,7 +106,28 @@ def install() -> bool:
         return False
     _VLLM_FORWARD_CPU = current
     TopKTopPSampler.forward_cpu = _forward_cpu
+    _install_rank_count()
     return True
+
+
+def _install_rank_count() -> None:
+    """``count_at_least`` for the rank of each sampled or prompt token in vLLM's sampler module, where it names the
+    compiled ``batched_count_greater_than`` (kept, with a log line, if a later vLLM no longer does). CPU only: on
+    a GPU the compiled kernel is what spares a [rows, V] temporary."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import sampler
+
+    if not current_platform.is_cpu():
+        return
+
+    current = getattr(sampler, "batched_count_greater_than", None)
+    if current is count_at_least:
+        return
+    if current is None or getattr(current, "__name__", "") != "batched_count_greater_than":
+        logger.warning("vLLM's token rank kept (compiled at the first request): vllm.v1.sample.sampler has no "
+                       "batched_count_greater_than to replace")
+        return
+    sampler.batched_count_greater_than = count_at_least
 
 
 def sampler_name(model_runner) -> str:

