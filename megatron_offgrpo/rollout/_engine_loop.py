@@ -1,13 +1,13 @@
 """One thread drives the in-process vLLM engine, so that generations asked for by several threads at once share its
 continuous batch.
 
-``LLM.generate`` runs the engine until its own requests are done: two calls from two threads would either interleave
-unsafely or, serialised, leave every slot of the first call's batch idle while its longest response finishes. Here
-the loop's thread alone touches the engine: callers hand it requests (``generate``) or calls (``run``: weight
-installs, RPCs), which it takes between two decode steps, so a request that finishes frees its slot for whichever
-waiting request comes first: the engine runs vLLM's priority scheduling, lowest ``priority`` first, equal ones
-first come, first served. This is what lets ``rollout.mode=async`` generate the groups of several steps at once
-without a batch waiting for its longest answer, the oldest step's requests admitted first.
+vLLM's ``LLM.generate`` runs the engine until its own requests are done: two calls from two threads would either
+interleave unsafely or, serialised, leave every slot of the first call's batch idle while its longest response
+finishes. Here the loop's thread alone touches the engine: callers hand it requests (``generate``) or calls
+(``run``: weight installs, RPCs), which it takes between two decode steps, so a request that finishes frees its slot
+for whichever waiting request comes first: the engine runs vLLM's priority scheduling, lowest ``priority`` first,
+equal ones first come, first served. This is what lets ``rollout.mode=async`` generate the groups of several steps
+at once without a batch waiting for its longest answer, the oldest step's requests admitted first.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ class _Call:
 
 
 class EngineLoop:
-    """The thread that owns a ``vllm.LLM``: every use of the engine goes through ``generate`` or ``run``."""
+    """The thread that owns a ``VllmCore``: every use of the engine goes through ``generate`` or ``run``."""
 
     def __init__(self, llm: Any, guard: Callable[[Callable[[], T]], T]) -> None:
-        """Args: llm: the engine. guard: ``guard(fn)`` runs one engine call, ending it if the engine's process dies
-        (``call_while_alive``)."""
+        """Args: llm: the engine (``VllmCore``). guard: ``guard(fn)`` runs one engine call, ending it if the engine's
+        process dies (``call_while_alive``)."""
         self._llm, self._guard = llm, guard
         self._jobs: queue.Queue[_Generation | _Call | None] = queue.Queue()
         self._waiting: dict[str, tuple[_Generation, int]] = {}  # request id -> its caller and its index there
@@ -52,9 +52,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="offgrpo-vllm-loop", daemon=True)
         self._thread.start()
 
-    def generate(self, prompts: list[Any], params: list[Any], priority: int = 0) -> list[Any]:
-        """vLLM's ``RequestOutput`` of each prompt, in order, generated beside every other caller's requests, admitted
-        before those of a higher ``priority`` when the batch is full.
+    def generate(self, prompts: list[list[int]], params: list[Any], priority: int = 0) -> list[Any]:
+        """vLLM's ``RequestOutput`` of each prompt (token ids), in order, generated beside every other caller's
+        requests, admitted before those of a higher ``priority`` when the batch is full.
 
         Raises:
             what the engine raised (``EngineDiedError`` for a dead engine process).
@@ -115,21 +115,16 @@ class EngineLoop:
             future.set_exception(exc)
 
     def _start(self, job: _Generation) -> None:
-        # Outputs carry the id LLM gave each request (its counter: only this thread adds requests), not the engine's
-        # internal id that enqueue returns.
-        first = self._llm.request_counter.counter
         try:
-            priority = [job.priority] * len(job.prompts)
-            count = len(self._guard(lambda: self._llm.enqueue(job.prompts, job.params, priority=priority,
-                                                              use_tqdm=False)))
+            ids = self._guard(lambda: self._llm.add(job.prompts, job.params, job.priority))
         except BaseException as exc:
             job.future.set_exception(exc)
             return
-        job.outputs, job.pending = [None] * count, count
-        if not count:
+        job.outputs, job.pending = [None] * len(ids), len(ids)
+        if not ids:
             job.future.set_result([])
-        for index in range(count):
-            self._waiting[str(first + index)] = (job, index)
+        for index, request_id in enumerate(ids):
+            self._waiting[request_id] = (job, index)
 
     def _step(self) -> None:
         try:

@@ -1,4 +1,4 @@
-"""``VLLMEngine``: the ``RolloutEngine`` interface on an in-process ``vllm.LLM``, with the fleet's refresh API.
+"""``VLLMEngine``: the ``RolloutEngine`` interface on an in-process vLLM engine, with the fleet's refresh API.
 
 The engine runs the same worker extension as the fleet's servers, so refreshes are checked the same way. Buckets
 are handed to the worker in memory when the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -33,6 +33,7 @@ from megatron_offgrpo.rollout._engine_loop import EngineLoop
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
+from megatron_offgrpo.rollout._vllm_core import VllmCore
 from megatron_offgrpo.rollout._samples import (
     BadResponse,
     fill_group,
@@ -109,7 +110,7 @@ def _world_size() -> int:
 
 
 class VLLMEngine:
-    """An in-process ``vllm.LLM`` behind the ``RolloutEngine`` interface."""
+    """An in-process vLLM engine (``VllmCore``) behind the ``RolloutEngine`` interface."""
 
     name = "vllm"
 
@@ -124,7 +125,7 @@ class VLLMEngine:
         partial_rollouts: bool = False,
         **llm_kwargs: Any,
     ) -> None:
-        """Start the engine on ``model_dir`` (extra ``llm_kwargs`` go to ``vllm.LLM``).
+        """Start the engine on ``model_dir`` (extra ``llm_kwargs`` are ``vllm.EngineArgs`` fields).
 
         Args:
             model_dir: HF model directory. dtype: vLLM's dtype. max_model_len: longest prompt + completion.
@@ -158,8 +159,6 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # a fork would inherit the job's process group
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        from vllm import LLM
-
         install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         model_dir = Path(model_dir).resolve()
         llm_kwargs.setdefault("enforce_eager", True)
@@ -191,13 +190,8 @@ class VLLMEngine:
         llm_kwargs.setdefault("skip_tokenizer_init", self._eos is not None
                               or not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
         self.model_dir = model_dir
-        self.llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            worker_extension_cls=WORKER_EXTENSION,
-            **llm_kwargs,
-        )
+        self.llm = VllmCore(model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
+                            worker_extension_cls=WORKER_EXTENSION, **llm_kwargs)
         self.processes = [] if self.in_process else _engine_processes(self.llm)  # watched during every call
         self._loop = EngineLoop(self.llm, lambda fn: call_while_alive(self.processes, fn))
         self._routing_lock = threading.Lock()  # hooks routing: one generation at a time (see concurrent_generate)
@@ -237,31 +231,25 @@ class VLLMEngine:
         """The version the engine holds."""
         return self._version
 
-    def _params(self, params: SamplingParams, n: int, group_id: int, **extra: Any):
-        from vllm import SamplingParams as VllmParams
+    def _params(self, params: SamplingParams, n: int, group_id: int):
+        from vllm.sampling_params import SamplingParams as VllmParams
 
         body = sampling_body(params, n, group_id)
         if self._eos is not None:  # vLLM has no tokenizer to take it from (see __init__)
             body["stop_token_ids"] = sorted({*body.get("stop_token_ids", ()), self._eos})
-        return VllmParams(**{**body, **extra})
+        return VllmParams(**body)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """``len(prompts) * n`` samples, grouped by prompt, tagged with the engine's version label spans."""
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         if n < 1:
             raise ValueError(f"generate n={n}: the group size must be >= 1")
         hooks = self._routing_source == "hooks"
         with self._routing_lock if hooks else contextlib.nullcontext():
             if hooks:
                 self._rpc("offgrpo_routing_begin", {})
-            outputs = self._loop.generate(
-                [TokensPrompt(prompt_token_ids=list(p.prompt_ids)) for p in prompts],
-                [self._params(p.sampling(params), n, i, output_kind=RequestOutputKind.FINAL_ONLY)
-                 for i, p in enumerate(prompts)],
-                priority=params.priority,
-            )
+            outputs = self._loop.generate([list(p.prompt_ids) for p in prompts],
+                                          [self._params(p.sampling(params), n, i) for i, p in enumerate(prompts)],
+                                          priority=params.priority)
             samples = self._samples(prompts, outputs, n)
             if hooks:
                 samples = with_routing(samples, self._take_routing, self.name)
@@ -354,13 +342,10 @@ class VLLMEngine:
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """The engine's version and prompt log-probs of ``token_ids``."""
-        from vllm import SamplingParams as VllmParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VllmParams
 
-        params = VllmParams(n=1, max_tokens=1, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-        output = self._loop.generate([TokensPrompt(prompt_token_ids=list(token_ids))], [params])[0]
+        params = VllmParams(n=1, max_tokens=1, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
+        output = self._loop.generate([list(token_ids)], [params])[0]
         values = [float(output.prompt_logprobs[t][token_ids[t]].logprob) for t in range(1, len(token_ids))]
         spans = [{"version": s.version} for s in output.outputs[0].weight_versions or []]
         return {self.name: ProbeResult(parse_version(spans, "probe"), values)}

@@ -1,0 +1,56 @@
+"""``VllmCore``: vLLM's ``LLMEngine`` with the three calls the in-process engine makes of ``vllm.LLM``, without it.
+
+``vllm.LLM`` is vLLM's offline entry point: importing it imports chat, pooling, scoring and the OpenAI and MCP
+protocols, and starting it renders a chat-template warm-up (with a tokenizer) or logs a warning and its traceback
+(without one). The in-process engine uses none of that: its requests are token ids in and out. Building the engine
+itself, with ``vllm.LLM``'s defaults, and queueing token prompts as the engine's own input type takes those seconds
+off every start (``benchmarks/startup.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+
+class VllmCore:
+    """A ``vllm.v1.engine.llm_engine.LLMEngine`` (``llm_engine``) and the calls ``VLLMEngine`` needs of it."""
+
+    def __init__(self, **engine_args: Any) -> None:
+        """Start the engine; ``engine_args`` are ``vllm.EngineArgs`` fields (``model``, ``dtype``, ...)."""
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        engine_args = {"seed": 0, "disable_log_stats": True, **engine_args}  # vllm.LLM's defaults
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), usage_context=UsageContext.LLM_CLASS)
+        self._ids = itertools.count()
+
+    def add(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], priority: int) -> list[str]:
+        """Queue one request per prompt (token ids) with its sampling params, admitted by ``priority`` (lower first);
+        the ids their outputs carry, in order. All or none: a request refused aborts the ones queued before it."""
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        ids, internal = [], []
+        try:
+            for prompt, sampling in zip(prompts, params, strict=True):
+                sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it is done
+                ids.append(str(next(self._ids)))
+                internal.append(self.llm_engine.add_request(ids[-1], tokens_input(list(prompt)), sampling,
+                                                            priority=priority))
+        except Exception:
+            if internal:
+                self.llm_engine.abort_request(internal, internal=True)
+            raise
+        return ids
+
+    def collective_rpc(self, method: str | Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``method`` on every worker (a worker-extension method's name, or a callable taking the worker)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the cached KV blocks (with ``reset_running_requests``, the running requests' too: they are recomputed);
+        False when the engine refused."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, False)
