@@ -126,11 +126,27 @@ def collect_errors(config: Any) -> list[str]:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     errors.extend(_algo_errors(config))
     errors.extend(_env_errors(config.env))
-    d = config.distill
-    if d.teacher_path is not None and (not d.teacher_path.strip() or min(d.weight, d.reward_weight) < 0
-                                       or not 0 <= d.discount <= 1 or d.weight + d.reward_weight == 0):
-        errors.append(f"distill.teacher_path={d.teacher_path!r}, weight={d.weight}, reward_weight={d.reward_weight}, "
-                      f"discount={d.discount}: a teacher path, weights >= 0 (not both 0) and a discount in [0, 1]")
+    errors.extend(_distill_errors(config.distill, config.rollout.temperature))
+    return errors
+
+
+def _distill_errors(d: Any, temperature: float) -> list[str]:
+    """The teacher's place (at most one) and the distillation's weights and discount."""
+    given = [key for key in ("teacher_path", "teacher_fleet") if getattr(d, key) is not None]
+    if not given:
+        return []
+    if len(given) > 1:
+        return [f"distill.teacher_path={d.teacher_path!r}, distill.teacher_fleet={d.teacher_fleet!r}: give one teacher "
+                "(on the trainer's ranks, or served by its own fleet)"]
+    errors, teacher = [], getattr(d, given[0])
+    if not teacher.strip() or min(d.weight, d.reward_weight) < 0 or not 0 <= d.discount <= 1 \
+            or d.weight + d.reward_weight == 0:
+        errors.append(f"distill.{given[0]}={teacher!r}, weight={d.weight}, reward_weight={d.reward_weight}, "
+                      f"discount={d.discount}: a teacher, weights >= 0 (not both 0) and a discount in [0, 1]")
+    if d.teacher_fleet is not None and temperature != 1.0:
+        errors.append(f"distill.teacher_fleet with rollout.temperature={temperature}: a fleet scores the teacher at "
+                      "temperature 1 (prompt log-probs of the raw logits), the student samples at another: set "
+                      "rollout.temperature=1, or put the teacher on the trainer's ranks (distill.teacher_path)")
     return errors
 
 

@@ -42,14 +42,23 @@ class DistillConfig:
     advantage, alone or beside the reward's."""
 
     teacher_path: str | None = None
-    """The teacher, a HF directory or hub id (the student's tokenizer family). Scored on the trainer's ranks at the
-    student's TP/PP layout, once per step. None: no distillation."""
+    """The teacher, a HF directory or hub id (the student's tokenizer family), on the trainer's ranks at the student's
+    TP/PP layout, scoring each step's micro-batches. None: no teacher there (see ``teacher_fleet``)."""
+    teacher_fleet: str | None = None
+    """Or the teacher served by a fleet of its own (the ``--state-dir`` of ``offgrpo fleet start --model TEACHER``),
+    any size or layout: rank 0 has it score every sample's tokens when they are generated (prompt log-probs, at
+    temperature 1: needs ``rollout.temperature=1``). None: no teacher there. At most one of the two."""
     weight: float = 1.0
     """The distillation advantage's weight: A_t += weight * (log pi_teacher - log pi_student) at each sampled token."""
     reward_weight: float = 0.0
     """The reward's (group) advantage's weight beside it (0: pure distillation, every sample trained; > 0: both)."""
     discount: float = 0.0
     """gamma in [0, 1]: a token is also credited with later tokens' terms, gamma^(k-t) (0: each token its own)."""
+
+    @property
+    def on(self) -> bool:
+        """Whether the run distills (a teacher on the trainer's ranks or on its own fleet)."""
+        return bool(self.teacher_path or self.teacher_fleet)
 
 
 @dataclasses.dataclass

@@ -57,6 +57,11 @@ CASES = [  # (overrides, what the message must name)
     (["distill.teacher_path=megatron_offgrpo/assets/tiny-qwen2"], "distill.teacher_path=megatron_offgrpo/assets/"
      "tiny-qwen2: "),  # a config without weights
     (["distill.teacher_path=t", "distill.weight=0"], "weights >= 0 (not both 0)"),
+    (["distill.teacher_path=t", "distill.teacher_fleet=f"], "give one teacher"),
+    (["distill.teacher_fleet=f", "rollout.temperature=0.7"],
+     "distill.teacher_fleet with rollout.temperature=0.7: a fleet scores the teacher at temperature 1"),
+    (["distill.teacher_fleet=/nonexistent/fleet"],
+     "distill.teacher_fleet=/nonexistent/fleet: /nonexistent/fleet/fleet.json: no fleet state"),
     (["env.max_turns=0"], "env.max_turns=0, env.max_tokens=None: must be >= 1"),
     (["env.name=chess"], "env.name='chess': expected one of ['feedback', 'python_tool']"),
 ]

@@ -81,6 +81,9 @@ class Sample:
             ``behavior_logprobs`` are 0); None: every response token is the model's (single-turn). The turn
             boundaries: each maximal run of True is one model turn (an observation always separates two turns).
         turns: the model turns of a multi-turn episode (1 for a single completion).
+        teacher_logprobs: [T_resp] on-policy distillation's teacher's log-prob of each response token, when a
+            teacher's fleet scored the sample (``distill.teacher_fleet``); None otherwise (no teacher, or one on the
+            trainer's ranks, which scores the step's micro-batches itself).
         routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
             integer tensor, the experts each layer routed each input position to (the prompt and every sampled
             token but the last, which was never fed back); the trainer's forward replays them. None otherwise.
@@ -101,6 +104,7 @@ class Sample:
     attempts: int = 1
     trainable: list[bool] | None = None
     turns: int = 1
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):
@@ -116,6 +120,9 @@ class Sample:
         if self.trainable is not None and len(self.trainable) != len(self.response_ids):
             raise ValueError(f"sample {self.prompt_id}/{self.group_id}: {len(self.trainable)} trainable flags for "
                              f"{len(self.response_ids)} response tokens")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != len(self.response_ids):
+            raise ValueError(f"sample {self.prompt_id}/{self.group_id}: {len(self.teacher_logprobs)} teacher log-probs "
+                             f"for {len(self.response_ids)} response tokens")
         positions = len(self.prompt_ids) + len(self.response_ids) - 1
         if self.routed_experts is not None and self.routed_experts.shape[0] != positions:
             raise ValueError(f"sample {self.prompt_id}/{self.group_id}: routing of {self.routed_experts.shape[0]} "

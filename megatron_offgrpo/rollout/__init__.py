@@ -3,7 +3,8 @@
 ``RolloutEngine`` is what the trainer calls; ``make_engine`` builds one: the vLLM fleet client (``FleetEngine``
 over the servers ``fleet`` started, refreshed through a ``transports.WeightTransport``), an in-process
 ``VLLMEngine``, or a ``TransformersEngine`` for machines without vLLM. ``verify_refresh`` checks a refresh against
-the trainer's probe log-probs. Nothing here imports megatron: the rollout side runs where megatron is not installed.
+the trainer's probe log-probs. ``TeacherFleet`` scores samples on a distillation teacher's own fleet. Nothing here
+imports megatron: the rollout side runs where megatron is not installed.
 """
 
 from megatron_offgrpo.rollout._dispatch import RetryPolicy
@@ -14,6 +15,7 @@ from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
 from megatron_offgrpo.rollout._protocol import ProbeEngine, RolloutEngine
 from megatron_offgrpo.rollout._server import ServerClient, servers_of
+from megatron_offgrpo.rollout._teacher_fleet import TeacherFleet
 from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol, probe_bound
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 
@@ -33,6 +35,7 @@ __all__ = [
     "RetryPolicy",
     "RolloutEngine",
     "ServerClient",
+    "TeacherFleet",
     "TransformersEngine",
     "have_vllm",
     "make_engine",

@@ -180,6 +180,14 @@ def parse_group(answer: dict[str, Any], prompt: Prompt, group_id: int, n: int, s
 
 def parse_prompt_logprobs(answer: dict[str, Any], token_ids: list[int], server: str) -> tuple[int, list[float]]:
     """(version, [T-1] log p(token_ids[t] | token_ids[:t])) from a probe answer (``prompt_logprobs=0``)."""
+    values = prompt_logprob_values(answer, token_ids, server)
+    choice = (answer.get("choices") or [{}])[0]
+    return parse_version(choice.get("weight_versions"), f"server {server}, probe"), values
+
+
+def prompt_logprob_values(answer: dict[str, Any], token_ids: list[int], server: str) -> list[float]:
+    """[T-1] log p(token_ids[t] | token_ids[:t]) from a probe answer (``prompt_logprobs=0``), whatever the server's
+    version label (a distillation teacher's fleet is never refreshed, nor labelled)."""
     entries = answer.get("prompt_logprobs")
     if not entries or len(entries) != len(token_ids):
         raise BadResponse(f"server {server}: probe answer has no prompt log-probs for {len(token_ids)} tokens")
@@ -190,5 +198,4 @@ def parse_prompt_logprobs(answer: dict[str, Any], token_ids: list[int], server: 
         if item is None:
             raise BadResponse(f"server {server}: probe position {t} lacks the log-prob of token {token_ids[t]}")
         values.append(float(item["logprob"]))
-    choice = (answer.get("choices") or [{}])[0]
-    return parse_version(choice.get("weight_versions"), f"server {server}, probe"), values
+    return values

@@ -34,6 +34,8 @@ class MicroBatch:
         fleet_logp: [b, s] the engine's log-prob (equals behavior_logp unless behavior is recomputed).
         seq_ids: [b, s] row of the position (a sequence id local to the micro-batch, for per-sequence means).
         ref_logp: [b, s] reference-policy log-probs (set by the trainer when the KL term is on).
+        teacher_logp: [b, s] on-policy distillation's teacher log-probs of the targets, when the samples carry them
+            (a teacher's fleet scored them: ``Sample.teacher_logprobs``); None otherwise.
         attention_mask: [b, 1, s, s] bool, True = masked (megatron's convention), for packed rows
             (``_packing.block_causal_mask``); None = plain causal attention over each row.
         routed_experts: [b, s, layers, top_k] the engine's experts of each position (router replay), pad positions
@@ -55,6 +57,7 @@ class MicroBatch:
     fleet_logp: torch.Tensor
     seq_ids: torch.Tensor
     ref_logp: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     padding: torch.Tensor | None = None
@@ -99,11 +102,12 @@ class StepRows:
     advantages: torch.Tensor
     filled: torch.Tensor
     routing: torch.Tensor | None = None
+    teacher: torch.Tensor | None = None
 
     @classmethod
     def zeros(cls, rows: int, s: int, samples: Sequence[Sample] = ()) -> "StepRows":
         """Empty rows; with routing rows (``[rows, s, layers, k]``, pads routed to experts 0..k-1) when the step's
-        ``samples`` carry the engine's routing."""
+        ``samples`` carry the engine's routing, and teacher log-prob rows when they carry a teacher's."""
         long, shape = torch.long, (rows, s)
         routed = [x.routed_experts for x in samples if x.routed_experts is not None]
         if routed and len(routed) != len(samples):
@@ -112,9 +116,12 @@ class StepRows:
         if routed:
             layers, k = routed[0].shape[1:]
             routing = torch.arange(k, dtype=torch.int16).expand(rows, s, layers, k).clone()
+        scored = [x.teacher_logprobs is not None for x in samples]
+        if any(scored) and not all(scored):
+            raise ValueError("distillation: some samples carry the teacher's log-probs and some do not")
         return cls(torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long), torch.zeros(shape, dtype=long),
                    torch.zeros(shape, dtype=torch.bool), torch.zeros(shape), torch.zeros(shape),
-                   torch.zeros(shape, dtype=torch.bool), routing)
+                   torch.zeros(shape, dtype=torch.bool), routing, torch.zeros(shape) if any(scored) else None)
 
     def put(self, row: int, start: int, sample: Sample, valid: bool, advantage: float, first: int = 0,
             last: int | None = None) -> int:
@@ -143,6 +150,8 @@ class StepRows:
             else:  # a multi-turn episode: the environment's tokens are context, never trained
                 self.loss_mask[row, response] = torch.tensor(sample.trainable[tokens], dtype=torch.bool)
             self.behavior[row, response] = torch.tensor(sample.behavior_logprobs[tokens], dtype=torch.float32)
+            if self.teacher is not None:
+                self.teacher[row, response] = torch.tensor(sample.teacher_logprobs[tokens], dtype=torch.float32)
         return n
 
     def microbatch(self, rows: slice, seq_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> MicroBatch:
@@ -153,6 +162,7 @@ class StepRows:
         bounds = (int(scored.min()), int(scored.max())) if scored.numel() else None
         return MicroBatch(self.tokens[rows], self.positions[rows], targets, self.loss_mask[rows], behavior,
                           self.advantages[rows], behavior.clone(), seq_ids, attention_mask=attention_mask,
+                          teacher_logp=None if self.teacher is None else self.teacher[rows],
                           routed_experts=None if self.routing is None else self.routing[rows],
                           padding=padding if bool(padding.any()) else None, loss_rows=loss_rows,
                           target_bounds=bounds)

@@ -165,6 +165,26 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     if teacher and not model_dir:
         errors = model_dir_errors(teacher, "distill.teacher_path")
         return errors or teacher_errors(load_arch(teacher), arch, p.tp, p.pp, p.ep, p.etp)
+    if config.distill.teacher_fleet and not model_dir:
+        return teacher_fleet_errors(config.distill.teacher_fleet, arch)
+    return []
+
+
+def teacher_fleet_errors(state: str, student: QwenArch) -> list[str]:
+    """Why the teacher's fleet cannot score the student's tokens: no fleet recorded there, or a served model whose
+    vocabulary is smaller (read where the fleet's model directory is visible from here)."""
+    from megatron_offgrpo.fleet import load_state
+
+    try:
+        served = load_state(state).model_dir
+    except (OSError, ValueError) as exc:
+        return [f"distill.teacher_fleet={state}: {exc}"]
+    if not (Path(served) / "config.json").is_file():  # a fleet on other nodes: its servers are asked at connect
+        return []
+    teacher = load_arch(served)
+    if teacher.vocab_size < student.vocab_size:
+        return [f"distill.teacher_fleet={state}: its model {served} has a smaller vocabulary ({teacher.vocab_size}) "
+                f"than the student's ({student.vocab_size}): it must score every token the student samples"]
     return []
 
 

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
-from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, make_engine,
-                                      verify_refresh)
+from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
+                                      make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
@@ -57,6 +57,7 @@ class RolloutSide:
     rollouts: Rollouts  # prompts -> rewarded samples (completions, or multi-turn episodes)
     eval_prompts: list[Prompt]
     data_report: dict[str, int | str]  # both set sizes, where evaluation reads from, their overlap (run_info.json)
+    teacher: TeacherFleet | None = None  # distill.teacher_fleet: scores every sample of a step once generated
     # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     # (step, its generation, the stream's position before it drew): a failed prefetch's prompts are drawn again
@@ -96,6 +97,8 @@ class RolloutSide:
                               f"{engine.name} engine: install vLLM, or set partial_rollouts=false")
         rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env)
         side = cls(config, engine, stream, rollouts, eval_prompts, log_data(config, data))
+        if config.distill.teacher_fleet:
+            side.teacher = TeacherFleet.from_state(config.distill.teacher_fleet)
         if config.rollout.overlap:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         if config.rollout.mode == "async":
@@ -115,6 +118,10 @@ class RolloutSide:
         start, episodes = time.perf_counter(), EpisodeStats()
         batch = self._fill(step, drawn, episodes)
         batch.timing["generate_s"] = time.perf_counter() - start
+        if self.teacher is not None:  # the trained samples only (not the groups dynamic sampling left out)
+            start = time.perf_counter()
+            self.teacher.score(batch.samples)
+            batch.timing["teacher_s"] = time.perf_counter() - start
         batch.episodes = episodes.metrics()
         return batch
 
@@ -246,6 +253,8 @@ class RolloutSide:
             self._async.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.teacher is not None:
+            self.teacher.close()
         self.engine.close()
 
 

@@ -1,10 +1,16 @@
-"""On-policy distillation's teacher: a frozen model on the trainer's ranks that scores every sampled token once a step.
+"""On-policy distillation's teacher: a frozen model whose log-prob of every sampled token, against the behavior
+policy's, is the distillation advantage.
 
-Where it runs: on the trainer's ranks at the student's TP/PP layout, in the same megatron schedule as the reference
-model's forward (``token_logprobs``), over the step's own micro-batches. The alternative, the fleet's engines scoring
-the sequences with prompt log-probs, needs a second served model and sends every sequence out and the log-probs back;
-here the tokens are already where the loss is computed, and its forward (at the loss's positions only) cost a third of
-a training step on the CPU task (README "On-policy distillation": 0.27-0.46 s against 1.0-1.5 s).
+Where it runs, one of two places (``distill``):
+- ``teacher_path``: on the trainer's ranks at the student's TP/PP layout, in the same megatron schedule as the
+  reference model's forward (``token_logprobs``), over the step's own micro-batches: the tokens are already where the
+  loss is computed, and its forward (at the loss's positions only) cost a third of a training step on the CPU task
+  (README "On-policy distillation": 0.27-0.46 s against 1.0-1.5 s). It takes trainer memory and time, and the
+  teacher must split at the student's layout.
+- ``teacher_fleet``: on a fleet of its own (``rollout.TeacherFleet``), any size and layout, scored when the samples
+  are generated (beside the training in ``rollout.mode=async``); the samples bring the log-probs
+  (``Sample.teacher_logprobs`` -> ``MicroBatch.teacher_logp``). It costs a second served model and the sequences'
+  round trip.
 """
 
 from __future__ import annotations
@@ -28,21 +34,25 @@ from megatron_offgrpo.train._step import token_logprobs
 
 @dataclasses.dataclass
 class Teacher:
-    """The frozen teacher stage of this rank and the distillation settings."""
+    """The frozen teacher stage of this rank (None: a teacher's fleet scored the samples) and the distillation
+    settings."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     weight: float
     reward_weight: float
     discount: float
 
     @classmethod
     def build(cls, config: Config, ctx: ParallelContext, student: QwenArch) -> Teacher:
-        """Load ``distill.teacher_path`` at this run's layout (collective).
+        """Load ``distill.teacher_path`` at this run's layout (collective), or, with ``distill.teacher_fleet``, the
+        settings alone (the samples bring the teacher's log-probs).
 
         Raises:
             ConfigError: a teacher that cannot score the student's tokens at this layout.
         """
         d = config.distill
+        if d.teacher_fleet:
+            return cls(None, d.weight, d.reward_weight, d.discount)
         path = resolve_model_dir(d.teacher_path)
         arch = load_arch(path)
         errors = teacher_errors(arch, student, ctx.tp_size, ctx.pp_size, ctx.ep_size, config.parallel.etp)
@@ -54,12 +64,19 @@ class Teacher:
         return cls(model, d.weight, d.reward_weight, d.discount)
 
     def apply(self, ctx: ParallelContext, microbatches: Sequence[MicroBatch], temperature: float) -> dict[str, float]:
-        """Score the micro-batches and turn their advantages into ``reward_weight * A_reward + weight * A_distill``
-        (in place, on the last stage, where the loss is computed); returns ``teacher_kl`` (the mean per-token
-        reverse-KL estimate over the step's trained tokens, every rank) and ``teacher_s``."""
+        """Score the micro-batches (or read the fleet's scores they carry) and turn their advantages into
+        ``reward_weight * A_reward + weight * A_distill`` (in place, on the last stage, where the loss is computed);
+        returns ``teacher_kl`` (the mean per-token reverse-KL estimate over the step's trained tokens, every rank)
+        and, when it scored them here, ``teacher_s`` (a fleet's scoring time comes with the samples)."""
         start = time.perf_counter()
         sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-        for mb, logp in zip(microbatches, token_logprobs(self.model, ctx, microbatches, temperature)):
+        if self.model is not None:
+            scored = token_logprobs(self.model, ctx, microbatches, temperature)
+        elif any(mb.teacher_logp is None for mb in microbatches):
+            raise RuntimeError("distill.teacher_fleet: a step's samples came without the teacher's log-probs")
+        else:  # the last stage's, as token_logprobs gives them: the loss and the KL sums are computed there alone
+            scored = [mb.teacher_logp for mb in microbatches] if ctx.is_last_stage else []
+        for mb, logp in zip(microbatches, scored):
             distill = distill_advantages(logp.reshape(-1), mb.flat("behavior_logp"), mb.flat("loss_mask"),
                                          mb.flat("seq_ids"), self.discount).reshape(mb.advantages.shape)
             mb.advantages = self.reward_weight * mb.advantages + self.weight * distill.to(mb.advantages.dtype)
@@ -68,4 +85,5 @@ class Teacher:
         for group in (ctx.pp_group, ctx.dp_group):
             dist.all_reduce(sums, group=group)
         total, count = sums.tolist()
-        return {"teacher_kl": total / max(count, 1.0), "teacher_s": time.perf_counter() - start}
+        seconds = {"teacher_s": time.perf_counter() - start} if self.model is not None else {}
+        return {"teacher_kl": total / max(count, 1.0), **seconds}

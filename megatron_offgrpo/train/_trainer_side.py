@@ -42,7 +42,8 @@ class TrainerSide:
     Attributes:
         snapshot: the weights the engine serves (``rollout.behavior_logprobs=recompute``): exact behavior log-probs.
         reference: the initial policy (``algo.kl_beta > 0``): the KL term's log-probs.
-        teacher: on-policy distillation's frozen teacher (``distill.teacher_path``): scores every sampled token.
+        teacher: on-policy distillation's frozen teacher (``distill.teacher_path``: scores every sampled token), or its
+            settings (``distill.teacher_fleet``: the samples bring the scores).
         router_load: MoE models: counts each step's routing (the ``moe_*`` metrics).
     """
 
@@ -72,7 +73,7 @@ class TrainerSide:
             side.snapshot = frozen_copy(policy.model, arch, ctx, config.model)
         if config.algo.kl_beta > 0:
             side.reference = frozen_copy(policy.model, arch, ctx, config.model)
-        if config.distill.teacher_path:
+        if config.distill.on:
             side.teacher = Teacher.build(config, ctx, arch)
         if arch.is_moe:
             side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
