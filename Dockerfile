@@ -4,8 +4,11 @@
 # Base: NVIDIA's PyTorch container, written against nvcr.io/nvidia/pytorch:25.12-py3 (its release notes: PyTorch
 # 2.10.0a0+b4e4ee81d3, CUDA 13.1, Python 3.12). It ships Transformer Engine and apex built for its own torch: the
 # trainer's TE layer spec, the FP8 recipes and megatron's fused optimizers need them, and neither installs
-# reliably from PyPI on top of another torch. TE must lie in the range of the project's `te` extra (the range
-# megatron-core 0.16.1 supports); launch/check_image.py verifies that at build time and stops the build if not.
+# reliably from PyPI on top of another torch. TE must lie in the range of the project's `te` extra, which is the
+# range megatron-core 0.16.1 (the newest the registry serves) declares for itself (its `dev` extra:
+# transformer-engine>=2.9.0a0,<2.12.0); launch/check_image.py verifies that at build time and stops the build if not.
+# So the base moves with megatron-core: a newer release of this container, with a TE of 2.12 or later, needs the
+# megatron-core that supports it (BASE_IMAGE below is a build argument; check_image.py says which TE it found).
 # Not yet built or run: no Docker and no GPU where this was written.
 #
 # Two Python environments, because vLLM and the container each need their own torch:
