@@ -74,7 +74,7 @@ class SuiteBudget:
         if times := os.environ.get("OFFGRPO_SUITE_TIMES"):
             os.makedirs(os.path.dirname(os.path.abspath(times)), exist_ok=True)
             with open(times, "w") as out:
-                json.dump({"wall_s": round(wall, 1), "files": _by_cost(self.per_file),
+                json.dump({"wall_s": round(wall, 3), "files": _by_cost(self.per_file),
                            "tests": _by_cost(self.per_test)}, out, indent=1)
             tr.write_line(f"every file's and test's time: {times}")
         if (over := self.over_limit()) is not None:

@@ -74,4 +74,6 @@ def test_every_files_and_tests_time_is_written_when_asked(tree, tmp_path):
     _run(tree, "-p", "no:xdist", OFFGRPO_SUITE_TIMES=str(times))
     written = json.loads(times.read_text())
     assert sorted(written["files"]) == sorted(TREE) and len(written["tests"]) == sum(TREE.values())
-    assert written["wall_s"] > 0 and all(seconds >= 0 for seconds in written["tests"].values())
+    # one process: the session holds every test (each time rounded to 0.01 s)
+    assert all(seconds >= 0 for seconds in written["tests"].values())
+    assert written["wall_s"] + 0.005 * len(written["tests"]) >= sum(written["tests"].values())

@@ -196,11 +196,16 @@ def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor],
 
     first = engine.version() + 1
     install(old, first)  # known weights: the engine may hold anything a previous case installed
+    # the refresh must land while the generations decode, on a quick machine or a loaded one: time 50 tokens of the
+    # same batch first (a fresh engine's first-request costs out of the way too), then refresh ~100 tokens into 400
+    start = time.perf_counter()
+    engine.generate(PROMPTS[:2], 2, SamplingParams(max_tokens=50, temperature=1.0, seed=4))
+    per_50 = time.perf_counter() - start
     results = []
     long_run = threading.Thread(target=lambda: results.extend(
-        engine.generate(PROMPTS[:2], 2, SamplingParams(max_tokens=300, temperature=1.0, seed=4))))
+        engine.generate(PROMPTS[:2], 2, SamplingParams(max_tokens=400, temperature=1.0, seed=4))))
     long_run.start()
-    time.sleep(1.0)  # decoding
+    time.sleep(2 * per_50)
     install(new, first + 1)
     long_run.join()
     mixed = [s for s in results if s.token_versions is not None]
