@@ -47,6 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E402
 from benchmarks._tables import markdown  # noqa: E402
 from megatron_offgrpo.config import load_config  # noqa: E402
 
@@ -57,12 +58,6 @@ BOUNDS = {"lockstep": lambda v: v - 1, "overlap": lambda v: v, "async": lambda v
 COLUMNS = ["variant", "staleness bound", "tokens/s", "vs lockstep", "trainer busy", "generation busy",
            "trainer waits s/step", "staleness mean", "steps in flight", "paused by bound s/step"]
 SPLIT_COLUMNS = ["trainer core busy", "fleet core busy"]
-TINY = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
-
-
-def _offgrpo(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", *args], cwd=REPO, check=True,
-                   stdout=subprocess.DEVNULL)
 
 
 def _pinned(cores: list[int]) -> dict:
@@ -83,10 +78,6 @@ def _cpu_seconds(pid: int, group: bool = False) -> float:
         if not group or int(fields[2]) == pid:
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 def summarise(records: list[dict], variant: str, bound: int, samples_per_step: int) -> dict:
@@ -115,26 +106,13 @@ def long_tail_data(path: Path, rows: int, median: float, sigma: float, most: int
         "max": caps[-1]}
 
 
-def random_model(directory: Path) -> Path:
-    """The tiny model with random weights as a HF directory (a fleet serves weights from disk; the trainer starts from
-    the same ones)."""
-    if not (directory / "config.json").exists():
-        import torch
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(TINY)
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    return directory
-
-
 def workload(args, out: Path) -> tuple[Path, list[str], str]:
     """The model directory, the train command's other model and data arguments of ``--lengths``, and the title."""
     if args.lengths == "demo":
         sft = out / "sft"
         if not (sft / "hf").is_dir():
             print(f"async_rollout: warm-up into {sft}", flush=True)
-            _offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
+            offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"train.out_dir={sft}", "train.overwrite=true")
         return sft / "hf", [], "demo task"
     data = out / "long_tail.jsonl"
     caps = long_tail_data(data, 2000, args.median_tokens, args.sigma, args.max_tokens, seed=0)
@@ -228,7 +206,7 @@ def main() -> int:
     for variant in args.variants:
         run = out / variant
         done = run / "metrics.jsonl"
-        if done.exists() and len(_records(run)) == args.steps and (run / "busy.json").exists():
+        if done.exists() and len(run_records(run)) == args.steps and (run / "busy.json").exists():
             print(f"async_rollout: {variant}: reusing the finished run in {run}", flush=True)
         else:
             print(f"async_rollout: {variant} ({args.steps} steps, v={args.v}, {args.placement})", flush=True)
@@ -242,7 +220,7 @@ def main() -> int:
                 subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
                 busy = {}
             (run / "busy.json").write_text(json.dumps(busy))
-        rows.append(summarise(_records(run), variant, BOUNDS[variant](args.v), samples_per_step)
+        rows.append(summarise(run_records(run), variant, BOUNDS[variant](args.v), samples_per_step)
                     | json.loads((run / "busy.json").read_text()))
     base = next((r["tokens/s"] for r in rows if r["variant"] == "lockstep"), None)
     for row in rows:

@@ -22,13 +22,15 @@ Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 4] [--variants grpo gs
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks._runs import run_records  # noqa: E402
+
 VARIANTS = {
     "grpo": [],
     "gspo": ["algo.objective=gspo", "algo.aggregation=seq_mean_token_mean"],
@@ -42,10 +44,6 @@ VARIANTS = {
 
 def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 def _time_to_target(records: list[dict], target: float, window: int = 5) -> float:
@@ -84,12 +82,12 @@ def main() -> None:
                              "grpo before it")
             for v in args.vs:
                 run_dir = _run_dir(args, variant, v, seed)
-                if not (run_dir / "metrics.jsonl").exists() or len(_records(run_dir)) < args.steps:
+                if not (run_dir / "metrics.jsonl").exists() or len(run_records(run_dir)) < args.steps:
                     _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
                                     f"parallel.seed={1234 + seed}", f"train.steps={args.steps}",
                                     f"train.out_dir={run_dir}", f"rollout.engine={args.engine}", "train.save_every=0",
                                     "train.overwrite=true", f"model.hf_path={warmup / 'hf'}", *overrides])
-                results.setdefault((variant, v), []).append(_summarise(_records(run_dir), args.target))
+                results.setdefault((variant, v), []).append(_summarise(run_records(run_dir), args.target))
                 print(f"{variant} v={v} seed={seed}: {results[variant, v][-1]}", file=sys.stderr)
     _print_table(results, args)
     _plot(args, results)
@@ -152,7 +150,7 @@ def _plot(args, results) -> None:
     5-step moving average shows the trend."""
     from megatron_offgrpo.cli.report import mean_records, plot_runs
 
-    runs = {f"{variant} v={v}": mean_records([_records(_run_dir(args, variant, v, s)) for s in range(args.seeds)])
+    runs = {f"{variant} v={v}": mean_records([run_records(_run_dir(args, variant, v, s)) for s in range(args.seeds)])
             for variant, v in results}
     out = plot_runs(runs, args.out / "comparison.png", window=5,
                     title=f"on- vs off-policy: {', '.join(args.variants)} (mean of {args.seeds} seeds)")

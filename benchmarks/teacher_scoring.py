@@ -22,35 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E402
 from benchmarks._tables import markdown  # noqa: E402
 from megatron_offgrpo.config import load_config  # noqa: E402
 
-TINY = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
 VARIANTS = ("trainer", "fleet", "fleet-async")
 COLUMNS = ["teacher", "teacher s/step", "scored tokens/s", "step s", "train s/step", "teacher_kl first -> last"]
-
-
-def _offgrpo(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", *args], cwd=REPO, check=True,
-                   stdout=subprocess.DEVNULL)
-
-
-def teacher_model(directory: Path) -> Path:
-    """The tiny model with random weights of a larger init (peaked where the student is near uniform)."""
-    if not (directory / "config.json").exists():
-        import torch
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(TINY, initializer_range=0.2)
-        torch.manual_seed(5)
-        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    return directory
 
 
 def summarise(variant: str, records: list[dict], samples_per_step: int) -> dict:
@@ -75,14 +57,15 @@ def main() -> int:
         parser.error(f"--steps {args.steps}: at least 3 (the first is not timed)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    teacher = teacher_model(out / "teacher")
+    # peaked where the student (the tiny model, random weights) is near uniform: a reverse KL well above 0
+    teacher = random_model(out / "teacher", seed=5, initializer_range=0.2)
     base = ["train", "--config", "configs/tiny-cpu.yaml", "model.init=random", f"model.hf_path={TINY}",
             f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.loggers=[]",
             "train.overwrite=true", "distill.reward_weight=0"]
     rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", []).rollout
     state, rows, samples_per_step = out / "fleet", [], rollout.prompts_per_step * rollout.group_size
     if any(v.startswith("fleet") for v in args.variants):
-        _offgrpo("fleet", "start", "--model", str(teacher), "--num-servers", "1", "--dtype", "float32",
+        offgrpo("fleet", "start", "--model", str(teacher), "--num-servers", "1", "--dtype", "float32",
                  "--max-model-len", "512", "--new-token", "--state-dir", str(state))
     try:
         for variant in args.variants:
@@ -90,18 +73,16 @@ def main() -> int:
             where = [f"distill.teacher_path={teacher}"] if variant == "trainer" else [f"distill.teacher_fleet={state}"]
             mode = ["rollout.mode=async"] if variant == "fleet-async" else []
             print(f"teacher_scoring: {variant}", flush=True)
-            _offgrpo(*base, *where, *mode, f"train.out_dir={run}")
-            records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-            rows.append(summarise(variant, records, samples_per_step))
+            offgrpo(*base, *where, *mode, f"train.out_dir={run}")
+            rows.append(summarise(variant, run_records(run), samples_per_step))
     finally:
         if (state / "fleet.json").exists():
-            _offgrpo("fleet", "stop", "--state-dir", str(state))
+            offgrpo("fleet", "stop", "--state-dir", str(state))
     table = markdown(COLUMNS, rows)
     (out / "teacher_scoring.md").write_text(table + "\n")
     (out / "teacher_scoring.json").write_text(json.dumps(rows, indent=1))
     print(table)
     return 0
-
 
 
 if __name__ == "__main__":

@@ -179,22 +179,22 @@ def teacher_fleet_errors(state: str, student: QwenArch) -> list[str]:
         served = load_state(state).model_dir
     except (OSError, ValueError) as exc:
         return [f"distill.teacher_fleet={state}: {exc}"]
-    if not (Path(served) / "config.json").is_file():  # a fleet on other nodes: its servers are asked at connect
+    if not (Path(served) / "config.json").is_file():  # a fleet serving from other nodes' disks: nothing to read here
         return []
-    teacher = load_arch(served)
-    if teacher.vocab_size < student.vocab_size:
-        return [f"distill.teacher_fleet={state}: its model {served} has a smaller vocabulary ({teacher.vocab_size}) "
-                f"than the student's ({student.vocab_size}): it must score every token the student samples"]
-    return []
+    return _vocabulary_errors(f"distill.teacher_fleet={state} (serving {served})", load_arch(served), student)
+
+
+def _vocabulary_errors(key: str, teacher: QwenArch, student: QwenArch) -> list[str]:
+    """A teacher whose vocabulary does not cover the student's (wherever it runs)."""
+    if teacher.vocab_size >= student.vocab_size:
+        return []
+    return [f"{key}: its vocabulary ({teacher.vocab_size}) is smaller than the student's ({student.vocab_size}): it "
+            "must score every token the student samples (the same tokenizer family)"]
 
 
 def teacher_errors(teacher: QwenArch, student: QwenArch, tp: int, pp: int, ep: int, etp: int | None) -> list[str]:
     """Why the distillation teacher cannot score the student's tokens at this layout (empty when it can)."""
-    errors = []
-    if teacher.vocab_size < student.vocab_size:
-        errors.append(f"distill.teacher_path: its vocabulary ({teacher.vocab_size}) is smaller than the student's "
-                      f"({student.vocab_size}): it must score every token the student samples (the same tokenizer "
-                      "family)")
+    errors = _vocabulary_errors("distill.teacher_path", teacher, student)
     try:
         teacher.check_layout(tp, pp, ep, etp)
     except ValueError as exc:
