@@ -3,10 +3,8 @@
 from checkpoint_tools._check import hf_dir_errors
 from checkpoint_tools._convert import (
     MegatronCheckpoint,
-    hf_to_megatron_dir,
     iter_hf_tensors,
     megatron_to_hf_dir,
-    reshard_dir,
     write_hf,
 )
 from checkpoint_tools._dist import (
@@ -57,7 +55,6 @@ __all__ = [
     "hf_names",
     "hf_shapes",
     "hf_to_dist_dir",
-    "hf_to_megatron_dir",
     "hf_to_state_dict",
     "is_extra_state",
     "iter_hf_tensors",
@@ -71,7 +68,6 @@ __all__ = [
     "state_dicts_to_hf",
     "sweep_stale_siblings",
     "rebucket",
-    "reshard_dir",
     "stream_hf_buckets",
     "tensor_record",
     "write_hf",

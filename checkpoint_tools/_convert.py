@@ -1,6 +1,7 @@
-"""Offline conversions between HF directories and megatron TP x PP checkpoint directories.
+"""The per-rank safetensors checkpoint directories of earlier versions, read only, and the HF directory writer.
 
-A megatron checkpoint directory written here:
+``hf-to-megatron`` writes megatron dist checkpoints (``_dist_write``). Earlier versions wrote their own per-rank
+format, which is read here so that such checkpoints still export to HF (``megatron-to-hf``):
     megatron_meta.json                  {"tp", "pp", "ep", "hf_config", "spec"}
     mp_rank_{tp:02d}_{pp:03d}[_{ep:03d}]/model.safetensors   one file per (TP rank, PP stage[, EP rank when ep > 1]),
                                         megatron local-spec names; a MoE layer's experts as its EP rank's stack
@@ -8,8 +9,8 @@ A megatron checkpoint directory written here:
                                         other tensors in every EP rank's file
     hf_extra/                           generation config and tokenizer files carried to the HF export
     offgrpo_manifest.json               written last: every tensor's shape, dtype and CRC-32
-Each conversion holds at most one pipeline stage's tensors in memory (HF -> megatron, reshard) or one HF shard
-(megatron -> HF), and writes into an ``atomic_output_dir``.
+The export holds one full tensor of the checkpoint at a time and at most one HF shard, and writes into an
+``atomic_output_dir``.
 """
 
 from __future__ import annotations
@@ -29,14 +30,11 @@ from checkpoint_tools._io import (
     atomic_output_dir,
     check_output,
     copy_extra_files,
-    open_safetensors_dir,
     read_manifest,
-    tensor_record,
     write_manifest,
     write_sharded,
 )
-from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
-from checkpoint_tools._shapes import hf_shapes, megatron_shard_shape
+from checkpoint_tools._shapes import hf_shapes
 from megatron_offgrpo.model import QwenArch, arch_from_hf_config, hf_config_dict
 
 logger = logging.getLogger(__name__)
@@ -59,7 +57,8 @@ def _read_hf_config(hf_dir: Path) -> dict:
 
 
 class MegatronCheckpoint:
-    """Lazy reader of a megatron TP x PP checkpoint directory: full (TP-merged) tensors by global name."""
+    """Lazy reader of a per-rank checkpoint directory of earlier versions (any TP x PP x EP): full (TP- and, for
+    experts, EP-merged) tensors by global name."""
 
     def __init__(self, directory: str | Path) -> None:
         """Raises: CheckpointError naming the file when the directory is incomplete or corrupt."""
@@ -135,70 +134,6 @@ def check_layout(arch: QwenArch, tp: int, pp: int, ep: int = 1) -> None:
     arch.check_layout(tp, pp, ep)  # after: a size of 0 would divide by zero there
 
 
-def write_megatron(
-    out: Path,
-    arch: QwenArch,
-    hf_config: dict,
-    tp: int,
-    pp: int,
-    full_fn: Callable[[str], torch.Tensor],
-    dtype_fn: Callable[[str], torch.dtype],
-    extra_src: Path | None,
-    ep: int = 1,
-) -> None:
-    """Write a megatron TP x PP (x EP) checkpoint whose full tensors come from ``full_fn(global_name)`` (atomic).
-
-    Each rank file is streamed: one full tensor (and its shards) is in memory at a time.
-    """
-    check_layout(arch, tp, pp, ep)
-    with atomic_output_dir(out) as tmp:
-        records = {}
-        for p in range(pp):
-            offset = M.layers_of_stage(arch, pp, p).start
-            names = M.full_megatron_names(arch, pp, p)
-            specs = [(n, dtype_fn(M.to_global_layer(n, offset)), megatron_shard_shape(n, arch, tp, ep))
-                     for n in names]
-            writers = {}
-            for t in range(tp):
-                for e in range(ep):
-                    sub = rank_dir(t, p, e if ep > 1 else None)
-                    (tmp / sub).mkdir()
-                    writers[(t, e)] = (sub, StreamingSafetensorsWriter(tmp / sub / "model.safetensors", specs))
-            for local in names:
-                full = full_fn(M.to_global_layer(local, offset))
-                kind = M.split_kind(local)
-                for (t, e), (sub, writer) in writers.items():
-                    part = full.chunk(ep)[e] if M.is_expert_kind(kind) else full
-                    shard = M.shard_for_tp(part, kind, tp, t)
-                    writer.write(local, shard)
-                    records[f"{sub}/{local}"] = tensor_record(shard, "model.safetensors")
-            for _, writer in writers.values():
-                writer.close()
-            logger.info("wrote pipeline stage %d/%d", p + 1, pp)
-        if extra_src is not None and extra_src.is_dir():
-            (tmp / "hf_extra").mkdir()
-            copy_extra_files(extra_src, tmp / "hf_extra")
-        meta = {"tp": tp, "pp": pp, "ep": ep, "hf_config": hf_config, "spec": "local"}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        write_manifest(tmp, "megatron", records, {"tp": tp, "pp": pp, "ep": ep})
-
-
-def hf_to_megatron_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
-    """Convert a HF Qwen directory into a megatron TP x PP (x EP) checkpoint at ``out``."""
-    hf_dir, out = Path(hf_dir), Path(out)
-    hf_config = _read_hf_config(hf_dir)
-    arch = arch_from_hf_config(hf_config)
-    check_layout(arch, tp, pp, ep)
-    check_output(out, hf_dir, overwrite=False, has_overwrite_flag=False)
-    tensors = open_safetensors_dir(hf_dir)
-    M.check_hf_names(tensors.names(), arch)
-    start = time.perf_counter()
-    write_megatron(out, arch, hf_config, tp, pp, lambda g: M.hf_to_megatron(g, arch, tensors),
-                   lambda g: tensors.dtype(M.hf_sources(g, arch)[1][0]), hf_dir, ep)
-    logger.info("HF -> megatron tp=%d pp=%d ep=%d in %.2f s: %s", tp, pp, ep, time.perf_counter() - start, out)
-    return out
-
-
 def _installed_version(package: str, default: str) -> str:
     from importlib import metadata
 
@@ -250,7 +185,7 @@ def write_hf(
 def megatron_to_hf_dir(
     ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3, overwrite: bool = False
 ) -> Path:
-    """Convert a megatron checkpoint of any TP x PP layout into a HF directory at ``out``."""
+    """Export a per-rank checkpoint directory of earlier versions (any TP x PP x EP) to a HF directory at ``out``."""
     src = MegatronCheckpoint(ckpt)
     check_output(Path(out), src.directory, overwrite)
     start = time.perf_counter()
@@ -261,12 +196,3 @@ def megatron_to_hf_dir(
                 out)
     return Path(out)
 
-
-def reshard_dir(ckpt: str | Path, out: str | Path, tp: int, pp: int, ep: int = 1) -> Path:
-    """Rewrite a megatron checkpoint in another TP x PP (x EP) layout (bit-exact)."""
-    src = MegatronCheckpoint(ckpt)
-    out = Path(out)
-    check_layout(src.arch, tp, pp, ep)
-    check_output(out, src.directory, overwrite=False, has_overwrite_flag=False)
-    write_megatron(out, src.arch, src.hf_config, tp, pp, src.full, src.dtype, src.directory / "hf_extra", ep)
-    return out

@@ -1,12 +1,11 @@
-"""Shapes of a Qwen model's tensors, known from its config before any data is read: every HF tensor, and each
-megatron shard of a TP x EP layout (what streaming writers declare in their headers, and what the fleet checks a
-refresh against)."""
+"""Shapes of a Qwen model's HF tensors, known from its config before any data is read (what streaming writers declare
+in their headers, and what the fleet checks a refresh against)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from checkpoint_tools._mapping import L, RULES, hf_names, rule_for_megatron, split_dim
+from checkpoint_tools._mapping import hf_names
 from megatron_offgrpo.model import QwenArch, arch_from_hf_config
 
 
@@ -30,21 +29,3 @@ def expected_hf_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of the model described by ``hf_config`` -> its shape (tied lm_head excluded)."""
     return hf_shapes(arch_from_hf_config(hf_config))
 
-
-def megatron_shard_shape(name: str, arch: QwenArch, tp: int, ep: int = 1) -> tuple[int, ...]:
-    """Shape of this megatron tensor's TP (x EP) shard (any layer index; all ranks have the same shape)."""
-    rule, _ = rule_for_megatron(name)
-    if rule.megatron == "output_layer.weight" and arch.tie_word_embeddings:
-        rule = RULES[0]
-    shapes = hf_shapes(arch)
-    parts = [shapes[p.replace(L, "0").replace("{e}", "0")] for p in rule.hf]
-    full = (sum(p[0] for p in parts), *parts[0][1:])
-    if rule.per_expert:  # the stack of this EP rank's experts, each split as the dense MLP
-        base, _ = split_dim(rule.split)
-        per_expert = (full[0] // tp, full[1]) if base == "gate_up" else (full[0], full[1] // tp)
-        return (arch.num_experts // ep, *per_expert)
-    if rule.split in ("rows", "gate_up"):
-        return (full[0] // tp, *full[1:])
-    if rule.split == "cols":
-        return (full[0], full[1] // tp)
-    return full

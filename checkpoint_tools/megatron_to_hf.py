@@ -1,10 +1,10 @@
 """Convert a megatron checkpoint of any TP x PP layout into a Hugging Face directory.
 
-``--ckpt`` is either a checkpoint_tools directory (``hf_to_megatron`` / ``reshard``: ``megatron_meta.json``) or a
-trainer checkpoint ``RUN/checkpoints/step_N`` of any TP x PP x DP layout (megatron dist checkpoint, resharded to
-TP1/PP1 in this one process); the kind is detected from its files. Writes sharded safetensors + index, config.json,
-generation_config.json and the tokenizer files; the result loads with ``AutoModelForCausalLM.from_pretrained`` and
-``AutoTokenizer.from_pretrained``.
+``--ckpt`` is a megatron dist checkpoint of any TP x PP x DP layout (``hf_to_megatron``'s output or a trainer
+checkpoint ``RUN/checkpoints/step_N``, resharded to TP1/PP1 in this one process), or a checkpoint_tools directory of
+an earlier version (per-rank safetensors, ``megatron_meta.json``); the kind is detected from its files. Writes
+sharded safetensors + index, config.json, generation_config.json and the tokenizer files; the result loads with
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
 
 Usage: python -m checkpoint_tools.megatron_to_hf --ckpt DIR --out DIR [--max-shard-size 2GB] [--overwrite]
 """
@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt", required=True,
-                        help="megatron checkpoint directory: from hf_to_megatron/reshard, or a "
-                        "trainer checkpoint RUN/checkpoints/step_N")
+                        help="megatron checkpoint directory: from hf_to_megatron, a trainer checkpoint "
+                        "RUN/checkpoints/step_N, or an earlier version's checkpoint_tools directory")
     parser.add_argument("--out", required=True, help="output HF directory (written atomically)")
     parser.add_argument("--max-shard-size", type=parse_size, default=parse_size("2GB"),
                         help="largest safetensors shard")

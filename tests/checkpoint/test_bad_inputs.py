@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from checkpoint_tools import CheckpointError, hf_to_megatron_dir, megatron_to_hf_dir
-from checkpoint_tools import _convert
+from checkpoint_tools import CheckpointError, StreamingSafetensorsWriter, hf_to_dist_dir, megatron_to_hf_dir
 from megatron_offgrpo.model import UnsupportedConfigError
+from tests.checkpoint.legacy_format import write_legacy_checkpoint
 
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -38,14 +38,14 @@ def test_truncated_safetensors_names_the_file_and_leaves_nothing(hf_models, tmp_
 
 
 def test_missing_shard_names_the_file(hf_models, tmp_path):
-    mega = hf_to_megatron_dir(hf_models["qwen3_untied"], tmp_path / "mega", tp=1, pp=1)
+    mega = write_legacy_checkpoint(hf_models["qwen3_untied"], tmp_path / "mega")
     hf = megatron_to_hf_dir(mega, tmp_path / "hf", max_shard_bytes=40_000)
     shards = sorted(hf.glob("model-*.safetensors"))
     shards[1].unlink()
     with pytest.raises(CheckpointError, match=shards[1].name):
-        hf_to_megatron_dir(hf, tmp_path / "again", tp=1, pp=1)
+        hf_to_dist_dir(hf, tmp_path / "again")
     assert not (tmp_path / "again").exists()
-    # The same for a megatron checkpoint with a missing rank file.
+    # The same for an earlier version's per-rank checkpoint with a missing rank file.
     (mega / "mp_rank_00_000" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="mp_rank_00_000"):
         megatron_to_hf_dir(mega, tmp_path / "hf2")
@@ -53,7 +53,7 @@ def test_missing_shard_names_the_file(hf_models, tmp_path):
 
 
 def test_bit_flip_is_caught_by_the_manifest_naming_the_tensor(hf_models, tmp_path):
-    mega = hf_to_megatron_dir(hf_models["qwen2_tied"], tmp_path / "mega", tp=2, pp=1)
+    mega = write_legacy_checkpoint(hf_models["qwen2_tied"], tmp_path / "mega", tp=2)
     weights = mega / "mp_rank_01_000" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF  # flip bits inside the last tensor's data; the header stays valid
@@ -72,7 +72,7 @@ def test_unsupported_architecture_is_named(hf_models, tmp_path):
     assert proc.returncode == 2 and "model_type='qwen2_moe'" in proc.stderr and "supported are" in proc.stderr
     (src / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 4.0})))
     with pytest.raises(UnsupportedConfigError, match="yarn"):
-        hf_to_megatron_dir(src, tmp_path / "out")
+        hf_to_dist_dir(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -83,9 +83,10 @@ def test_tp_not_dividing_heads_is_refused_before_writing(hf_models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_crash_mid_write_leaves_no_output(hf_models, tmp_path, monkeypatch):
+def test_crash_mid_export_leaves_no_output(hf_models, tmp_path, monkeypatch):
+    mega = write_legacy_checkpoint(hf_models["qwen2_untied"], tmp_path / "mega", tp=2)
     calls = {"n": 0}
-    real = _convert.StreamingSafetensorsWriter.write
+    real = StreamingSafetensorsWriter.write
 
     def failing_save(*args, **kwargs):
         calls["n"] += 1
@@ -93,16 +94,16 @@ def test_crash_mid_write_leaves_no_output(hf_models, tmp_path, monkeypatch):
             raise OSError("disk full (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_convert.StreamingSafetensorsWriter, "write", failing_save)
-    with pytest.raises(OSError, match="simulated"):
-        hf_to_megatron_dir(hf_models["qwen2_untied"], tmp_path / "out", tp=2, pp=1)
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", failing_save)
+    with pytest.raises(OSError, match="simulated"):  # the 7th tensor: some HF shards are already written
+        megatron_to_hf_dir(mega, tmp_path / "out", max_shard_bytes=40_000)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
 
 def test_existing_output_is_not_overwritten(hf_models, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(FileExistsError, match="already exists"):
-        hf_to_megatron_dir(hf_models["qwen2_untied"], tmp_path / "out")
+        hf_to_dist_dir(hf_models["qwen2_untied"], tmp_path / "out")
 
 
 def test_hf_checkpoint_missing_a_tensor_is_named(hf_models, tmp_path):
@@ -113,6 +114,6 @@ def test_hf_checkpoint_missing_a_tensor_is_named(hf_models, tmp_path):
     del tensors["model.layers.2.mlp.up_proj.weight"]
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(KeyError, match="model.layers.2.mlp.up_proj.weight"):
-        hf_to_megatron_dir(src, tmp_path / "out")
+        hf_to_dist_dir(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert torch.is_tensor(tensors["model.embed_tokens.weight"])

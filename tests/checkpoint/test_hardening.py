@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_tools import CheckpointError, MegatronCheckpoint, hf_to_megatron_dir
+from checkpoint_tools import CheckpointError, MegatronCheckpoint
 from checkpoint_tools._io import _owner_tag, sweep_stale_siblings
+from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import REPO, tiny_hf_config
 
 SUBS = {"hf_to_megatron": "hf-to-megatron", "megatron_to_hf": "megatron-to-hf"}
@@ -33,7 +34,7 @@ def tree(hf_models, tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr("checkpoint_tools._cli.tune_cpu_memory", lambda: None)  # keep the test process's env as is
     monkeypatch.chdir(tmp_path)
     shutil.copytree(hf_models["qwen2_untied"], tmp_path / "D" / "hf")  # 4 heads, 2 KV heads, 4 layers, vocab 256
-    hf_to_megatron_dir(tmp_path / "D" / "hf", tmp_path / "D" / "mega", tp=2, pp=1)
+    write_legacy_checkpoint(tmp_path / "D" / "hf", tmp_path / "D" / "mega", tp=2)
     (tmp_path / "D" / "notes.txt").write_text("someone's notes")
     (tmp_path / "junk").mkdir()
     for name in ("a.txt", "b.txt", "c.txt", "d.txt"):

@@ -1,5 +1,7 @@
-"""HF -> megatron(TP x PP) -> HF is bit-exact for every layout, tied and untied, Qwen2 and Qwen3; reshard is
-bit-exact; the exported directory loads with transformers (model and tokenizer) and computes the same logits."""
+"""The per-rank checkpoint directories of earlier versions export to HF: HF -> that format at TP x PP -> HF is
+bit-exact for every layout, tied and untied, Qwen2 and Qwen3 (the weight map's TP split against the reader's merge),
+so any two layouts of a model export to the same tensors; the exported directory loads with transformers (model and
+tokenizer) and computes the same logits."""
 
 from __future__ import annotations
 
@@ -10,13 +12,8 @@ import pytest
 import torch
 import transformers
 
-from checkpoint_tools import (
-    MegatronCheckpoint,
-    hf_to_megatron_dir,
-    megatron_to_hf_dir,
-    open_safetensors_dir,
-    reshard_dir,
-)
+from checkpoint_tools import megatron_to_hf_dir, open_safetensors_dir
+from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import TOKENIZER_DIR
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]
@@ -31,10 +28,10 @@ def assert_same_hf_tensors(a_dir, b_dir, drop_lm_head: bool) -> None:
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
-def test_round_trip_is_bit_exact(hf_models, tmp_path, tp, pp):
+def test_legacy_checkpoint_exports_bit_exactly_at_every_layout(hf_models, tmp_path, tp, pp):
     for name, hf_dir in hf_models.items():
-        mega = hf_to_megatron_dir(hf_dir, tmp_path / f"{name}.mega", tp, pp)
-        assert len(list(mega.glob("mp_rank_*/model.safetensors"))) == tp * pp
+        mega = write_legacy_checkpoint(hf_dir, tmp_path / f"{name}.mega", tp, pp)
+        assert len(list(mega.glob("mp_rank_*/model.safetensors"))) == tp * pp  # so the reader really merges shards
         back = megatron_to_hf_dir(mega, tmp_path / f"{name}.hf", max_shard_bytes=40_000)
         assert_same_hf_tensors(hf_dir, back, drop_lm_head="_tied" in name)
         config = json.loads((back / "config.json").read_text())
@@ -43,27 +40,13 @@ def test_round_trip_is_bit_exact(hf_models, tmp_path, tp, pp):
             assert config[key] == original[key], key
 
 
-def test_reshard_tp2pp1_to_tp1pp2_is_bit_exact(hf_models, tmp_path):
-    for name, hf_dir in hf_models.items():
-        src = hf_to_megatron_dir(hf_dir, tmp_path / f"{name}.t2p1", tp=2, pp=1)
-        resharded = reshard_dir(src, tmp_path / f"{name}.t1p2", tp=1, pp=2)
-        direct = hf_to_megatron_dir(hf_dir, tmp_path / f"{name}.direct", tp=1, pp=2)
-        for stage in ("mp_rank_00_000", "mp_rank_00_001"):
-            a = open_safetensors_dir(resharded / stage)
-            b = open_safetensors_dir(direct / stage)
-            assert a.names() == b.names()
-            assert all(torch.equal(a[n], b[n]) for n in a.names()), f"{name}: {stage} differs from direct conversion"
-        a, b = MegatronCheckpoint(resharded), MegatronCheckpoint(src)
-        assert all(torch.equal(a.full(g), b.full(g)) for g in a.global_names())
-
-
-def test_export_loads_with_transformers_and_matches_logits(hf_models, tmp_path):
+def test_legacy_export_loads_with_transformers_and_matches_logits(hf_models, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(hf_models["qwen2_untied"], src)
     for f in TOKENIZER_DIR.iterdir():
         if f.suffix in (".json", ".txt"):
             shutil.copy(f, src / f.name)
-    mega = hf_to_megatron_dir(src, tmp_path / "mega", tp=2, pp=2)
+    mega = write_legacy_checkpoint(src, tmp_path / "mega", tp=2, pp=2)
     out = megatron_to_hf_dir(mega, tmp_path / "out", max_shard_bytes=60_000)
     assert (out / "model.safetensors.index.json").exists() and (out / "generation_config.json").exists()
     tok = transformers.AutoTokenizer.from_pretrained(out)

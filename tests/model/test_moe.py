@@ -1,6 +1,7 @@
 """Qwen3-MoE in megatron-core equals HF ``Qwen3MoeForCausalLM`` in every parallel layout, EP included (fp32,
 <= 1e-5); the live export gathers the experts over EP bit for bit; one optimizer step at EP=2 (DP=2) equals the
-single-process step; the offline tools reshard experts across EP bit-exactly."""
+single-process step; an earlier version's per-rank checkpoint with the experts split over TP and EP exports to HF
+bit-exactly at any layout."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from checkpoint_tools import hf_names, hf_to_megatron_dir, megatron_to_hf_dir, open_safetensors_dir, reshard_dir
+from checkpoint_tools import hf_names, megatron_to_hf_dir, open_safetensors_dir
 from megatron_offgrpo.model import UnsupportedConfigError, arch_from_hf_config, load_arch
+from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import REPO, run_torchrun, tiny_hf_config
 
 WORKER = REPO / "tests" / "workers" / "model_worker.py"
@@ -112,24 +114,25 @@ def test_ep2_step_equals_single_process(moe_models, tmp_path, distributed_optimi
         assert diff <= 5e-6, f"{name}: EP=2 differs from single-process by {diff:.3g}"
 
 
-def test_offline_conversion_reshards_experts_bit_exactly(moe_models, tmp_path):
+def test_legacy_moe_checkpoint_exports_experts_bit_exactly_at_any_tp_pp_ep(moe_models, tmp_path):
     hf_dir = moe_models["qwen3_moe"]
-    hf_to_megatron_dir(hf_dir, tmp_path / "tp2pp2ep2", tp=2, pp=2, ep=2)
+    source = open_safetensors_dir(hf_dir)
+    write_legacy_checkpoint(hf_dir, tmp_path / "tp2pp2ep2", tp=2, pp=2, ep=2)
     assert (tmp_path / "tp2pp2ep2" / "mp_rank_01_001_001" / "model.safetensors").is_file()
     stack = load_file(tmp_path / "tp2pp2ep2" / "mp_rank_01_000_001" / "model.safetensors")
     # EP rank 1 holds experts 2, 3; TP rank 1 the second half of each expert's gate and up rows
     fc1 = stack["decoder.layers.0.mlp.experts.linear_fc1.weight"]
-    source = open_safetensors_dir(hf_dir)
     assert fc1.shape == (2, 32, 64)
     assert torch.equal(fc1[1, :16], source["model.layers.0.mlp.experts.3.gate_proj.weight"][16:])
     assert torch.equal(fc1[1, 16:], source["model.layers.0.mlp.experts.3.up_proj.weight"][16:])
-    reshard_dir(tmp_path / "tp2pp2ep2", tmp_path / "ep4", tp=1, pp=1, ep=4)
-    megatron_to_hf_dir(tmp_path / "ep4", tmp_path / "hf")
-    exported = open_safetensors_dir(tmp_path / "hf")
-    assert list(exported.names()) == hf_names(load_arch(hf_dir))
-    for name in source.names():
-        assert torch.equal(exported[name], source[name]), name
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    write_legacy_checkpoint(hf_dir, tmp_path / "ep4", ep=4)  # one expert per EP rank, merged by concatenation only
+    for layout in ("tp2pp2ep2", "ep4"):
+        megatron_to_hf_dir(tmp_path / layout, tmp_path / f"{layout}.hf")
+        exported = open_safetensors_dir(tmp_path / f"{layout}.hf")
+        assert list(exported.names()) == hf_names(load_arch(hf_dir))
+        for name in source.names():
+            assert torch.equal(exported[name], source[name]), f"{layout}: {name}"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ep4.hf")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
 
 

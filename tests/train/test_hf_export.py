@@ -92,12 +92,12 @@ def test_bad_ckpt_is_one_line_exit_2_and_no_output(tmp_path):
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
-def test_checkpoint_tools_format_still_converts(tmp_path):
-    from checkpoint_tools import hf_to_megatron_dir
+def test_checkpoint_tools_format_of_earlier_versions_still_converts(tmp_path):
+    from tests.checkpoint.legacy_format import write_legacy_checkpoint
     from tests.helpers import save_hf_model, tiny_hf_config
 
     src = save_hf_model(tiny_hf_config("qwen2", tied=True, layers=2), tmp_path / "src")
-    mega = hf_to_megatron_dir(src, tmp_path / "mega", tp=2, pp=2)
+    mega = write_legacy_checkpoint(src, tmp_path / "mega", tp=2, pp=2)
     proc = convert("--ckpt", str(mega), "--out", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert weights(tmp_path / "hf").keys() == weights(src).keys()
