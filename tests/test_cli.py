@@ -18,8 +18,10 @@ def test_version_prints_the_installed_version_and_commit(flag, capsys):
 
 
 def test_convert_help_lists_each_sub_command_with_its_description(capsys):
-    main(["convert", "--help"])
+    with pytest.raises(SystemExit) as caught:
+        main(["convert", "--help"])
     out = capsys.readouterr().out
+    assert caught.value.code == 0
     for name, (_, description) in CONVERT.items():
         assert any(line.split() == [name, *description.split()] for line in out.splitlines()), (name, out)
 

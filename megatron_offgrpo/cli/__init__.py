@@ -33,7 +33,7 @@ COMMANDS = {
     "recipes": "megatron_offgrpo.cli.recipes",
 }
 # The sub-commands that end holding torch, megatron and vLLM: run as the process's entry, they end it with end_process
-HEAVY = ("train", "sft", "eval")
+HEAVY = ("train", "sft", "eval", "convert")
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
     "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron dist checkpoint (any "
                        "TP/PP/EP loads it)"),
@@ -65,17 +65,18 @@ def _usage(message: str) -> None:
     sys.exit(2)
 
 
-def _convert(rest: list[str]) -> None:
+def _convert(rest: list[str]) -> int:
+    """Run ``offgrpo convert SUB ...``; its exit status."""
     if rest and rest[0] in ("-h", "--help"):
         print(convert_help())
-        return
+        return 0
     if not rest:
         print(convert_help(), file=sys.stderr)
         print("error: name a convert sub-command", file=sys.stderr)
         sys.exit(2)
     if rest[0] not in CONVERT:
         _usage(f"unknown convert command {rest[0]!r}; valid: {', '.join(CONVERT)}")
-    sys.exit(importlib.import_module(CONVERT[rest[0]][0]).main(rest[1:]) or 0)
+    return importlib.import_module(CONVERT[rest[0]][0]).main(rest[1:]) or 0
 
 
 def end_process(code: int) -> NoReturn:
@@ -108,10 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     try:
-        if command == "convert":
-            _convert(rest)
-        elif command in COMMANDS:
-            code = importlib.import_module(COMMANDS[command]).main(rest) or 0  # fleet status: 1 = unhealthy
+        if command == "convert" or command in COMMANDS:
+            code = (_convert(rest) if command == "convert" else
+                    importlib.import_module(COMMANDS[command]).main(rest) or 0)  # fleet status: 1 = unhealthy
             if entry and command in HEAVY:
                 end_process(code)
             sys.exit(code)

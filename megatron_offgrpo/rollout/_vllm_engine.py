@@ -356,10 +356,6 @@ class VLLMEngine:
             self._loop.close()
             self._loop = None
         if getattr(self, "llm", None) is not None:
-            shutdown = getattr(self.llm.llm_engine, "shutdown", None) or getattr(
-                self.llm.llm_engine.engine_core, "shutdown", None
-            )
-            if shutdown is not None:
-                shutdown()
+            self.llm.shutdown()
             self.llm = None
         self._tmp.cleanup()

@@ -66,4 +66,7 @@ def main(hf_dir: Path, out: Path, kind: str) -> None:
 
 
 if __name__ == "__main__":
+    from megatron_offgrpo.cli import end_process
+
     main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    end_process(0)  # without the interpreter's teardown of torch, megatron-core and vLLM: seconds per process
