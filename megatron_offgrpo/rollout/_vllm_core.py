@@ -20,12 +20,18 @@ class VllmCore:
 
     def __init__(self, **engine_args: Any) -> None:
         """Start the engine; ``engine_args`` are ``vllm.EngineArgs`` fields (``model``, ``dtype``, ...)."""
+        from vllm import envs
         from vllm.engine.arg_utils import EngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
 
         engine_args = {"seed": 0, "disable_log_stats": True, **engine_args}  # vllm.LLM's defaults
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), usage_context=UsageContext.LLM_CLASS)
+        config = EngineArgs(**engine_args).create_engine_config(UsageContext.LLM_CLASS)
+        multiprocess = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+        self.llm_engine = LLMEngine(vllm_config=config, executor_class=_executor_class(config, multiprocess, Executor),
+                                    log_stats=False, usage_context=UsageContext.LLM_CLASS,
+                                    multiprocess_mode=multiprocess)
         self._ids = itertools.count()
 
     def add(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], priority: int) -> list[str]:
@@ -85,3 +91,23 @@ def _full_collections_skipped() -> Iterator[None]:
         yield
     finally:
         gc.collect = collect
+
+
+def _executor_class(config: Any, multiprocess: bool, executor: Any) -> Any:
+    """vLLM's executor for ``config``; on CPU, one worker in the engine core's own process when that is a process of
+    its own (under torchrun).
+
+    vLLM's CPU platform turns a one-worker engine's executor into its multiprocess one whenever the engine core runs
+    in a process of its own, because the worker's OpenMP set-up must happen in a fresh process: that engine core
+    process is one. The multiprocess executor adds a third process (vLLM, torch and the model imported again,
+    seconds of CPU at every start) and a shared-memory queue whose reader spins for a second after every message,
+    on the cores the trainer's ranks share.
+    """
+    from vllm.platforms import current_platform
+
+    if multiprocess and current_platform.is_cpu() and config.parallel_config.world_size == 1:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        config.parallel_config.distributed_executor_backend = "uni"
+        return UniProcExecutor
+    return executor.get_class(config)

@@ -1,5 +1,6 @@
-"""A dead engine ends the job: under torchrun (vLLM's engine core in a process of its own), kill -9 of rank 0's
-engine core after step 3 ends the job in seconds with the same one line on every rank (it waited forever)."""
+"""A dead engine ends the job: under torchrun (vLLM's engine core in a process of its own, its model in that process
+too), kill -9 of rank 0's engine core after step 3 ends the job in seconds with the same one line on every rank (it
+waited forever)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def test_kill_9_of_rank0s_engine_core_ends_the_job_with_one_line_on_every_rank(t
             time.sleep(0.05)
         core = _rank0_engine_core(proc.pid)
         assert core is not None, "rank 0's vLLM engine core not found"
+        # its model runs in the engine core's own process (VllmCore: vLLM CPU would add a worker process of its own)
+        workers = [pid for pid in _descendants(core) if "Worker" in _read(Path(f"/proc/{pid}/cmdline"))]
+        assert not workers, [_read(Path(f"/proc/{pid}/cmdline")) for pid in workers]
         subprocess.run(["kill", "-9", str(core)], check=True)
         killed = time.monotonic()
         _, err = proc.communicate(timeout=120)  # it waited forever
