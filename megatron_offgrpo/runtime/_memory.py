@@ -14,6 +14,13 @@ reused one; with transparent huge pages 6.9 ms (fewer faults, each zeroing 2 MB)
   end (``release_free_memory``: the trainer calls it after each generation and each optimizer step), so one
   phase's kept buffers do not add to the next one's peak (peak PSS 2.82-3.01 GB without it, 2.49 with, 2.43 before).
 
+- one malloc arena for every thread (``MALLOC_ARENA_MAX``): glibc gives a thread other than the main one an arena of
+  its own, whose heaps are at most 64 MiB, so a decode step's 39 MB buffers allocated by the in-process engine's
+  loop thread were mapped and unmapped afresh at every step whatever the thresholds; in the main arena they reuse
+  its heap. Measured on a 6-step tiny ``offgrpo train`` (in-process vLLM): generation page faults 1.49M -> 0.37M,
+  its system time 3.7 -> 1.1 s, its wall time 11.6 -> 9.1 s. The threads that allocate large buffers are few (the
+  engine's loop, torch's own), so one arena's lock costs nothing measurable.
+
 A setting the user already made (the variable in the environment) wins. Elsewhere than glibc (macOS, musl) the
 malloc part does nothing.
 """
@@ -32,20 +39,24 @@ logger = logging.getLogger(__name__)
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 TRIM_THRESHOLD_ENV = "MALLOC_TRIM_THRESHOLD_"
+ARENA_MAX_ENV = "MALLOC_ARENA_MAX"
 # above a decode step's buffers (39 MB each at the shapes above); blocks from 256 MiB up (the fused loss's chunk
 # buffer, once per micro-batch) are still mapped fresh: 1 GiB measured no faster end to end, and held more
 HEAP_BYTES = 256 << 20
-_MALLOPT = {TRIM_THRESHOLD_ENV: -1, MMAP_THRESHOLD_ENV: -3}  # glibc's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+# glibc's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX
+_MALLOPT = {TRIM_THRESHOLD_ENV: -1, MMAP_THRESHOLD_ENV: -3, ARENA_MAX_ENV: -8}
 
 
 def tune_cpu_memory(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Apply both settings to this process (``env`` None; its children inherit them) or to the environment ``env``
+    """Apply the settings to this process (``env`` None; its children inherit them) or to the environment ``env``
     of a child process about to start. Call it at a process's entry, before tensor work (torch reads the huge-page
-    variable once). Returns the settings in force.
+    variable once) and before threads start (a thread keeps the arena it first allocated from). Returns the
+    settings in force.
     """
     target = os.environ if env is None else env
     settings = {name: target.setdefault(name, value) for name, value in
-                ((THP_ENV, "1"), (MMAP_THRESHOLD_ENV, str(HEAP_BYTES)), (TRIM_THRESHOLD_ENV, str(HEAP_BYTES)))}
+                ((THP_ENV, "1"), (MMAP_THRESHOLD_ENV, str(HEAP_BYTES)), (TRIM_THRESHOLD_ENV, str(HEAP_BYTES)),
+                 (ARENA_MAX_ENV, "1"))}
     if env is None:  # glibc read its variables at this process's start: tell it now
         _mallopt({name: settings[name] for name in _MALLOPT})
     return settings

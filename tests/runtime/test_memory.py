@@ -9,37 +9,48 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from megatron_offgrpo.runtime import tune_cpu_memory
 
 REPO = str(Path(__file__).resolve().parents[2])
 
 # allocate, touch and free a 64 MiB buffer over and over (a decode step's logits); print the page faults of passes
 # 9-16 (glibc settles first: torch's aligned blocks climb the heap for a few passes before a freed one fits again)
+# (in the main thread, or in a thread of its own as the in-process engine's loop allocates)
 _FAULTS = """
-import json, resource, sys, torch
+import json, resource, sys, threading, torch
 from megatron_offgrpo.runtime import tune_cpu_memory
 if sys.argv[1] == "tuned":
     tune_cpu_memory()
-for _ in range(8):
-    torch.empty(16 << 20).fill_(1.0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(8):
-    torch.empty(16 << 20).fill_(1.0)
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+def passes():
+    for _ in range(8):
+        torch.empty(16 << 20).fill_(1.0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        torch.empty(16 << 20).fill_(1.0)
+    print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+if sys.argv[2] == "thread":
+    thread = threading.Thread(target=passes)
+    thread.start()
+    thread.join()
+else:
+    passes()
 """
 
 
-def _faults(mode: str) -> int:
+def _faults(mode: str, where: str) -> int:
     env = {"PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": "0"}  # 4 KiB pages: the malloc setting alone
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FAULTS), mode], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_FAULTS), mode, where], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_freed_large_buffers_are_reused_not_faulted_again():
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_freed_large_buffers_are_reused_not_faulted_again(where):
     pages = (64 << 20) // 4096
-    plain, tuned = _faults("plain"), _faults("tuned")
+    plain, tuned = _faults("plain", where), _faults("tuned", where)
     # glibc maps each 64 MiB block fresh and unmaps it on free: every page of every pass faults
     assert plain >= 7 * pages, plain
     # kept on the heap: the settled passes reuse the pages (measured: 0 faults on a quiet machine; under load one
@@ -51,7 +62,7 @@ def test_the_environment_of_a_child_gets_the_settings_and_a_users_choice_wins():
     env = {"MALLOC_TRIM_THRESHOLD_": "0"}
     settings = tune_cpu_memory(env)
     assert env == settings == {"MALLOC_TRIM_THRESHOLD_": "0", "THP_MEM_ALLOC_ENABLE": "1",
-                               "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
+                               "MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_ARENA_MAX": "1"}
 
 
 _RELEASE = """
