@@ -24,12 +24,11 @@ class VllmCore:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.llm_engine import LLMEngine
-        from vllm.v1.executor import Executor
 
         engine_args = {"seed": 0, "disable_log_stats": True, **engine_args}  # vllm.LLM's defaults
         config = EngineArgs(**engine_args).create_engine_config(UsageContext.LLM_CLASS)
         multiprocess = bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
-        self.llm_engine = LLMEngine(vllm_config=config, executor_class=_executor_class(config, multiprocess, Executor),
+        self.llm_engine = LLMEngine(vllm_config=config, executor_class=_executor_class(config, multiprocess),
                                     log_stats=False, usage_context=UsageContext.LLM_CLASS,
                                     multiprocess_mode=multiprocess)
         self._ids = itertools.count()
@@ -93,7 +92,7 @@ def _full_collections_skipped() -> Iterator[None]:
         gc.collect = collect
 
 
-def _executor_class(config: Any, multiprocess: bool, executor: Any) -> Any:
+def _executor_class(config: Any, multiprocess: bool) -> type:
     """vLLM's executor for ``config``; on CPU, one worker in the engine core's own process when that is a process of
     its own (under torchrun).
 
@@ -104,10 +103,10 @@ def _executor_class(config: Any, multiprocess: bool, executor: Any) -> Any:
     on the cores the trainer's ranks share.
     """
     from vllm.platforms import current_platform
+    from vllm.v1.executor import Executor
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     if multiprocess and current_platform.is_cpu() and config.parallel_config.world_size == 1:
-        from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
         config.parallel_config.distributed_executor_backend = "uni"
         return UniProcExecutor
-    return executor.get_class(config)
+    return Executor.get_class(config)

@@ -4,7 +4,7 @@ Every step allocates large short-lived buffers: a decode step's logits, log-prob
 64 rows x 151,936 vocabulary), the fused loss's chunks, a refresh's whole model. glibc's malloc maps each block of
 32 MB or more fresh from the kernel and unmaps it on free, so every first touch of every page faults, step after
 step. Measured on the 2-core CPU VM: a log-softmax of [64, 151,936] took 13.9 ms into a fresh buffer, 4.7 ms into a
-reused one; with transparent huge pages 6.9 ms (fewer faults, each zeroing 2 MB). Two settings, both process-wide:
+reused one; with transparent huge pages 6.9 ms (fewer faults, each zeroing 2 MB). Three settings, all process-wide:
 
 - transparent huge pages for torch's large buffers (``THP_MEM_ALLOC_ENABLE``, read by torch once);
 - glibc serves blocks up to ``HEAP_BYTES`` from its heap and keeps up to that much freed at the heap's top
