@@ -1,4 +1,5 @@
-"""Trainer test helpers: run `megatron_offgrpo.train` under torchrun on the tiny Qwen-architecture model."""
+"""Trainer test helpers: run `megatron_offgrpo.train` under torchrun (one rank: `offgrpo train`) on the tiny
+Qwen-architecture model."""
 
 from __future__ import annotations
 
@@ -22,9 +23,14 @@ TINY = [
 
 
 def train_cmd(nproc: int, out_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}", "-m", "megatron_offgrpo.train", *TINY, f"train.out_dir={out_dir}",
-            *overrides]
+    """The trainer on ``nproc`` ranks under torchrun; one rank is `offgrpo train` itself, the documented one-process
+    command (torchrun's agent would add only its own start-up and a process to every such run)."""
+    if nproc == 1:
+        entry = ["-m", "megatron_offgrpo.cli", "train"]
+    else:
+        entry = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+                 f"--master_port={_free_port()}", "-m", "megatron_offgrpo.train"]
+    return [sys.executable, *entry, *TINY, f"train.out_dir={out_dir}", *overrides]
 
 
 def train_env() -> dict[str, str]:
