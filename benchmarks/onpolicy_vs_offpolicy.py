@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks._runs import run_records  # noqa: E402
+from benchmarks._runs import offgrpo, run_records  # noqa: E402
 
 VARIANTS = {
     "grpo": [],
@@ -40,10 +39,6 @@ VARIANTS = {
     "grpo-distill": ["distill.teacher_path={teacher}", "distill.reward_weight=1.0"],
 }
 """Variant -> the overrides of ``configs/tiny-cpu.yaml`` that make it ({teacher}: the seed's grpo policy)."""
-
-
-def _run(cmd: list[str]) -> None:
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
 
 
 def _time_to_target(records: list[dict], target: float, window: int = 5) -> float:
@@ -67,13 +62,12 @@ def main() -> None:
     parser.add_argument("--engine", default="auto",
                         help="rollout engine of every run (auto: in-process vLLM if installed)")
     args = parser.parse_args()
-    offgrpo = [sys.executable, "-m", "megatron_offgrpo.cli"]
     results: dict[tuple[str, int], list[dict]] = {}
     for seed in range(args.seeds):
         warmup = args.out / f"sft_seed{seed}"
         if not (warmup / "hf" / "config.json").exists():
-            _run(offgrpo + ["sft", "--config", "configs/tiny-cpu-sft.yaml", f"parallel.seed={1234 + seed}",
-                            f"train.out_dir={warmup}"])
+            offgrpo("sft", "--config", "configs/tiny-cpu-sft.yaml", f"parallel.seed={1234 + seed}",
+                    f"train.out_dir={warmup}")
         teacher = _run_dir(args, "grpo", max(args.vs), seed) / "hf"
         for variant in args.variants:
             overrides = [o.format(teacher=teacher) for o in VARIANTS[variant]]
@@ -83,10 +77,10 @@ def main() -> None:
             for v in args.vs:
                 run_dir = _run_dir(args, variant, v, seed)
                 if not (run_dir / "metrics.jsonl").exists() or len(run_records(run_dir)) < args.steps:
-                    _run(offgrpo + ["train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
-                                    f"parallel.seed={1234 + seed}", f"train.steps={args.steps}",
-                                    f"train.out_dir={run_dir}", f"rollout.engine={args.engine}", "train.save_every=0",
-                                    "train.overwrite=true", f"model.hf_path={warmup / 'hf'}", *overrides])
+                    offgrpo("train", "--config", "configs/tiny-cpu.yaml", f"rollout.refresh_every={v}",
+                            f"parallel.seed={1234 + seed}", f"train.steps={args.steps}", f"train.out_dir={run_dir}",
+                            f"rollout.engine={args.engine}", "train.save_every=0", "train.overwrite=true",
+                            f"model.hf_path={warmup / 'hf'}", *overrides)
                 results.setdefault((variant, v), []).append(_summarise(run_records(run_dir), args.target))
                 print(f"{variant} v={v} seed={seed}: {results[variant, v][-1]}", file=sys.stderr)
     _print_table(results, args)

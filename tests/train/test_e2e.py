@@ -8,7 +8,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
@@ -143,10 +142,8 @@ def test_a_dp2_run_with_prompts_not_a_multiple_of_dp_trains(tmp_path, prompts):
 
 def _train(out, *overrides: str) -> subprocess.CompletedProcess:
     """`offgrpo train` in one process (no torchrun: its exit code is the command's own)."""
-    from tests.train.conftest import TINY
-
-    return subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "train", *TINY, f"train.out_dir={out}",
-                           *overrides], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(train_cmd(1, out, *overrides), cwd=REPO, env=train_env(), capture_output=True, text=True,
+                          timeout=600)
 
 
 def test_a_run_directory_is_never_reused_silently_and_a_resume_says_what_it_continues(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from tests.helpers import REPO
-from tests.train.conftest import TINY, metrics, train_env
+from tests.train.conftest import metrics, train_cmd, train_env
 
 pytestmark = [pytest.mark.slow]
 
@@ -26,8 +26,7 @@ STEPS = 6  # the one-process run: stopped twice (once by each signal), each with
 
 def _cmd(out, *overrides: str) -> list[str]:
     """``offgrpo train`` in one process (no torchrun: the exit code and the signal are the command's own)."""
-    return [sys.executable, "-m", "megatron_offgrpo.cli", "train", *TINY, f"train.out_dir={out}", *RUN,
-            f"train.steps={STEPS}", *overrides]
+    return train_cmd(1, out, *RUN, f"train.steps={STEPS}", *overrides)
 
 
 def _restore_sigint() -> None:
