@@ -7,8 +7,12 @@ Each row runs ``--repeats`` times in fresh interpreters (``OMP_NUM_THREADS=1``),
   the transformers engine's ``generate`` used: one exponential per vocabulary entry) and by the fleet's exact
   inverse-CDF sampler (``fleet.sample_from_logprobs``, what it uses now), per decode step;
 - ``offgrpo sft`` and ``offgrpo train`` (one step of the tiny recipes on the bundled model, random weights, no
-  evaluation or checkpoint), with the transformers engine and with the in-process vLLM engine: the wall time, and the
-  seconds until the first step's progress line (start-up: imports, checks, model, engine).
+  evaluation or checkpoint), with the transformers engine and with the in-process vLLM engine, and under torchrun at
+  TP2 (the README's tensor-parallel command: two ranks, rank 0's vLLM engine core in a process of its own): the wall
+  time, and the seconds until the first step's progress line (start-up: imports, checks, model, engine);
+- a 6-step in-process vLLM run with glibc's one malloc arena (``runtime.tune_cpu_memory``'s default) and with 8
+  (``MALLOC_ARENA_MAX=8``, a user's own value winning): the engine's loop thread maps its decode buffers afresh at
+  every step in an arena of its own.
 
 Usage: python benchmarks/startup.py [--repeats 3] [--out DIR]
 """
@@ -59,10 +63,11 @@ def _seconds(code: str) -> float:
     return time.perf_counter() - start
 
 
-def _run(argv: list[str]) -> tuple[float, float]:
-    """(seconds to the first step's progress line, wall seconds) of one command."""
+def _run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """(seconds to the first step's progress line, wall seconds) of one command (``env``: variables added)."""
     start, first, tail = time.perf_counter(), None, []
-    with subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with subprocess.Popen(argv, env=_env() | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
         for line in proc.stdout:
             tail = (tail + [line])[-20:]
             if first is None and line.startswith("[    1/"):
@@ -107,10 +112,24 @@ def main() -> int:
             "offgrpo train, 1 step, in-process vLLM": [
                 *offgrpo, "train", "--config", "configs/tiny-cpu.yaml", *QUIET_RUN, "rollout.engine=vllm",
                 f"train.out_dir={tmp}/vllm"],
+            "torchrun TP2 train, 1 step, in-process vLLM": [
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_offgrpo.cli",
+                "train", "--config", "configs/tiny-cpu.yaml", *QUIET_RUN, "parallel.tp=2", "rollout.engine=vllm",
+                f"train.out_dir={tmp}/tp2"],
         }
         for name, argv in commands.items():
             timed = [_run(argv) for _ in range(args.repeats)]
             row(name, [wall for _, wall in timed], [first for first, _ in timed])
+        six_steps = [*offgrpo, "train", "--config", "configs/tiny-cpu.yaml", *QUIET_RUN, "train.steps=6",
+                     "rollout.engine=vllm", f"train.out_dir={tmp}/arenas"]
+        arenas = {"one malloc arena (default)": {}, "MALLOC_ARENA_MAX=8": {"MALLOC_ARENA_MAX": "8"}}
+        timed = {name: [] for name in arenas}
+        for _ in range(args.repeats):  # interleaved, so the machine's drift falls on both alike
+            for name, env in arenas.items():
+                timed[name].append(_run(six_steps, env))
+        for name, runs in timed.items():
+            row(f"offgrpo train, 6 steps, in-process vLLM, {name}", [wall for _, wall in runs],
+                [first for first, _ in runs], note="v = 4: one refresh")
     columns = ["what", "median s", "to step 1 line s", "runs", "note"]
     table = markdown(columns, rows)
     args.out.mkdir(parents=True, exist_ok=True)
