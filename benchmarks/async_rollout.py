@@ -95,6 +95,12 @@ def summarise(records: list[dict], variant: str, bound: int, samples_per_step: i
             "paused by bound s/step": round(sum(r.get("fleet_paused_s", 0.0) for r in timed) / n, 2)}
 
 
+def samples_per_step(overrides: list[str]) -> int:
+    """The samples a step trains: the tiny recipe's batch under the runs' ``--set`` overrides."""
+    rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides).rollout
+    return rollout.prompts_per_step * rollout.group_size
+
+
 def long_tail_data(path: Path, rows: int, median: float, sigma: float, most: int, seed: int) -> dict[str, float]:
     """A JSONL of ``rows`` prompts whose ``max_new_tokens`` are log-normal (median, sigma) in [1, most]; returns the
     caps' median, p90, p99 and max."""
@@ -200,8 +206,7 @@ def main() -> int:
     out = args.out.resolve() / args.placement
     out.mkdir(parents=True, exist_ok=True)
     model, model_and_data, title = workload(args, out)
-    rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", []).rollout
-    samples_per_step = rollout.prompts_per_step * rollout.group_size
+    samples = samples_per_step(args.set)
     rows = []
     for variant in args.variants:
         run = out / variant
@@ -220,7 +225,7 @@ def main() -> int:
                 subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
                 busy = {}
             (run / "busy.json").write_text(json.dumps(busy))
-        rows.append(summarise(run_records(run), variant, BOUNDS[variant](args.v), samples_per_step)
+        rows.append(summarise(run_records(run), variant, BOUNDS[variant](args.v), samples)
                     | json.loads((run / "busy.json").read_text()))
     base = next((r["tokens/s"] for r in rows if r["variant"] == "lockstep"), None)
     for row in rows:
