@@ -179,7 +179,7 @@ class TritonOps:
         return grad_h
 
 
-_WIDER_OUT = [True]  # cleared once if this torch's CUDA addmm refuses out_dtype in place (torch before 2.8)
+_WIDER_OUT = [True]  # cleared once if this torch's CUDA addmm refuses out_dtype in place (an older torch)
 
 
 def _addmm_wider(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:

@@ -33,7 +33,7 @@ def test_a_runs_row_leaves_step_0_out_and_reads_the_async_columns():
     assert row["generation busy"] == "150%" and row["steps in flight"] == 2 and row["paused by bound s/step"] == 0.25
 
 
-def test_tokens_per_step_follow_the_runs_overrides():
+def test_samples_per_step_follow_the_runs_overrides():
     assert bench.samples_per_step([]) == 8 * 8  # configs/tiny-cpu.yaml
     assert bench.samples_per_step(["rollout.prompts_per_step=2", "optim.packing=true"]) == 2 * 8
 
