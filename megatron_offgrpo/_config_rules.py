@@ -131,23 +131,39 @@ def collect_errors(config: Any) -> list[str]:
 
 
 def _distill_errors(d: Any, temperature: float) -> list[str]:
-    """The teacher's place (at most one) and the distillation's weights and discount."""
+    """The teacher's place (at most one) and the distillation's weights and discount: each broken rule on its own line,
+    with the values given; without a teacher, any other ``distill.*`` key set (it would be ignored)."""
     given = [key for key in ("teacher_path", "teacher_fleet") if getattr(d, key) is not None]
     if not given:
-        return []
+        return _teacherless_errors(d)
     if len(given) > 1:
         return [f"distill.teacher_path={d.teacher_path!r}, distill.teacher_fleet={d.teacher_fleet!r}: give one teacher "
                 "(on the trainer's ranks, or served by its own fleet)"]
     errors, teacher = [], getattr(d, given[0])
-    if not teacher.strip() or min(d.weight, d.reward_weight) < 0 or not 0 <= d.discount <= 1 \
-            or d.weight + d.reward_weight == 0:
-        errors.append(f"distill.{given[0]}={teacher!r}, weight={d.weight}, reward_weight={d.reward_weight}, "
-                      f"discount={d.discount}: a teacher, weights >= 0 (not both 0) and a discount in [0, 1]")
+    if not teacher.strip():
+        errors.append(f"distill.{given[0]}={teacher!r}: empty; give the teacher (a HF model directory, or the state "
+                      "directory of its fleet), or null for no distillation")
+    errors += [f"distill.{key}={getattr(d, key)}: must be >= 0" for key in ("weight", "reward_weight")
+               if getattr(d, key) < 0]
+    if d.weight == 0 and d.reward_weight == 0:
+        errors.append(f"distill.weight={d.weight}, distill.reward_weight={d.reward_weight}: both 0 leaves every advantage 0 (nothing "
+                      "trains); give the teacher's (weight) or the reward's (reward_weight) a weight > 0")
+    if not 0 <= d.discount <= 1:
+        errors.append(f"distill.discount={d.discount}: must be in [0, 1]")
     if d.teacher_fleet is not None and temperature != 1.0:
         errors.append(f"distill.teacher_fleet with rollout.temperature={temperature}: a fleet scores the teacher at "
                       "temperature 1 (prompt log-probs of the raw logits), the student samples at another: set "
                       "rollout.temperature=1, or put the teacher on the trainer's ranks (distill.teacher_path)")
     return errors
+
+
+def _teacherless_errors(d: Any) -> list[str]:
+    """A ``distill.*`` setting away from its default without a teacher: the run would ignore it. (The config keeps no
+    record of which keys were given: a key given at its default value changes nothing and passes.)"""
+    return [f"distill.{f.name}={getattr(d, f.name)} without a teacher: it sets how the run distills, which needs "
+            "distill.teacher_path (or distill.teacher_fleet); give the teacher, or drop the key"
+            for f in dataclasses.fields(d)
+            if f.name not in ("teacher_path", "teacher_fleet") and getattr(d, f.name) != f.default]
 
 
 def _env_errors(env: Any) -> list[str]:

@@ -56,7 +56,9 @@ CASES = [  # (overrides, what the message must name)
     (["distill.teacher_path=/nonexistent/teacher"], "distill.teacher_path=/nonexistent/teacher: "),
     (["distill.teacher_path=megatron_offgrpo/assets/tiny-qwen2"], "distill.teacher_path=megatron_offgrpo/assets/"
      "tiny-qwen2: "),  # a config without weights
-    (["distill.teacher_path=t", "distill.weight=0"], "weights >= 0 (not both 0)"),
+    (["distill.teacher_path=t", "distill.weight=0"], "distill.weight=0.0, distill.reward_weight=0.0: both 0 leaves"),
+    (["distill.weight=0.5"], "distill.weight=0.5 without a teacher: it sets how the run distills, which needs "
+     "distill.teacher_path (or distill.teacher_fleet)"),
     (["distill.teacher_path=t", "distill.teacher_fleet=f"], "give one teacher"),
     (["distill.teacher_fleet=f", "rollout.temperature=0.7"],
      "distill.teacher_fleet with rollout.temperature=0.7: a fleet scores the teacher at temperature 1"),
@@ -82,6 +84,26 @@ def test_bad_value_is_one_line_and_exit_2(command, overrides, message, tmp_path,
     assert "Traceback" not in err and err.startswith("error: ")
     assert all(line.startswith(("error: ", "  ")) for line in err.splitlines())  # one line per error, indented
     assert not out.exists()  # nothing written: the check ran before any run directory
+
+
+@pytest.mark.parametrize("overrides, lines", [
+    (["distill.teacher_path=t", "distill.discount=1.5"], ["distill.discount=1.5: must be in [0, 1]"]),
+    (["distill.teacher_fleet=f", "distill.reward_weight=-2"], ["distill.reward_weight=-2.0: must be >= 0"]),
+    (["distill.teacher_path=t", "distill.weight=-1", "distill.reward_weight=1"], ["distill.weight=-1.0: must be >= 0"]),
+    (["distill.teacher_path=''"], ["distill.teacher_path='': empty; give the teacher"]),
+    (["distill.reward_weight=1", "distill.discount=0.5"], ["distill.reward_weight=1.0 without a teacher",
+                                                           "distill.discount=0.5 without a teacher"]),
+    (["distill.teacher_path=t", "distill.weight=1", "distill.reward_weight=1", "distill.discount=1"], []),
+    (["distill.weight=1.0", "distill.reward_weight=0", "distill.discount=0"], []),  # the defaults: nothing ignored
+])
+def test_a_distill_error_names_only_the_broken_rule_with_its_values(overrides, lines):
+    """One line per broken ``distill.*`` rule (no list of every rule), each starting with the values given."""
+    try:
+        load_config(TINY, overrides)
+        errors = []
+    except ValueError as exc:
+        errors = str(exc).splitlines()[1:]
+    assert len(errors) == len(lines) and all(e.strip().startswith(line) for e, line in zip(errors, lines)), errors
 
 
 def test_every_error_is_reported_at_once(tmp_path, capsys):
