@@ -146,8 +146,9 @@ def _distill_errors(d: Any, temperature: float) -> list[str]:
     errors += [f"distill.{key}={getattr(d, key)}: must be >= 0" for key in ("weight", "reward_weight")
                if getattr(d, key) < 0]
     if d.weight == 0 and d.reward_weight == 0:
-        errors.append(f"distill.weight={d.weight}, distill.reward_weight={d.reward_weight}: both 0 leaves every advantage 0 (nothing "
-                      "trains); give the teacher's (weight) or the reward's (reward_weight) a weight > 0")
+        errors.append(f"distill.weight={d.weight}, distill.reward_weight={d.reward_weight}: both 0 leaves every "
+                      "advantage 0 (nothing trains); give the teacher's (weight) or the reward's (reward_weight) a "
+                      "weight > 0")
     if not 0 <= d.discount <= 1:
         errors.append(f"distill.discount={d.discount}: must be in [0, 1]")
     if d.teacher_fleet is not None and temperature != 1.0:
