@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_offgrpo.cli import main
 from megatron_offgrpo.config import Config, ConfigError, load_config
-from tests.helpers import REPO
+from tests.helpers import REPO, TOKENIZER_DIR
 
 TINY = str(REPO / "configs" / "tiny-cpu-sft.yaml")
 CASES = [  # (overrides, what the message must name)
@@ -372,6 +372,71 @@ def test_a_broken_model_directory_is_one_line(command, breaks, message, tmp_path
     assert code == 2 and err.startswith(f"error: invalid config:\n  {key}={model}: "), err
     assert message.format(dir=model) in err and len(err.splitlines()) == 2 and "Traceback" not in err, err
     assert not out.exists() and {p.name: p.read_bytes() for p in model.iterdir()} == before  # nothing written
+
+
+def _tokenizer_copy(directory, vocab=None, added=None, merges=None):
+    """The bundled Qwen2.5 tokenizer's files copied into ``directory``, edited: ``vocab`` and ``added`` map a token to
+    its new id (None: drop the added token), ``merges`` swaps two merge lines (their index after the header)."""
+    directory.mkdir(exist_ok=True)
+    for f in TOKENIZER_DIR.iterdir():
+        if f.name != "SOURCES.md":
+            shutil.copy(f, directory / f.name)
+    ids = json.loads((directory / "vocab.json").read_text())
+    (directory / "vocab.json").write_text(json.dumps({**ids, **(vocab or {})}, ensure_ascii=False))
+    added_ids = {**json.loads((directory / "added_tokens.json").read_text()), **(added or {})}
+    (directory / "added_tokens.json").write_text(json.dumps({t: i for t, i in added_ids.items() if i is not None}))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    entry = next(iter(config["added_tokens_decoder"].values()))
+    config["added_tokens_decoder"] = {str(i): dict(entry, content=t) for t, i in added_ids.items() if i is not None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
+    if merges is not None:
+        lines = (directory / "merges.txt").read_text(encoding="utf-8").split("\n")
+        a, b = merges[0] + 1, merges[1] + 1  # the "#version" header first
+        lines[a], lines[b] = lines[b], lines[a]
+        (directory / "merges.txt").write_text("\n".join(lines), encoding="utf-8")
+    return directory
+
+
+@pytest.mark.parametrize("edit, difference", [
+    (dict(vocab={"Ġthe": 8251, "Ġcat": 279}),
+     "token 'Ġthe' (text ' the') is id 279 in the policy, 8251 in the teacher"),
+    (dict(added={"<|im_start|>": 151645, "<|im_end|>": 151644}),
+     "token '<|im_start|>' is id 151644 in the policy, 151645 in the teacher"),
+    (dict(merges=(5, 9)), "its BPE merge #5 differs: "),
+    (dict(added={"<think>": 151665}), None),  # a teacher's extra token after the policy's: never asked about
+])
+def test_a_teachers_tokenizer_is_compared_token_by_token(edit, difference, tmp_path):
+    """A real tokenizer (the bundled Qwen2.5 one) copied and edited: the first id, added token or merge that differs
+    is named; a teacher that only adds tokens after the policy's numbers every policy token alike."""
+    from megatron_offgrpo.train._tokenizer_diff import tokenizer_difference
+
+    got = tokenizer_difference(ASSET, _tokenizer_copy(tmp_path / "teacher", **edit))
+    bundled = "; the policy has no tokenizer of its own (the bundled Qwen2.5 one stands for it)"
+    assert got is None if difference is None else got.startswith(difference) and got.endswith(bundled), got
+
+
+@pytest.mark.parametrize("where", ["teacher_path", "teacher_fleet"])
+def test_a_teacher_with_another_tokenizer_is_one_line(where, tmp_path, tiny_model, capsys):
+    """``distill.teacher_path``, or the model directory a teacher's fleet serves (its recorded state): a teacher whose
+    tokenizer lacks one of the policy's tokens is refused before anything runs, naming the token."""
+    from megatron_offgrpo.fleet import FleetState
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model, teacher)
+    _tokenizer_copy(teacher, added={"<|file_sep|>": None})
+    value, key = teacher, f"distill.teacher_path={teacher}"
+    if where == "teacher_fleet":  # the record `offgrpo fleet start` writes; preflight reads it, asks no server
+        value = FleetState(str(teacher), "teacher", None, []).write(tmp_path / "fleet").parent
+        key = f"distill.teacher_fleet={value} (serving {teacher})"
+    out = tmp_path / "run"
+    code, err = _run(["train", "--config", TINY, f"train.out_dir={out}", f"model.hf_path={tiny_model}",
+                      "model.init=hf", "rollout.temperature=1", f"distill.{where}={value}"], capsys)
+    assert code == 2 and err.splitlines() == ["error: invalid config:", (
+        f"  {key}: its tokenizer differs from the policy's (model.hf_path={tiny_model}): token '<|file_sep|>' is id "
+        "151664 in the policy, absent from the teacher's vocabulary; the policy has no tokenizer of its own (the "
+        "bundled Qwen2.5 one stands for it); the teacher scores the policy's token ids, so it needs the policy's "
+        "tokenizer (the same ids for the same tokens)")], err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "eval"])

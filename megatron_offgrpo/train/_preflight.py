@@ -163,16 +163,33 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
         return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
     teacher = config.distill.teacher_path
     if teacher and not model_dir:
-        errors = model_dir_errors(teacher, "distill.teacher_path")
-        return errors or teacher_errors(load_arch(teacher), arch, p.tp, p.pp, p.ep, p.etp)
+        errors = model_dir_errors(teacher, "distill.teacher_path", tokenizer=True)
+        errors = errors or teacher_errors(load_arch(teacher), arch, p.tp, p.pp, p.ep, p.etp)
+        return errors or teacher_tokenizer_errors(f"distill.teacher_path={teacher}", resolve_model_dir(teacher),
+                                                  source)
     if config.distill.teacher_fleet and not model_dir:
-        return teacher_fleet_errors(config.distill.teacher_fleet, arch)
+        return teacher_fleet_errors(config.distill.teacher_fleet, arch, source)
     return []
 
 
-def teacher_fleet_errors(state: str, student: QwenArch) -> list[str]:
+def teacher_tokenizer_errors(key: str, teacher_dir: Path, policy: str | Path) -> list[str]:
+    """A teacher whose tokenizer numbers the policy's tokens otherwise (``_tokenizer_diff``: what is compared), in
+    one line naming the first difference."""
+    from megatron_offgrpo.train._tokenizer_diff import tokenizer_difference
+
+    difference = tokenizer_difference(resolve_model_dir(policy), teacher_dir)
+    if difference is None:
+        return []
+    return [f"{key}: its tokenizer differs from the policy's (model.hf_path={policy}): {difference}; the teacher "
+            "scores the policy's token ids, so it needs the policy's tokenizer (the same ids for the same tokens)"]
+
+
+def teacher_fleet_errors(state: str, student: QwenArch, policy: str | Path) -> list[str]:
     """Why the teacher's fleet cannot score the student's tokens: no fleet recorded there, or a served model whose
-    vocabulary is smaller (read where the fleet's model directory is visible from here)."""
+    vocabulary is smaller or whose tokenizer numbers the policy's tokens otherwise. What is compared is the model
+    directory the fleet's state records, where it is visible from here; not checked: a fleet serving from other
+    nodes' disks (nothing to read here), and a server restarted on another model since the state was written (the
+    servers themselves load no tokenizer to ask: ``--skip-tokenizer-init`` where the directory has none)."""
     from megatron_offgrpo.fleet import load_state
 
     try:
@@ -181,7 +198,9 @@ def teacher_fleet_errors(state: str, student: QwenArch) -> list[str]:
         return [f"distill.teacher_fleet={state}: {exc}"]
     if not (Path(served) / "config.json").is_file():  # a fleet serving from other nodes' disks: nothing to read here
         return []
-    return _vocabulary_errors(f"distill.teacher_fleet={state} (serving {served})", load_arch(served), student)
+    key = f"distill.teacher_fleet={state} (serving {served})"
+    return (_vocabulary_errors(key, load_arch(served), student) or tokenizer_errors(Path(served), key, served)
+            or teacher_tokenizer_errors(key, Path(served), policy))
 
 
 def _vocabulary_errors(key: str, teacher: QwenArch, student: QwenArch) -> list[str]:
