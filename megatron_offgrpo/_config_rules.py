@@ -164,7 +164,11 @@ def _teacherless_errors(d: Any) -> list[str]:
     return [f"distill.{f.name}={getattr(d, f.name)} without a teacher: it sets how the run distills, which needs "
             "distill.teacher_path (or distill.teacher_fleet); give the teacher, or drop the key"
             for f in dataclasses.fields(d)
-            if f.name not in ("teacher_path", "teacher_fleet") and getattr(d, f.name) != f.default]
+            if f.name not in ("teacher_path", "teacher_fleet") and getattr(d, f.name) != _default(f)]
+
+
+def _default(field: dataclasses.Field) -> Any:
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
 def _env_errors(env: Any) -> list[str]:

@@ -39,15 +39,18 @@ class EnvConfig:
 @dataclasses.dataclass
 class DistillConfig:
     """On-policy distillation: a frozen teacher scores every sampled token; minus its per-token reverse KL is an
-    advantage, alone or beside the reward's."""
+    advantage, alone or beside the reward's. The keys after the teacher's place need a teacher (one set away from its
+    default without a teacher is refused: the run would ignore it)."""
 
     teacher_path: str | None = None
-    """The teacher, a HF directory or hub id (the student's tokenizer family), on the trainer's ranks at the student's
-    TP/PP layout, scoring each step's micro-batches. None: no teacher there (see ``teacher_fleet``)."""
+    """The teacher, a HF directory or hub id with the student's tokenizer (every student token at the same id: refused
+    otherwise, naming the first difference), on the trainer's ranks at the student's TP/PP layout, scoring each
+    step's micro-batches. None: no teacher there (see ``teacher_fleet``)."""
     teacher_fleet: str | None = None
     """Or the teacher served by a fleet of its own (the ``--state-dir`` of ``offgrpo fleet start --model TEACHER``),
     any size or layout: rank 0 has it score every sample's tokens when they are generated (prompt log-probs, at
-    temperature 1: needs ``rollout.temperature=1``). None: no teacher there. At most one of the two."""
+    temperature 1: needs ``rollout.temperature=1``); its served directory's tokenizer is compared as
+    ``teacher_path``'s where the trainer can read it. None: no teacher there. At most one of the two."""
     weight: float = 1.0
     """The distillation advantage's weight: A_t += weight * (log pi_teacher - log pi_student) at each sampled token."""
     reward_weight: float = 0.0
