@@ -1,34 +1,21 @@
 """Cross-field rules of ``Config.validate()``: each returns messages naming the keys, the values and the fix.
 
-``config`` below is the root ``megatron_offgrpo.config.Config``; it is not imported (config.py imports this module).
+``config`` below is the root ``megatron_offgrpo.config.Config``, imported for its type only (``_tree`` imports this
+module). A choice key's values are its field's ``Literal`` type, read by ``_choice_errors``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
-CHOICES = {
-    "model.init": ("hf", "random", "megatron"),
-    "model.precision": ("fp32", "bf16", "fp8"),
-    "rollout.mode": ("lockstep", "async"),
-    "model.compile_mode": ("default", "reduce-overhead"),
-    "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
-    "data.source": ("auto", "local", "hub"),
-    "data.prompt_format": ("chat", "plain"),
-    "rollout.engine": ("auto", "fleet", "vllm", "transformers"),
-    "rollout.dtype": ("auto", "float32", "bfloat16"),
-    "rollout.transport": ("disk", "collective", "shm"),
-    "rollout.behavior_logprobs": ("fleet", "recompute"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.tis_level": ("token", "sequence"),
-    "algo.aggregation": ("token_mean", "seq_mean_token_mean", "token_sum_norm"),
-    "algo.advantage_form": ("sqrt_var", "std_eps"),
-    "algo.rec_weight": ("none", "is"),
-    "algo.rec_clip": ("none", "one_side", "two_side", "ring"),
-}
-LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers (metrics.jsonl is always written)
+from megatron_offgrpo.config._load import choices, field_types
+
+if TYPE_CHECKING:
+    from megatron_offgrpo.config._sections import DistillConfig, EnvConfig
+    from megatron_offgrpo.config._tree import Config, ParallelConfig
+
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
@@ -36,19 +23,17 @@ POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_st
             "data.max_prompt_tokens", "data.count"]
 
 
-def _get(config: Any, key: str):
+def _get(config: Config, key: str) -> object:
     section, name = key.split(".")
     return getattr(getattr(config, section), name)
 
 
-def collect_errors(config: Any) -> list[str]:
+def collect_errors(config: Config) -> list[str]:
     """All violated rules of ``config`` (empty when valid)."""
     errors = _nonfinite_errors(config)
     if errors:  # every other rule compares numbers: a NaN passes them all
         return errors
-    for key, choices in CHOICES.items():
-        if _get(config, key) not in choices:
-            errors.append(f"{key}={_get(config, key)!r}: expected one of {list(choices)}")
+    errors.extend(_choice_errors(config))
     for key in POSITIVE:
         if _get(config, key) < 1:
             errors.append(f"{key}={_get(config, key)}: must be >= 1")
@@ -120,7 +105,8 @@ def collect_errors(config: Any) -> list[str]:
         errors.append(f"algo.dual_clip={a.dual_clip}: must be > 1 (or null)")
     if a.tis_cap is not None and a.tis_cap <= 0:
         errors.append(f"algo.tis_cap={a.tis_cap}: must be > 0 (or null)")
-    errors.extend(_logger_errors(config.train.loggers))
+    if len(set(config.train.loggers)) < len(config.train.loggers):
+        errors.append(f"train.loggers={config.train.loggers}: each logger once")
     for key in ("train.save_every", "train.eval_every", "train.export_every", "train.samples_every"):
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
@@ -130,7 +116,7 @@ def collect_errors(config: Any) -> list[str]:
     return errors
 
 
-def _distill_errors(d: Any, temperature: float) -> list[str]:
+def _distill_errors(d: DistillConfig, temperature: float) -> list[str]:
     """The teacher's place (at most one) and the distillation's weights and discount."""
     given = [key for key in ("teacher_path", "teacher_fleet") if getattr(d, key) is not None]
     if not given:
@@ -150,7 +136,7 @@ def _distill_errors(d: Any, temperature: float) -> list[str]:
     return errors
 
 
-def _env_errors(env: Any) -> list[str]:
+def _env_errors(env: EnvConfig) -> list[str]:
     """Multi-turn episodes' limits; the environment itself is checked when it is built (it may need imports)."""
     errors = []
     if env.max_turns < 1 or (env.max_tokens is not None and env.max_tokens < 1):
@@ -162,17 +148,25 @@ def _env_errors(env: Any) -> list[str]:
     return errors
 
 
-def _logger_errors(loggers: list[str]) -> list[str]:
-    unknown = [name for name in loggers if name not in LOGGERS]
-    if unknown:
-        return [f"train.loggers={loggers}: unknown {unknown}; valid: {list(LOGGERS)} (metrics.jsonl is always "
-                "written)"]
-    if len(set(loggers)) < len(loggers):
-        return [f"train.loggers={loggers}: each logger once"]
-    return []
+def _choice_errors(config: Config) -> list[str]:
+    """Every choice key (a ``Literal`` field; in a list, each item) holding a value outside its choices."""
+    errors = []
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for name, hint in field_types(type(values)).items():
+            allowed, value = choices(hint), getattr(values, name)
+            if allowed is None or value is None:
+                continue
+            if isinstance(value, list):
+                unknown = [item for item in value if item not in allowed]
+                if unknown:
+                    errors.append(f"{section.name}.{name}={value}: unknown {unknown}; valid: {list(allowed)}")
+            elif value not in allowed:
+                errors.append(f"{section.name}.{name}={value!r}: expected one of {list(allowed)}")
+    return errors
 
 
-def _nonfinite_errors(config: Any) -> list[str]:
+def _nonfinite_errors(config: Config) -> list[str]:
     errors = []
     for section in dataclasses.fields(config):
         for field in dataclasses.fields(getattr(config, section.name)):
@@ -182,7 +176,7 @@ def _nonfinite_errors(config: Any) -> list[str]:
     return errors
 
 
-def _optim_errors(config: Any) -> list[str]:
+def _optim_errors(config: Config) -> list[str]:
     o = config.optim
     errors = []
     if o.lr <= 0:
@@ -222,7 +216,7 @@ def _collective_host_errors(host: str | None) -> list[str]:
     return []
 
 
-def _algo_errors(config: Any) -> list[str]:
+def _algo_errors(config: Config) -> list[str]:
     """Let ``algo``'s own parameter validation speak (it knows which switches combine)."""
     constant = config.rollout.drgrpo_constant()  # the trainer's value (train._trainer_side)
     out = []
@@ -234,7 +228,7 @@ def _algo_errors(config: Any) -> list[str]:
     return out
 
 
-def _parallel_errors(p: Any) -> list[str]:
+def _parallel_errors(p: ParallelConfig) -> list[str]:
     """``parallel.etp`` and ``parallel.sequence_parallel`` against tp (what megatron would refuse later, named now)."""
     errors = []
     if p.etp is not None and p.etp < 1:
