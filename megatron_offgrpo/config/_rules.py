@@ -37,13 +37,19 @@ def collect_errors(config: Config) -> list[str]:
     for key in POSITIVE:
         if _get(config, key) < 1:
             errors.append(f"{key}={_get(config, key)}: must be >= 1")
-    r, a, m = config.rollout, config.algo, config.model
+    for rules in (_sampling_errors, _rollout_mode_errors, _model_errors, _optim_errors, _train_errors, _algo_errors):
+        errors.extend(rules(config))
+    errors.extend(_parallel_errors(config.parallel))
+    errors.extend(_env_errors(config.env))
+    errors.extend(_distill_errors(config.distill, config.rollout.temperature))
+    return errors
+
+
+def _sampling_errors(config: Config) -> list[str]:
+    """Groups, sampling and DAPO's length shaping, the probe's tolerance."""
+    errors, r = [], config.rollout
     if r.group_size < 2:
         errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
-    if m.compile and (config.parallel.tp > 1 or m.precision == "fp8"):
-        errors.append(f"model.compile=true with parallel.tp={config.parallel.tp}, model.precision={m.precision!r}: "
-                      "compiled layers are tested at tp=1 on the local spec (bf16/fp32); use tp=1 and no fp8, or "
-                      "model.compile=false")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: "
                       "need temperature > 0, 0 < top_p <= 1")
@@ -62,14 +68,12 @@ def collect_errors(config: Config) -> list[str]:
                       "ceil(missing x oversample) prompts)")
     if r.verify_tolerance is not None and r.verify_tolerance < 0:
         errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0 (or null: the precision's default)")
-    errors.extend(_optim_errors(config))
-    errors.extend(_parallel_errors(config.parallel))
-    if config.data.max_operand < (1 if config.data.name == "arithmetic" else 0):
-        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 1 (the arithmetic task holds a fifth of "
-                      "its (max_operand + 1)^2 questions out for evaluation: one question cannot be split)")
-    if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
-        errors.append(f"model.moe_aux_loss_coef={config.model.moe_aux_loss_coef}: must be >= 0 (0: no load-balancing "
-                      "loss; null: the HF config's router_aux_loss_coef)")
+    return errors
+
+
+def _rollout_mode_errors(config: Config) -> list[str]:
+    """The engine, its transport and the rollout mode's keys, which only some combinations allow."""
+    errors, r, m = [], config.rollout, config.model
     if r.engine == "fleet" and not r.fleet_state:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport in ("collective", "shm") and r.engine != "fleet":
@@ -91,12 +95,34 @@ def collect_errors(config: Config) -> list[str]:
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
+    return errors
+
+
+def _model_errors(config: Config) -> list[str]:
+    """The model's source, compilation, MoE loss and the arithmetic task's size."""
+    errors, m = [], config.model
+    if m.compile and (config.parallel.tp > 1 or m.precision == "fp8"):
+        errors.append(f"model.compile=true with parallel.tp={config.parallel.tp}, model.precision={m.precision!r}: "
+                      "compiled layers are tested at tp=1 on the local spec (bf16/fp32); use tp=1 and no fp8, or "
+                      "model.compile=false")
+    if config.data.max_operand < (1 if config.data.name == "arithmetic" else 0):
+        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 1 (the arithmetic task holds a fifth of "
+                      "its (max_operand + 1)^2 questions out for evaluation: one question cannot be split)")
+    if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
+        errors.append(f"model.moe_aux_loss_coef={config.model.moe_aux_loss_coef}: must be >= 0 (0: no load-balancing "
+                      "loss; null: the HF config's router_aux_loss_coef)")
     if not m.hf_path:
         errors.append("model.hf_path is empty: give a HF model directory or hub id (init=random and init=megatron "
                       "read its config and tokenizer)")
     if (m.init == "megatron") != bool(m.megatron_path):
         errors.append(f"model.init={m.init!r} with model.megatron_path={m.megatron_path!r}: init=megatron starts "
                       "from the megatron checkpoint at megatron_path, which only it reads; give both or neither")
+    return errors
+
+
+def _train_errors(config: Config) -> list[str]:
+    """The warm-up, the objective's scalar bounds, trackers and the run's periods."""
+    errors, a = [], config.algo
     if not 0 <= config.sft.off_by_one_fraction <= 1:
         errors.append(f"sft.off_by_one_fraction={config.sft.off_by_one_fraction}: must be in [0, 1]")
     if a.kl_beta < 0 or a.eps_low < 0 or a.eps_high < 0 or a.tau < 0:
@@ -110,9 +136,6 @@ def collect_errors(config: Config) -> list[str]:
     for key in ("train.save_every", "train.eval_every", "train.export_every", "train.samples_every"):
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
-    errors.extend(_algo_errors(config))
-    errors.extend(_env_errors(config.env))
-    errors.extend(_distill_errors(config.distill, config.rollout.temperature))
     return errors
 
 
