@@ -4,31 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from megatron_offgrpo.config._choices import (
+    AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
+    KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
 from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, SftConfig
-
-# The choice keys: each field's Literal type is its one list of values (coercion, validation and docs/config.md read
-# it from the type; no side table).
-ModelInit = Literal["hf", "random", "megatron"]
-Precision = Literal["fp32", "bf16", "fp8"]
-Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
-CompileMode = Literal["default", "reduce-overhead"]
-DataSource = Literal["auto", "local", "hub"]
-PromptFormat = Literal["chat", "plain"]
-EngineKind = Literal["auto", "fleet", "vllm", "transformers"]
-EngineDtype = Literal["auto", "float32", "bfloat16"]
-TransportKind = Literal["disk", "collective", "shm"]
-BehaviorLogprobs = Literal["fleet", "recompute"]
-RolloutMode = Literal["lockstep", "async"]
-KlEstimator = Literal["k1", "k2", "k3"]
-TisLevel = Literal["token", "sequence"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"]
-AdvantageForm = Literal["sqrt_var", "std_eps"]
-RecWeight = Literal["none", "is"]
-RecClip = Literal["none", "one_side", "two_side", "ring"]
-Logger = Literal["tensorboard", "wandb", "mlflow"]
 
 
 @dataclasses.dataclass
