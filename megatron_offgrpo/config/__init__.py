@@ -3,9 +3,10 @@
 Only ``train/`` and ``cli/`` hold the root ``Config``; builders turn its sections into flat arguments for the
 components. ``Config.validate()`` derives nothing in place and reports every error at once, naming the keys.
 
-Inside: ``_choices`` (the values of every choice key, as ``Literal`` types), ``_tree`` (the sections and the root, each field with its type and a docstring: docs/config.md is generated
-from them), ``_sections`` (the sections of what comes beside the trainer: environments, distillation, the warm-up),
-``_load`` (YAML and ``key=value`` coercion by each field's type), ``_rules`` (the cross-field rules of ``validate``).
+Inside: ``_choices`` (the values of every choice key, as ``Literal`` types), ``_tree`` (the sections and the root,
+each field with its type and a docstring: docs/config.md is generated from them), ``_sections`` (the sections of
+what comes beside the trainer: environments, distillation, the warm-up), ``_load`` (YAML and ``key=value``
+coercion by each field's type), ``_rules`` (the cross-field rules of ``validate``).
 """
 
 from megatron_offgrpo.config._choices import Logger
