@@ -156,7 +156,7 @@ def test_a_duplicated_key_is_one_line_naming_file_line_and_key(command, tail, li
     ("optim:\n  <<: {lr: 0.5}\n  <<: {clip_grad: 2.0}\n", {"optim": {"lr": 0.5, "clip_grad": 2.0}}),
 ], ids=["deep", "in-list", "int-and-str", "merge-override", "two-merges"])
 def test_the_loader_refuses_duplicates_at_any_depth_and_keeps_merges(text, expect, tmp_path):
-    from megatron_offgrpo._config_load import read_recipe
+    from megatron_offgrpo.config._load import read_recipe
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)

@@ -82,7 +82,7 @@ def test_all_cross_field_errors_are_reported_together():
 def test_every_field_has_a_docstring():
     for section in dataclasses.fields(Config):
         value = getattr(Config(), section.name)
-        source = inspect.getsource(type(value))  # config.py's classes, and those it takes from _config_sections
+        source = inspect.getsource(type(value))  # the classes of config/_tree.py and config/_sections.py
         for field in dataclasses.fields(value):
             assert f"    {field.name}:" in source
             after = source.split(f"    {field.name}:", 1)[1].splitlines()[1].strip()
@@ -120,3 +120,36 @@ def test_every_algo_switch_reaches_algos_params():
         assert built != default, variant
         if any(v in (-1.0, "nope") for v in variant.values()):
             assert any(isinstance(b, str) for b in built), variant  # refused with a message
+
+
+def test_every_choice_key_takes_its_choices_from_its_type():
+    """A choice key is a ``Literal`` field: each of its values loads, anything else is refused naming the choices, and
+    the reference shows them as the key's type (no side table to forget)."""
+    import typing
+
+    from megatron_offgrpo.cli.config import key_docs
+    from megatron_offgrpo.config import field_types
+
+    types = {doc.key: doc.type for doc in key_docs()}
+    choice_keys = []
+    for section in dataclasses.fields(Config):
+        for name, hint in field_types(type(getattr(Config(), section.name))).items():
+            base = typing.get_args(hint)[0] if typing.get_origin(hint) is list else hint
+            if typing.get_origin(base) is not typing.Literal:
+                continue
+            key, values = f"{section.name}.{name}", typing.get_args(base)
+            choice_keys.append(key)
+            assert types[key].endswith(" | ".join(f'"{v}"' for v in values) + ("]" if base is not hint else ""))
+            if base is not hint:  # a list of choices (train.loggers)
+                continue
+            for value in [*values, "nope"]:
+                config = Config()
+                setattr(getattr(config, section.name), name, value)
+                try:
+                    config.validate()
+                    message = ""
+                except ValueError as exc:  # other rules may object to a value's combination with the defaults
+                    message = str(exc)
+                refused = f"{key}={value!r}: expected one of {list(values)}" in message
+                assert refused == (value == "nope"), (key, value, message)
+    assert len(choice_keys) >= 17 and "rollout.mode" in choice_keys and "train.loggers" in choice_keys

@@ -98,45 +98,14 @@ def init_parallel(
         ValueError: when world_size is not divisible by tp * pp.
     """
     hide_broken_te()
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
-        raise ValueError(
-            f"parallel layout tp={tp} x pp={pp} does not divide world_size={world_size}: "
-            f"launch tp*pp*dp processes (torchrun --nproc_per_node), or change tp/pp"
-        )
+    world_size, rank, local_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     etp = tp if etp is None else etp
-    if ep < 1 or etp < 1 or (world_size // pp) % (etp * ep):
-        raise ValueError(f"etp={etp} x ep={ep} must divide world_size / pp = {world_size // pp} (the experts' layout "
-                         f"is etp x ep x expert-dp x pp): change parallel.ep or the process count")
+    _check_layout(world_size, tp, pp, ep, etp)
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
-    from megatron_offgrpo.runtime._local_fallbacks import apply_local_fallbacks
-
-    if has_cuda():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        apply_local_fallbacks()  # a GPU without apex or TE (apply_cpu_compat applies them on the CPU)
-    else:
-        apply_cpu_compat()
-        device = torch.device("cpu")
+    device = _prepare_device(local_rank)
     if not dist.is_initialized():
-        if "MASTER_PORT" in os.environ:  # torchrun (or the user) set the rendezvous: env:// reads it
-            init_method = "env://"
-        else:
-            # Passed, not written into os.environ: every child process (a test's subprocess, vLLM's engine core)
-            # would inherit the port and try to listen on it for its own one-process group (EADDRINUSE).
-            port = _free_port() if world_size == 1 else 29500
-            init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
-        dist.init_process_group(
-            backend=backend or default_backend(),
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        _init_process_group(rank, world_size, backend or default_backend(), timeout_s)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
@@ -144,29 +113,66 @@ def init_parallel(
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-    ctx = ParallelContext(
-        rank=rank,
-        world_size=world_size,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=tp,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=pp,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        pp_group=parallel_state.get_pipeline_model_parallel_group(),
-        dp_group=parallel_state.get_data_parallel_group(),
-        device=device,
-        ep_rank=parallel_state.get_expert_model_parallel_rank(),
-        ep_size=ep,
-        ep_group=parallel_state.get_expert_model_parallel_group(),
-        expert_tp_group=parallel_state.get_expert_tensor_parallel_group(),
-        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
-        expert_tp_size=etp,
-        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
-    )
+    ctx = _context_from_megatron(rank, world_size, (tp, pp, ep, etp), device)
     logger.info("parallel layout: %s, rank %d of %d on %s", ctx.layout(), ctx.rank, ctx.world_size, ctx.device)
     return ctx
+
+
+def _check_layout(world_size: int, tp: int, pp: int, ep: int, etp: int) -> None:
+    """Refuse a layout the process count cannot hold, naming the sizes and what to change."""
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"parallel layout tp={tp} x pp={pp} does not divide world_size={world_size}: "
+            f"launch tp*pp*dp processes (torchrun --nproc_per_node), or change tp/pp"
+        )
+    if ep < 1 or etp < 1 or (world_size // pp) % (etp * ep):
+        raise ValueError(f"etp={etp} x ep={ep} must divide world_size / pp = {world_size // pp} (the experts' layout "
+                         f"is etp x ep x expert-dp x pp): change parallel.ep or the process count")
+
+
+def _prepare_device(local_rank: int) -> torch.device:
+    """This rank's device, with megatron-core's missing pieces filled in for it (runtime's one patch site)."""
+    from megatron_offgrpo.runtime._cpu_compat import apply_cpu_compat
+    from megatron_offgrpo.runtime._local_fallbacks import apply_local_fallbacks
+
+    if has_cuda():
+        torch.cuda.set_device(local_rank)
+        apply_local_fallbacks()  # a GPU without apex or TE (apply_cpu_compat applies them on the CPU)
+        return torch.device("cuda", local_rank)
+    apply_cpu_compat()
+    return torch.device("cpu")
+
+
+def _init_process_group(rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    if "MASTER_PORT" in os.environ:  # torchrun (or the user) set the rendezvous: env:// reads it
+        init_method = "env://"
+    else:
+        # Passed, not written into os.environ: every child process (a test's subprocess, vLLM's engine core)
+        # would inherit the port and try to listen on it for its own one-process group (EADDRINUSE).
+        port = _free_port() if world_size == 1 else 29500
+        init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{port}"
+    dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _context_from_megatron(rank: int, world_size: int, sizes: tuple[int, int, int, int],
+                           device: torch.device) -> ParallelContext:
+    """The groups and ranks megatron's parallel state holds for ``sizes`` (tp, pp, ep, etp), read once into the
+    context callers pass on."""
+    from megatron.core import parallel_state as ps
+
+    tp, pp, ep, etp = sizes
+    return ParallelContext(
+        rank=rank, world_size=world_size,
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(), device=device,
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep, ep_group=ps.get_expert_model_parallel_group(),
+        expert_tp_group=ps.get_expert_tensor_parallel_group(), expert_tp_rank=ps.get_expert_tensor_parallel_rank(),
+        expert_tp_size=etp, expert_dp_rank=ps.get_expert_data_parallel_rank(),
+    )
 
 
 def destroy_parallel() -> None:

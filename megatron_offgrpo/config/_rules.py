@@ -1,34 +1,21 @@
 """Cross-field rules of ``Config.validate()``: each returns messages naming the keys, the values and the fix.
 
-``config`` below is the root ``megatron_offgrpo.config.Config``; it is not imported (config.py imports this module).
+``config`` below is the root ``megatron_offgrpo.config.Config``, imported for its type only (``_tree`` imports this
+module). A choice key's values are its field's ``Literal`` type, read by ``_choice_errors``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
-CHOICES = {
-    "model.init": ("hf", "random", "megatron"),
-    "model.precision": ("fp32", "bf16", "fp8"),
-    "rollout.mode": ("lockstep", "async"),
-    "model.compile_mode": ("default", "reduce-overhead"),
-    "model.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
-    "data.source": ("auto", "local", "hub"),
-    "data.prompt_format": ("chat", "plain"),
-    "rollout.engine": ("auto", "fleet", "vllm", "transformers"),
-    "rollout.dtype": ("auto", "float32", "bfloat16"),
-    "rollout.transport": ("disk", "collective", "shm"),
-    "rollout.behavior_logprobs": ("fleet", "recompute"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.tis_level": ("token", "sequence"),
-    "algo.aggregation": ("token_mean", "seq_mean_token_mean", "token_sum_norm"),
-    "algo.advantage_form": ("sqrt_var", "std_eps"),
-    "algo.rec_weight": ("none", "is"),
-    "algo.rec_clip": ("none", "one_side", "two_side", "ring"),
-}
-LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers (metrics.jsonl is always written)
+from megatron_offgrpo.config._load import choices, field_types
+
+if TYPE_CHECKING:
+    from megatron_offgrpo.config._sections import DistillConfig, EnvConfig
+    from megatron_offgrpo.config._tree import Config, ParallelConfig
+
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
@@ -36,29 +23,33 @@ POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_st
             "data.max_prompt_tokens", "data.count"]
 
 
-def _get(config: Any, key: str):
+def _get(config: Config, key: str) -> object:
     section, name = key.split(".")
     return getattr(getattr(config, section), name)
 
 
-def collect_errors(config: Any) -> list[str]:
+def collect_errors(config: Config) -> list[str]:
     """All violated rules of ``config`` (empty when valid)."""
     errors = _nonfinite_errors(config)
     if errors:  # every other rule compares numbers: a NaN passes them all
         return errors
-    for key, choices in CHOICES.items():
-        if _get(config, key) not in choices:
-            errors.append(f"{key}={_get(config, key)!r}: expected one of {list(choices)}")
+    errors.extend(_choice_errors(config))
     for key in POSITIVE:
         if _get(config, key) < 1:
             errors.append(f"{key}={_get(config, key)}: must be >= 1")
-    r, a, m = config.rollout, config.algo, config.model
+    for rules in (_sampling_errors, _rollout_mode_errors, _model_errors, _optim_errors, _train_errors, _algo_errors):
+        errors.extend(rules(config))
+    errors.extend(_parallel_errors(config.parallel))
+    errors.extend(_env_errors(config.env))
+    errors.extend(_distill_errors(config.distill, config.rollout.temperature))
+    return errors
+
+
+def _sampling_errors(config: Config) -> list[str]:
+    """Groups, sampling and DAPO's length shaping, the probe's tolerance."""
+    errors, r = [], config.rollout
     if r.group_size < 2:
         errors.append(f"rollout.group_size={r.group_size}: group-relative advantages need G >= 2")
-    if m.compile and (config.parallel.tp > 1 or m.precision == "fp8"):
-        errors.append(f"model.compile=true with parallel.tp={config.parallel.tp}, model.precision={m.precision!r}: "
-                      "compiled layers are tested at tp=1 on the local spec (bf16/fp32); use tp=1 and no fp8, or "
-                      "model.compile=false")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         errors.append(f"rollout.temperature={r.temperature}, rollout.top_p={r.top_p}: "
                       "need temperature > 0, 0 < top_p <= 1")
@@ -77,14 +68,12 @@ def collect_errors(config: Any) -> list[str]:
                       "ceil(missing x oversample) prompts)")
     if r.verify_tolerance is not None and r.verify_tolerance < 0:
         errors.append(f"rollout.verify_tolerance={r.verify_tolerance}: must be >= 0 (or null: the precision's default)")
-    errors.extend(_optim_errors(config))
-    errors.extend(_parallel_errors(config.parallel))
-    if config.data.max_operand < (1 if config.data.name == "arithmetic" else 0):
-        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 1 (the arithmetic task holds a fifth of "
-                      "its (max_operand + 1)^2 questions out for evaluation: one question cannot be split)")
-    if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
-        errors.append(f"model.moe_aux_loss_coef={config.model.moe_aux_loss_coef}: must be >= 0 (0: no load-balancing "
-                      "loss; null: the HF config's router_aux_loss_coef)")
+    return errors
+
+
+def _rollout_mode_errors(config: Config) -> list[str]:
+    """The engine, its transport and the rollout mode's keys, which only some combinations allow."""
+    errors, r, m = [], config.rollout, config.model
     if r.engine == "fleet" and not r.fleet_state:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport in ("collective", "shm") and r.engine != "fleet":
@@ -106,12 +95,34 @@ def collect_errors(config: Any) -> list[str]:
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
+    return errors
+
+
+def _model_errors(config: Config) -> list[str]:
+    """The model's source, compilation, MoE loss and the arithmetic task's size."""
+    errors, m = [], config.model
+    if m.compile and (config.parallel.tp > 1 or m.precision == "fp8"):
+        errors.append(f"model.compile=true with parallel.tp={config.parallel.tp}, model.precision={m.precision!r}: "
+                      "compiled layers are tested at tp=1 on the local spec (bf16/fp32); use tp=1 and no fp8, or "
+                      "model.compile=false")
+    if config.data.max_operand < (1 if config.data.name == "arithmetic" else 0):
+        errors.append(f"data.max_operand={config.data.max_operand}: must be >= 1 (the arithmetic task holds a fifth of "
+                      "its (max_operand + 1)^2 questions out for evaluation: one question cannot be split)")
+    if config.model.moe_aux_loss_coef is not None and not config.model.moe_aux_loss_coef >= 0:
+        errors.append(f"model.moe_aux_loss_coef={config.model.moe_aux_loss_coef}: must be >= 0 (0: no load-balancing "
+                      "loss; null: the HF config's router_aux_loss_coef)")
     if not m.hf_path:
         errors.append("model.hf_path is empty: give a HF model directory or hub id (init=random and init=megatron "
                       "read its config and tokenizer)")
     if (m.init == "megatron") != bool(m.megatron_path):
         errors.append(f"model.init={m.init!r} with model.megatron_path={m.megatron_path!r}: init=megatron starts "
                       "from the megatron checkpoint at megatron_path, which only it reads; give both or neither")
+    return errors
+
+
+def _train_errors(config: Config) -> list[str]:
+    """The warm-up, the objective's scalar bounds, trackers and the run's periods."""
+    errors, a = [], config.algo
     if not 0 <= config.sft.off_by_one_fraction <= 1:
         errors.append(f"sft.off_by_one_fraction={config.sft.off_by_one_fraction}: must be in [0, 1]")
     if a.kl_beta < 0 or a.eps_low < 0 or a.eps_high < 0 or a.tau < 0:
@@ -120,17 +131,15 @@ def collect_errors(config: Any) -> list[str]:
         errors.append(f"algo.dual_clip={a.dual_clip}: must be > 1 (or null)")
     if a.tis_cap is not None and a.tis_cap <= 0:
         errors.append(f"algo.tis_cap={a.tis_cap}: must be > 0 (or null)")
-    errors.extend(_logger_errors(config.train.loggers))
+    if len(set(config.train.loggers)) < len(config.train.loggers):
+        errors.append(f"train.loggers={config.train.loggers}: each logger once")
     for key in ("train.save_every", "train.eval_every", "train.export_every", "train.samples_every"):
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
-    errors.extend(_algo_errors(config))
-    errors.extend(_env_errors(config.env))
-    errors.extend(_distill_errors(config.distill, config.rollout.temperature))
     return errors
 
 
-def _distill_errors(d: Any, temperature: float) -> list[str]:
+def _distill_errors(d: DistillConfig, temperature: float) -> list[str]:
     """The teacher's place (at most one) and the distillation's weights and discount: each broken rule on its own line,
     with the values given; without a teacher, any other ``distill.*`` key set (it would be ignored)."""
     given = [key for key in ("teacher_path", "teacher_fleet") if getattr(d, key) is not None]
@@ -158,7 +167,7 @@ def _distill_errors(d: Any, temperature: float) -> list[str]:
     return errors
 
 
-def _teacherless_errors(d: Any) -> list[str]:
+def _teacherless_errors(d: DistillConfig) -> list[str]:
     """A ``distill.*`` setting away from its default without a teacher: the run would ignore it. (The config keeps no
     record of which keys were given: a key given at its default value changes nothing and passes.)"""
     return [f"distill.{f.name}={getattr(d, f.name)} without a teacher: it sets how the run distills, which needs "
@@ -167,11 +176,11 @@ def _teacherless_errors(d: Any) -> list[str]:
             if f.name not in ("teacher_path", "teacher_fleet") and getattr(d, f.name) != _default(f)]
 
 
-def _default(field: dataclasses.Field) -> Any:
+def _default(field: dataclasses.Field) -> object:
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
-def _env_errors(env: Any) -> list[str]:
+def _env_errors(env: EnvConfig) -> list[str]:
     """Multi-turn episodes' limits; the environment itself is checked when it is built (it may need imports)."""
     errors = []
     if env.max_turns < 1 or (env.max_tokens is not None and env.max_tokens < 1):
@@ -183,17 +192,25 @@ def _env_errors(env: Any) -> list[str]:
     return errors
 
 
-def _logger_errors(loggers: list[str]) -> list[str]:
-    unknown = [name for name in loggers if name not in LOGGERS]
-    if unknown:
-        return [f"train.loggers={loggers}: unknown {unknown}; valid: {list(LOGGERS)} (metrics.jsonl is always "
-                "written)"]
-    if len(set(loggers)) < len(loggers):
-        return [f"train.loggers={loggers}: each logger once"]
-    return []
+def _choice_errors(config: Config) -> list[str]:
+    """Every choice key (a ``Literal`` field; in a list, each item) holding a value outside its choices."""
+    errors = []
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for name, hint in field_types(type(values)).items():
+            allowed, value = choices(hint), getattr(values, name)
+            if allowed is None or value is None:
+                continue
+            if isinstance(value, list):
+                unknown = [item for item in value if item not in allowed]
+                if unknown:
+                    errors.append(f"{section.name}.{name}={value}: unknown {unknown}; valid: {list(allowed)}")
+            elif value not in allowed:
+                errors.append(f"{section.name}.{name}={value!r}: expected one of {list(allowed)}")
+    return errors
 
 
-def _nonfinite_errors(config: Any) -> list[str]:
+def _nonfinite_errors(config: Config) -> list[str]:
     errors = []
     for section in dataclasses.fields(config):
         for field in dataclasses.fields(getattr(config, section.name)):
@@ -203,7 +220,7 @@ def _nonfinite_errors(config: Any) -> list[str]:
     return errors
 
 
-def _optim_errors(config: Any) -> list[str]:
+def _optim_errors(config: Config) -> list[str]:
     o = config.optim
     errors = []
     if o.lr <= 0:
@@ -243,7 +260,7 @@ def _collective_host_errors(host: str | None) -> list[str]:
     return []
 
 
-def _algo_errors(config: Any) -> list[str]:
+def _algo_errors(config: Config) -> list[str]:
     """Let ``algo``'s own parameter validation speak (it knows which switches combine)."""
     constant = config.rollout.drgrpo_constant()  # the trainer's value (train._trainer_side)
     out = []
@@ -255,7 +272,7 @@ def _algo_errors(config: Any) -> list[str]:
     return out
 
 
-def _parallel_errors(p: Any) -> list[str]:
+def _parallel_errors(p: ParallelConfig) -> list[str]:
     """``parallel.etp`` and ``parallel.sequence_parallel`` against tp (what megatron would refuse later, named now)."""
     errors = []
     if p.etp is not None and p.etp < 1:

@@ -1,8 +1,4 @@
-"""The one typed config tree: a dataclass per room, YAML recipes, ``key=value`` overrides, validation.
-
-Only ``train/`` and ``cli.py`` hold the root ``Config``; builders turn its sections into flat arguments for the
-components. ``validate()`` derives nothing in place and reports every error at once, naming the keys.
-"""
+"""The sections of the trainer's core, the root ``Config`` and ``load_config``."""
 
 from __future__ import annotations
 
@@ -10,12 +6,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo._config_load import ConfigError, apply_values, parse_override, read_recipe
-from megatron_offgrpo._config_sections import DistillConfig, EnvConfig, SftConfig
-
-# ConfigError and parse_override live with the loader (_config_load) and are part of this module's interface
-__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "RolloutConfig", "SftConfig", "TrainConfig", "load_config", "parse_override"]
+from megatron_offgrpo.config._choices import (
+    AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
+    KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode, TisLevel, TransportKind)
+from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
+from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, SftConfig
 
 
 @dataclasses.dataclass
@@ -24,14 +19,14 @@ class ModelConfig:
 
     hf_path: str = ""
     """HF model directory (config.json [+ weights]) or hub id."""
-    init: str = "hf"
+    init: ModelInit = "hf"
     """"hf": hf_path's weights; "random": init from its config (demos); "megatron": megatron_path's, at any layout."""
     megatron_path: str = ""
     """init=megatron: a megatron dist checkpoint (hf-to-megatron's, Megatron-LM's --save, a run); hf_path: tokenizer."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """"fp32" | "bf16" (bf16 params, fp32 main weights/grads in the optimizer) | "fp8" (needs Transformer Engine)."""
-    fp8_recipe: str = "delayed"
-    """FP8 scaling recipe when precision=fp8: "delayed" | "tensorwise" | "blockwise"."""
+    fp8_recipe: Fp8Recipe = "delayed"
+    """FP8 scaling recipe when precision=fp8 (Transformer Engine's recipes of those names)."""
     fp8_amax_history: int = 1024
     """Amax history length of the delayed recipe."""
     fp8_margin: int = 0
@@ -41,7 +36,7 @@ class ModelConfig:
     compile: bool = False
     """torch.compile each decoder layer of the trained stage (one graph serves every layer; the first step compiles
     it, tens of seconds): inductor fuses the local spec's norms, rotary and SwiGLU. tp=1, no fp8. README "GPU"."""
-    compile_mode: str = "default"
+    compile_mode: CompileMode = "default"
     """With compile: torch.compile's mode. "default"; "reduce-overhead": the compiled layers also replay as CUDA
     graphs (GPUs; the step has no host synchronisation, which graphs need): no host launches bound the step."""
     grad_accum_fusion: bool | None = None
@@ -88,8 +83,9 @@ class DataConfig:
     eval_split: str = "test"
     """Split used by `offgrpo eval` and periodic evaluation (arithmetic: the held-out fifth of the questions, chosen by
     a hash of the question, which training never sees). Ignored with data.path or data.eval_path."""
-    source: str = "auto"
-    """"auto" | "local" | "hub"."""
+    source: DataSource = "auto"
+    """Where a named dataset comes from: "local" its bundled copy, "hub" the Hugging Face hub, "auto" the bundled
+    copy where there is one, else the hub."""
     path: str | None = None
     """Local JSONL/JSON/Parquet overriding the bundled copy (or the arithmetic task). Without data.eval_path, a fifth
     of its distinct questions (by a hash of the question) is held out for evaluation and never trained on (the start
@@ -108,7 +104,7 @@ class DataConfig:
     """Largest operand (arithmetic only): (max_operand + 1)^2 distinct questions, a fifth of them held out (>= 1)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this are an error (checked before the run starts, naming the file and line)."""
-    prompt_format: str = "chat"
+    prompt_format: PromptFormat = "chat"
     """"chat": the tokenizer's chat template; "plain": system prompt, question and instruction as plain lines, no
     special tokens (base models)."""
     system_prompt: str | None = None
@@ -123,9 +119,9 @@ class DataConfig:
 class RolloutConfig:
     """Generation: engine, group size, sampling, and how often its weights are refreshed."""
 
-    engine: str = "auto"
+    engine: EngineKind = "auto"
     """"fleet" (vLLM servers) | "vllm" (in-process) | "transformers" | "auto" (vLLM if installed, else transformers)."""
-    dtype: str = "auto"
+    dtype: EngineDtype = "auto"
     """What the in-process engines (vllm, transformers) generate in: "auto" (float32 with model.precision=fp32, else
     bfloat16) | "float32" | "bfloat16". bfloat16 under an fp32 trainer decodes faster on CPUs with bf16 GEMMs
     (avx512_bf16, AMX) but its behavior log-probs carry bf16 rounding: the ``log_ratio_abs_mean`` metric reports the
@@ -145,7 +141,7 @@ class RolloutConfig:
     """Must be 1.0 (no nucleus): an unchanged policy's ratio to a nucleus-sampled token would be the nucleus's mass."""
     refresh_every: int = 1
     """v: refresh the engine's weights every v optimizer steps (1 = on-policy)."""
-    transport: str = "disk"
+    transport: TransportKind = "disk"
     """Weight refresh transport: "disk" | "collective" | "shm" (servers on the trainer's machine)."""
     bucket_mb: int = 256
     """Bucket size of the collective and shm transports."""
@@ -154,11 +150,11 @@ class RolloutConfig:
     collective_host: str | None = None
     """transport=collective: the host name or IP of rank 0's node that the fleet's workers dial. None: 127.0.0.1 when
     every server is on this machine, else rank 0's host name."""
-    behavior_logprobs: str = "fleet"
+    behavior_logprobs: BehaviorLogprobs = "fleet"
     """"fleet": the engine's log-probs; "recompute": recomputed from a snapshot of the pushed weights (exact)."""
     overlap: bool = False
     """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
-    mode: str = "lockstep"
+    mode: RolloutMode = "lockstep"
     """"lockstep": each step generates its batch (or prefetches one: ``overlap``), then learns. "async": the next
     steps generate while the trainer learns, as far ahead as ``max_staleness`` allows (then it pauses, nothing is
     discarded), at once on vLLM and the fleet; trained in draw order; checkpoints keep the untrained batches."""
@@ -199,7 +195,7 @@ class RolloutConfig:
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences
         of one step, ``max_new_tokens x prompts_per_step x group_size``. The one definition: the trainer builds its
-        objective with it and validation checks the objective with it (a method, as ``_config_rules`` imports nothing
+        objective with it and validation checks the objective with it (a method, as ``_rules`` imports nothing
         of ours)."""
         return float(self.max_new_tokens * self.prompts_per_step * self.group_size)
 
@@ -220,23 +216,24 @@ class AlgoConfig:
     """gspo: the sequence ratio's ceiling 1 + seq_eps_high."""
     dual_clip: float | None = None
     """Dual-clip bound c > 1 for negative advantages (grpo_clip only)."""
-    rec_weight: str = "none"
-    """REC family weight: "none" (NoIS) | "is"."""
-    rec_clip: str = "none"
-    """REC mask: none | one_side | two_side | ring."""
+    rec_weight: RecWeight = "none"
+    """REC family weight: "none" (NoIS) or "is" (the importance ratio)."""
+    rec_clip: RecClip = "none"
+    """REC family: which tokens the ratio mask keeps (the REC paper's variants of those names)."""
     tau: float = 0.0
     """OPMD / AsymRE regulariser strength."""
-    kl_estimator: str = "k3"
-    """KL to the reference policy: k1 | k2 | k3."""
+    kl_estimator: KlEstimator = "k3"
+    """Estimator of the KL to the reference policy (Schulman's k1, k2, k3)."""
     kl_beta: float = 0.0
     """KL coefficient (0: no reference model)."""
     tis_cap: float | None = None
     """Truncated IS cap C against the fleet's log-probs (None: off)."""
-    tis_level: str = "token"
-    """"token" | "sequence"."""
-    aggregation: str = "token_mean"
-    """token_mean | seq_mean_token_mean | token_sum_norm."""
-    advantage_form: str = "sqrt_var"
+    tis_level: TisLevel = "token"
+    """Truncated IS per token, or on the sequence's product of ratios."""
+    aggregation: Aggregation = "token_mean"
+    """How token losses become the step's loss: mean over tokens, mean over sequences of their token means, or sum over
+    a constant (Dr.GRPO: ``rollout.drgrpo_constant``)."""
+    advantage_form: AdvantageForm = "sqrt_var"
     """"sqrt_var": (r - mean)/sqrt(var + eps) (seed paper); "std_eps": (r - mean)/(std + eps)."""
     std_normalize: bool = True
     """Divide by the group spread (False = Dr.GRPO)."""
@@ -339,7 +336,7 @@ class TrainConfig:
     """Stop after this many non-finite losses in a row (each one is skipped and logged)."""
     log_every: int = 1
     """Console progress line every N steps (and the last); metrics.jsonl and the trackers get every step."""
-    loggers: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+    loggers: list[Logger] = dataclasses.field(default_factory=lambda: ["tensorboard"])
     """Trackers beside RUN/metrics.jsonl (always written), each getting every metric, the config and the samples:
     tensorboard (RUN/tensorboard), wandb, mlflow (pip install 'megatron-offgrpo[tracking]'); [] for none."""
     project: str = "megatron-offgrpo"
@@ -372,7 +369,7 @@ class Config:
 
     def validate(self) -> None:
         """Check every cross-field rule; raise one ``ValueError`` listing all violations, each naming its keys."""
-        from megatron_offgrpo._config_rules import collect_errors
+        from megatron_offgrpo.config._rules import collect_errors
 
         errors = collect_errors(self)
         if errors:

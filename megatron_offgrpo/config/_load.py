@@ -1,15 +1,17 @@
 """How ``load_config`` reads its inputs: a YAML recipe and ``key=value`` overrides, each value coerced to its field's
 declared type, each unknown key or bad value a ``ConfigError`` naming the key.
 
-It works on any tree of dataclasses and imports nothing of ours (``config.py`` imports it and re-exports
+It works on any tree of dataclasses and imports nothing of ours (the config room's door re-exports
 ``ConfigError`` and ``parse_override``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -18,17 +20,52 @@ class ConfigError(ValueError):
     """A recipe or override names an unknown key or a value of the wrong type."""
 
 
-def coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the field's declared type, naming the key on failure."""
-    text = str(annotation)  # a string: annotations are not evaluated (`from __future__ import annotations`)
-    optional = "None" in text
+@functools.cache
+def field_types(cls: type) -> dict[str, object]:
+    """Field name -> its resolved type (annotations are strings under ``from __future__ import annotations``)."""
+    return typing.get_type_hints(cls)
+
+
+def split_optional(hint: object) -> tuple[object, bool]:
+    """``X | None`` -> (X, True); any other type -> (it, False)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return hint, False
+
+
+def choices(hint: object) -> tuple[str, ...] | None:
+    """The values of a choice key's ``Literal`` type (``X | None`` and ``list[X]`` looked through); None otherwise."""
+    base, _ = split_optional(hint)
+    if typing.get_origin(base) is list:
+        base = typing.get_args(base)[0]
+    return typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
+
+
+def type_name(hint: object) -> str:
+    """How docs/config.md writes a type: ``int``, ``str | None``, ``list[str]``, ``"hf" | "random"``."""
+    base, optional = split_optional(hint)
+    if typing.get_origin(base) is typing.Literal:
+        text = " | ".join(f'"{value}"' for value in typing.get_args(base))
+    elif typing.get_origin(base) is list:
+        text = f"list[{type_name(typing.get_args(base)[0])}]"
+    else:
+        text = getattr(base, "__name__", str(base))
+    return f"{text} | None" if optional else text
+
+
+def coerce(value: object, hint: object, key: str) -> object:
+    """Convert a YAML/CLI value to the field's type ``hint`` (resolved), naming the key on failure. A choice key's
+    value is only made a string here: ``Config.validate`` checks it against the choices with every other rule, so
+    that one run of a command reports every error."""
+    base, optional = split_optional(hint)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
         if not optional:
-            raise ConfigError(f"{key}: null is not allowed (type {text})")
+            raise ConfigError(f"{key}: null is not allowed (type {type_name(hint)})")
         return None
-    base = text.replace("| None", "").replace("None |", "").strip()
     try:
-        if base == "bool":
+        if base is bool:
             if isinstance(value, bool):
                 return value
             if str(value).lower() in ("true", "1", "yes", "on"):
@@ -36,36 +73,36 @@ def coerce(value: Any, annotation: Any, key: str) -> Any:
             if str(value).lower() in ("false", "0", "no", "off"):
                 return False
             raise ValueError(value)
-        if base == "int":
+        if base is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
             return int(value)
-        if base == "float":
+        if base is float:
             return float(value)
-        if base == "str":
+        if base is str or typing.get_origin(base) is typing.Literal:
             return str(value)
-        if base.startswith("list"):
+        if typing.get_origin(base) is list:
             if isinstance(value, str):  # "a,b" on a command line
                 value = [v.strip() for v in value.split(",") if v.strip()]
             if isinstance(value, (dict, bool, int, float)):
                 raise ValueError(value)
             return [str(v) for v in value]
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r}: expected {base}") from None
+        raise ConfigError(f"{key}={value!r}: expected {type_name(base)}") from None
     return value
 
 
-def apply_values(section: Any, values: dict[str, Any], prefix: str) -> None:
+def apply_values(section: object, values: dict[str, object], prefix: str) -> None:
     """Set ``values`` (a nested mapping, as in a recipe) on the dataclass ``section`` and its sub-sections, in place.
 
     Raises:
         ConfigError: an unknown key (listing the valid ones), a section given a scalar, or a value of the wrong type.
     """
-    fields = {f.name: f for f in dataclasses.fields(section)}
+    hints = field_types(type(section))
     for name, value in values.items():
         key = f"{prefix}{name}"
-        if name not in fields:
-            raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(fields)}")
+        if name not in hints:
+            raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(hints)}")
         current = getattr(section, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -73,10 +110,10 @@ def apply_values(section: Any, values: dict[str, Any], prefix: str) -> None:
                                   f"give its keys ({sorted(f.name for f in dataclasses.fields(current))})")
             apply_values(current, value, key + ".")
         else:
-            setattr(section, name, coerce(value, fields[name].type, key))
+            setattr(section, name, coerce(value, hints[name], key))
 
 
-def parse_override(text: str) -> dict[str, Any]:
+def parse_override(text: str) -> dict[str, object]:
     """``"rollout.group_size=8"`` -> ``{"rollout": {"group_size": "8"}}`` (YAML scalars: 8, true, null, 1e-6)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not key=value (e.g. rollout.refresh_every=4)")
@@ -85,7 +122,7 @@ def parse_override(text: str) -> dict[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         raise ConfigError(f"override {text!r}: the value is not a YAML scalar or list (quote it)") from None
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     node = out
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -97,7 +134,7 @@ def parse_override(text: str) -> dict[str, Any]:
 class _DuplicateKey(yaml.YAMLError):
     """A mapping names one key twice; carries the key and both lines (1-based) for ``read_recipe``'s message."""
 
-    def __init__(self, key: Any, line: int, first_line: int) -> None:
+    def __init__(self, key: object, line: int, first_line: int) -> None:
         super().__init__(f"duplicated key {key!r}")
         self.key, self.line, self.first_line = key, line, first_line
 
@@ -110,8 +147,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     still be overridden: that is what a merge is for, and the check runs before merges are flattened.
     """
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        seen: dict[object, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
@@ -126,7 +163,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_recipe(path: str | Path) -> dict[str, Any]:
+def read_recipe(path: str | Path) -> dict[str, object]:
     """The sections of the YAML recipe at ``path`` (an empty file: none).
 
     Raises:

@@ -1,0 +1,23 @@
+"""The values of every choice key, one ``Literal`` type each: a field's type is its one list of values (coercion,
+validation and docs/config.md read it from the type; there is no side table to forget)."""
+
+from typing import Literal
+
+ModelInit = Literal["hf", "random", "megatron"]
+Precision = Literal["fp32", "bf16", "fp8"]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise"]
+CompileMode = Literal["default", "reduce-overhead"]
+DataSource = Literal["auto", "local", "hub"]
+PromptFormat = Literal["chat", "plain"]
+EngineKind = Literal["auto", "fleet", "vllm", "transformers"]
+EngineDtype = Literal["auto", "float32", "bfloat16"]
+TransportKind = Literal["disk", "collective", "shm"]
+BehaviorLogprobs = Literal["fleet", "recompute"]
+RolloutMode = Literal["lockstep", "async"]
+KlEstimator = Literal["k1", "k2", "k3"]
+TisLevel = Literal["token", "sequence"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"]
+AdvantageForm = Literal["sqrt_var", "std_eps"]
+RecWeight = Literal["none", "is"]
+RecClip = Literal["none", "one_side", "two_side", "ring"]
+Logger = Literal["tensorboard", "wandb", "mlflow"]
