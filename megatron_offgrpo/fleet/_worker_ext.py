@@ -1,13 +1,13 @@
 """The worker extension every fleet server (and the in-process vllm.LLM) runs: verified, versioned reloads.
 
 vLLM mixes this class into its workers (``--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension``)
-and exposes its methods through ``collective_rpc``. Each RPC method takes one JSON string (but the in-process
-engine's ``offgrpo_install_tensors``) and answers a ``transports.WorkerAnswer`` in its wire form (a JSON dict with
-``ok`` and either the result or ``error``): a refresh is rejected *before* anything is loaded when the manifest's
-version is not the one asked for, the version does not increase, a file is truncated or fails its CRC-32, or the
-tensor set is not exactly the served model's (names and shapes). vLLM's in-place reload cannot be undone once it
-starts, so every check runs first; if the reload itself then fails, the worker marks itself dirty (version -1) and
-the client takes it out of rotation.
+and exposes its methods through ``collective_rpc``. Each RPC method is named by, and takes the JSON payload of, one
+request class of ``transports.calls`` (but the in-process engine's tensor hand-over), and answers a
+``transports.WorkerAnswer`` in its wire form (a JSON dict with ``ok`` and either the result or ``error``): a refresh
+is rejected *before* anything is loaded when the manifest's version is not the one asked for, the version does not
+increase, a file is truncated or fails its CRC-32, or the tensor set is not exactly the served model's (names and
+shapes). vLLM's in-place reload cannot be undone once it starts, so every check runs first; if the reload itself
+then fails, the worker marks itself dirty (version -1) and the client takes it out of rotation.
 
 This module imports no megatron code (the worker process never needs it).
 """
@@ -15,7 +15,6 @@ This module imports no megatron code (the worker process never needs it).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.fleet import _cpu_sampler, _moe_repack
 from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, RoutingCapture
-from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, check_complete
+from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, calls, check_complete
 
 if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
     _cpu_sampler.install()  # import of this room, which must not pull vLLM in)
@@ -69,12 +68,6 @@ class OffgrpoWorkerExtension:
         if version <= current:
             return f"version {version} is not newer than the served version {current}: versions must increase"
         return None
-
-    def _offgrpo_versioned(self, payload: str) -> tuple[dict[str, Any], int, WorkerAnswer | None]:
-        """(arguments, version, the refusal to return or None) of a load call whose payload names a version."""
-        args = json.loads(payload)
-        version = int(args["version"])
-        return args, version, self._offgrpo_refusal(version)
 
     def _offgrpo_refusal(self, version: int) -> WorkerAnswer | None:
         """The answer refusing a load of ``version`` before anything is read, or None when it may go ahead."""
@@ -126,73 +119,64 @@ class OffgrpoWorkerExtension:
         return WorkerAnswer(ok=True, version=self._offgrpo_version(), routing_source="hooks")
 
     def offgrpo_routing_take(self, payload: str) -> dict[str, Any]:
-        """The recorded routing of the sequences whose ``routing_key``s are ``{"keys": [...]}`` (``RoutingAnswer``
-        on the wire)."""
+        """The recorded routing of the sequences of ``calls.RoutingTake`` (``RoutingAnswer`` on the wire)."""
         capture = getattr(self, "_offgrpo_routing", None)
         if capture is None:
-            return RoutingAnswer(False, "router replay: offgrpo_routing_begin was never called").to_wire()
-        return capture.take(list(json.loads(payload)["keys"])).to_wire()
+            return RoutingAnswer(False, f"router replay: {calls.RoutingBegin.METHOD} was never called").to_wire()
+        return capture.take(list(calls.RoutingTake.from_payload(payload).keys)).to_wire()
 
     @_on_the_wire
     def offgrpo_load_dir(self, payload: str) -> WorkerAnswer:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
         from megatron_offgrpo.transports import read_version_dir
 
-        args, version, refused = self._offgrpo_versioned(payload)
+        request = calls.LoadDir.from_payload(payload)
+        version = int(request.version)
+        refused = self._offgrpo_refusal(version)
         if refused:
             return refused
         start = time.perf_counter()
         try:
-            tensors = read_version_dir(args["path"], version)
+            tensors = read_version_dir(request.path, version)
         except Exception as exc:
             return WorkerAnswer.failed(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
         return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start})
 
     @_on_the_wire
     def offgrpo_join_group(self, payload: str) -> WorkerAnswer:
-        """Join broadcast group ``{"group_id", "key", "host", "port", "rank_base", "world_size", "timeout_s",
-        "backend"}`` (``key``: the secret under which the trainer's store holds the group's rendezvous)."""
+        """Join a broadcast group (``calls.JoinGroup``)."""
         from megatron_offgrpo.transports import make_group, make_store
 
-        args = json.loads(payload)
-        rank = int(args["rank_base"]) + int(getattr(self, "rank", 0))
+        join = calls.JoinGroup.from_payload(payload)
+        rank = int(join.rank_base) + int(getattr(self, "rank", 0))
         try:
-            store = make_store(
-                args["host"], int(args["port"]), int(args["world_size"]), False, float(args["timeout_s"])
-            )
-            group = make_group(
-                store,
-                args["key"],
-                rank,
-                int(args["world_size"]),
-                float(args["timeout_s"]),
-                args.get("backend", "gloo"),
-            )
+            store = make_store(join.host, int(join.port), int(join.world_size), False, float(join.timeout_s))
+            group = make_group(store, join.key, rank, int(join.world_size), float(join.timeout_s), join.backend)
         except Exception as exc:
-            return WorkerAnswer.failed(f"joining refresh group {args['group_id']} failed: {type(exc).__name__}: {exc}")
+            return WorkerAnswer.failed(f"joining refresh group {join.group_id} failed: {type(exc).__name__}: {exc}")
         groups = getattr(self, "_offgrpo_groups", None) or {}
-        groups[args["group_id"]] = (store, group)
+        groups[join.group_id] = (store, group)
         self._offgrpo_groups = groups
         return WorkerAnswer(ok=True, rank=rank)
 
     @_on_the_wire
     def offgrpo_leave_group(self, payload: str) -> WorkerAnswer:
-        """Forget broadcast group ``{"group_id"}`` (its sockets close with it)."""
-        group_id = json.loads(payload)["group_id"]
+        """Forget a broadcast group (``calls.LeaveGroup``: its sockets close with it)."""
+        group_id = calls.LeaveGroup.from_payload(payload).group_id
         (getattr(self, "_offgrpo_groups", None) or {}).pop(group_id, None)
         return WorkerAnswer(ok=True)
 
     @_on_the_wire
     def offgrpo_receive(self, payload: str) -> WorkerAnswer:
-        """Receive one stream on group ``{"group_id", "version", "commit"}``; with ``commit`` (default) check the
-        streams received for this version so far and install them, else stage them for a later commit."""
+        """Receive one stream (``calls.Receive``); with ``commit`` (default) check the streams received for this
+        version so far and install them, else stage them for a later commit."""
         from megatron_offgrpo.transports import ABORT, BUCKET, recv_stream
 
-        args = json.loads(payload)
-        version = int(args["version"])
-        entry = (getattr(self, "_offgrpo_groups", None) or {}).get(args["group_id"])
+        request = calls.Receive.from_payload(payload)
+        version = int(request.version)
+        entry = (getattr(self, "_offgrpo_groups", None) or {}).get(request.group_id)
         if entry is None:
-            return WorkerAnswer.failed(f"not a member of refresh group {args['group_id']!r}: join it first")
+            return WorkerAnswer.failed(f"not a member of refresh group {request.group_id!r}: join it first")
         staged = getattr(self, "_offgrpo_staged", None)
         if staged is None or staged[0] != version:
             staged = self._offgrpo_staged = (version, [])
@@ -221,7 +205,7 @@ class OffgrpoWorkerExtension:
         if problem:
             self._offgrpo_staged = None
             return WorkerAnswer.failed(problem, version=self._offgrpo_version())
-        if not args.get("commit", True):
+        if not request.commit:
             return WorkerAnswer(
                 ok=True, version=self._offgrpo_version(), staged=len(staged[1]), seconds={"recv": recv_s}
             )
@@ -230,17 +214,19 @@ class OffgrpoWorkerExtension:
 
     @_on_the_wire
     def offgrpo_load_shm(self, payload: str) -> WorkerAnswer:
-        """Install the shared-memory buckets ``{"dir", "version", "buckets": [{"file", "bytes", "tensors"}]}``:
-        map each file, view the tensors in place, check and reload (the mappings are gone when this returns)."""
+        """Install the shared-memory buckets of ``calls.LoadShm``: map each file, view the tensors in place, check and
+        reload (the mappings are gone when this returns)."""
         from megatron_offgrpo.transports import unpack_entries
 
-        args, version, refused = self._offgrpo_versioned(payload)
+        request = calls.LoadShm.from_payload(payload)
+        version = int(request.version)
+        refused = self._offgrpo_refusal(version)
         if refused:
             return refused
         start = time.perf_counter()
         tensors: Named = []
-        for bucket in args["buckets"]:
-            path = os.path.join(args["dir"], bucket["file"])
+        for bucket in request.buckets:
+            path = os.path.join(request.dir, bucket["file"])
             try:
                 size = os.stat(path).st_size
                 if size < bucket["bytes"]:
@@ -264,7 +250,7 @@ class OffgrpoWorkerExtension:
     @_on_the_wire
     def offgrpo_install_tensors(self, tensors: Named, version: int) -> WorkerAnswer:
         """Check and install ``tensors`` (HF names) as ``version``: what an engine in this process hands over in
-        memory (``collective_rpc("offgrpo_install_tensors", args=(tensors, version))``, no JSON payload)."""
+        memory (``collective_rpc(calls.INSTALL_TENSORS, args=(tensors, version))``, no JSON payload)."""
         return self._offgrpo_refusal(version) or self._offgrpo_install(tensors, version, {})
 
     # ----- install ---------------------------------------------------------------------------------------------

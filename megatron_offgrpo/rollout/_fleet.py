@@ -16,7 +16,7 @@ from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, WorkerAnswer, summarize
+from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, WorkerAnswer, calls, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class FleetEngine:
 
     # ----- versions --------------------------------------------------------------------------------------------
     def _worker_version(self, server: ServerClient) -> int:
-        info = summarize(server.rpc("offgrpo_info", {}, server.control_timeout_s))
+        info = summarize(server.call(calls.Info(), server.control_timeout_s))
         if not info.ok or info.version is None:
             raise FleetError(
                 f"server {server.name}: offgrpo_info failed ({info.error}): is it started with the worker extension?"
@@ -184,7 +184,7 @@ class FleetEngine:
         where its routing will come from."""
         for name in self.pool.serving():
             server = self.servers[name]
-            answer = summarize(server.rpc("offgrpo_routing_begin", {}, server.control_timeout_s))
+            answer = summarize(server.call(calls.RoutingBegin(), server.control_timeout_s))
             if not answer.ok:
                 raise FleetError(f"server {name}: {answer.error}")
             self._routing_sources[name] = answer.routing_source or "hooks"  # a worker from before the field: hooks
@@ -197,7 +197,7 @@ class FleetEngine:
         server = self.servers[name]
 
         def take(keys: list[str]) -> RoutingAnswer:
-            answers = server.rpc("offgrpo_routing_take", {"keys": keys}, server.control_timeout_s)
+            answers = server.call(calls.RoutingTake(keys=keys), server.control_timeout_s)
             return RoutingAnswer.from_wire(answers[0] if answers else None)
 
         return with_routing(samples, take, name)

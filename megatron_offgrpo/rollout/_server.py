@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from typing import Any
 
@@ -16,6 +15,7 @@ from megatron_offgrpo.fleet import (
     server_healthy,
 )
 from megatron_offgrpo.rollout._samples import sampling_body
+from megatron_offgrpo.transports import calls
 
 
 @dataclasses.dataclass
@@ -91,9 +91,9 @@ class ServerClient:
             call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"]
         )
 
-    def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
-        """Call a worker-extension method on every worker of this server; one result dict per worker."""
-        body = {"method": method, "kwargs": {"payload": json.dumps(kwargs)}, "timeout": timeout}
+    def call(self, request: calls.WorkerRequest, timeout: float) -> list[object]:
+        """Call ``request``'s worker-extension method on every worker of this server; one result dict per worker."""
+        body = {"method": request.METHOD, "kwargs": {"payload": request.to_payload()}, "timeout": timeout}
         answer = self._post("/collective_rpc", body, timeout + 30.0)
         return list((answer or {}).get("results") or [])
 

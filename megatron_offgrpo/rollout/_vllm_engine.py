@@ -47,6 +47,7 @@ from megatron_offgrpo.transports import (
     WORKER_EXTENSION,
     Buckets,
     WorkerAnswer,
+    calls,
     summarize,
     version_dir,
     write_version_dir,
@@ -195,9 +196,9 @@ class VLLMEngine:
         self.processes = [] if self.in_process else _engine_processes(self.llm)  # watched during every call
         self._loop = EngineLoop(self.llm, lambda fn: call_while_alive(self.processes, fn))
         self._routing_lock = threading.Lock()  # hooks routing: one generation at a time (see concurrent_generate)
-        info = self._rpc("offgrpo_info", {})
+        info = self._rpc(calls.Info())
         if not info.ok or info.version is None:
-            raise RuntimeError(f"offgrpo_info failed ({info.error}): is vLLM running the worker extension?")
+            raise RuntimeError(f"{calls.Info.METHOD} failed ({info.error}): is vLLM running the worker extension?")
         self._version = info.version
         logging.getLogger(__name__).info("in-process vLLM engine: version %d, token sampler %s", info.version,
                                          info.sampler)
@@ -206,7 +207,7 @@ class VLLMEngine:
         self.record_routing = record_routing
         self._routing_source: str | None = None  # "vllm" (with each completion) or "hooks" (claimed from the worker)
         if record_routing:  # refused now (a dense model, say), not at the first generation
-            answer = self._rpc("offgrpo_routing_begin", {})
+            answer = self._rpc(calls.RoutingBegin())
             if not answer.ok:
                 self.close()
                 raise ValueError(f"VLLMEngine record_routing=True: {answer.error}")
@@ -215,12 +216,15 @@ class VLLMEngine:
         # routing hooks record one generation's experts at a time.
         self.concurrent_generate = self._routing_source != "hooks"
 
-    def _rpc(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
-        return self._loop.run(lambda: self._rpc_now(method, kwargs))
+    def _rpc(self, request: calls.WorkerRequest) -> WorkerAnswer:
+        return self._loop.run(lambda: self._rpc_now(request))
 
-    def _rpc_now(self, method: str, kwargs: dict[str, Any]) -> WorkerAnswer:
+    def _rpc_now(self, request: calls.WorkerRequest) -> WorkerAnswer:
         """A worker-extension call from the engine's loop thread itself (inside a ``_loop.run`` job)."""
-        return summarize(self.llm.collective_rpc(method, kwargs={"payload": json.dumps(kwargs)}))
+        return summarize(self._collective(request))
+
+    def _collective(self, request: calls.WorkerRequest) -> list[object]:
+        return self.llm.collective_rpc(request.METHOD, kwargs={"payload": request.to_payload()})
 
     def _call(self, fn, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the engine's loop between decode steps, ended by ``EngineDiedError`` if the
@@ -246,7 +250,7 @@ class VLLMEngine:
         hooks = self._routing_source == "hooks"
         with self._routing_lock if hooks else contextlib.nullcontext():
             if hooks:
-                self._rpc("offgrpo_routing_begin", {})
+                self._rpc(calls.RoutingBegin())
             outputs = self._loop.generate([list(p.prompt_ids) for p in prompts],
                                           [self._params(p.sampling(params), n, i) for i, p in enumerate(prompts)],
                                           priority=params.priority)
@@ -258,9 +262,7 @@ class VLLMEngine:
         return samples
 
     def _take_routing(self, keys: list[str]) -> RoutingAnswer:
-        payload = json.dumps({"keys": keys})
-        return RoutingAnswer.from_wire(self._call(self.llm.collective_rpc, "offgrpo_routing_take",
-                                                  kwargs={"payload": payload})[0])
+        return RoutingAnswer.from_wire(self._call(self._collective, calls.RoutingTake(keys=keys))[0])
 
     def _samples(self, prompts: list[Prompt], outputs: list[Any], n: int) -> list[Sample]:
         samples = []
@@ -315,9 +317,9 @@ class VLLMEngine:
 
             def install() -> WorkerAnswer:
                 if tensors is not None:
-                    answer = summarize(self.llm.collective_rpc("offgrpo_install_tensors", args=(tensors, int(version))))
+                    answer = summarize(self.llm.collective_rpc(calls.INSTALL_TENSORS, args=(tensors, int(version))))
                 else:
-                    answer = self._rpc_now("offgrpo_load_dir", {"path": str(path), "version": int(version)})
+                    answer = self._rpc_now(calls.LoadDir(path=str(path), version=int(version)))
                 if not answer.ok:
                     return answer
                 if not self.llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts):

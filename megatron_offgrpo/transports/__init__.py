@@ -5,10 +5,12 @@ writes a version directory each server reloads from, ``CollectiveTransport`` bro
 gloo/NCCL group, ``SharedMemoryTransport`` packs buckets into RAM-backed files the servers map. The wire format
 they share with the fleet's worker extension lives here too: version directories (``write_version_dir`` /
 ``read_version_dir``), packed buckets (``pack_bucket``, ``bucket_layout``, ``unpack_entries``), the gloo stream
-(``send_stream`` / ``recv_stream``) and the worker answers (``WorkerAnswer``, ``summarize``, ``DIRTY``). Nothing here
-imports megatron.
+(``send_stream`` / ``recv_stream``), the worker-extension calls (``calls``: ``calls.WorkerRequest`` and one class per
+method, the only place a method's name is written) and the worker answers (``WorkerAnswer``, ``summarize``,
+``DIRTY``). Nothing here imports megatron.
 """
 
+from megatron_offgrpo.transports import _worker_calls as calls  # calls.LoadDir(...): one name for the method set
 from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._collective import CollectiveTransport
 from megatron_offgrpo.transports._disk import DiskTransport
@@ -59,6 +61,7 @@ __all__ = [
     "WorkerAnswer",
     "WorkerTarget",
     "bucket_layout",
+    "calls",
     "bucket_stream",
     "call_targets",
     "check_complete",

@@ -20,6 +20,7 @@ from megatron_offgrpo.transports._gloo import make_group, make_store, send_strea
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
 from megatron_offgrpo.transports._rpc import call_targets
 from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_stream
+from megatron_offgrpo.transports._worker_calls import Info, JoinGroup, LeaveGroup, Receive
 
 
 class CollectiveTransport:
@@ -67,7 +68,7 @@ class CollectiveTransport:
         if self._store is None:
             self._store = make_store(self.host, self.port, None, True, self.timeout_s)
         old = self._group_id
-        infos, _ = call_targets(targets, "offgrpo_info", lambda i, t: {}, self.timeout_s)
+        infos, _ = call_targets(targets, lambda i, t: Info(), self.timeout_s)
         bad = {n: a.error for n, a in infos.items() if not a.ok}
         if bad:
             raise ConnectionError(f"cannot build the refresh group: servers {bad} did not answer offgrpo_info")
@@ -77,19 +78,11 @@ class CollectiveTransport:
             world += infos[target.name].workers
         group_id = uuid.uuid4().hex[:12]  # the group's name (logged); its rendezvous keys sit under the secret key
         key = secrets.token_hex(16)
-        args = {
-            "group_id": group_id,
-            "key": key,
-            "host": self.host,
-            "port": self._store.port,
-            "world_size": world,
-            "timeout_s": self.timeout_s,
-            "backend": self.backend,
-        }
         answers, group = call_targets(
             targets,
-            "offgrpo_join_group",
-            lambda i, t: {**args, "rank_base": bases[i]},
+            lambda i, t: JoinGroup(group_id=group_id, key=key, host=self.host, port=self._store.port,
+                                   rank_base=bases[i], world_size=world, timeout_s=self.timeout_s,
+                                   backend=self.backend),
             self.timeout_s,
             background=lambda: make_group(self._store, key, 0, world, self.timeout_s, self.backend),
         )
@@ -98,7 +91,7 @@ class CollectiveTransport:
             raise ConnectionError(f"servers {bad} failed to join the refresh group")
         self._group, self._group_id, self._members = group, group_id, names
         if old:
-            call_targets(targets, "offgrpo_leave_group", lambda i, t: {"group_id": old}, 30.0)
+            call_targets(targets, lambda i, t: LeaveGroup(group_id=old), 30.0)
 
     def prepare(self, weights: Buckets | Any, version: int) -> Buckets:
         """Wrap the lazy bucket stream (a directory is read and sent, for symmetry with the disk transport)."""
@@ -126,11 +119,10 @@ class CollectiveTransport:
     def _stream(
         self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool
     ) -> tuple[dict[str, WorkerAnswer], dict]:
-        payload = {"group_id": self._group_id, "version": version, "commit": commit}
+        request = Receive(group_id=self._group_id, version=int(version), commit=commit)
         return call_targets(
             targets,
-            "offgrpo_receive",
-            lambda i, t: payload,
+            lambda i, t: request,
             self.timeout_s,
             background=lambda: send_stream(self._group, buckets, version, self.device),
         )

@@ -11,6 +11,7 @@ from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
 from megatron_offgrpo.transports._rpc import call_targets
 from megatron_offgrpo.transports._weights_dir import manifest_version, prune_versions, version_dir, write_version_dir
+from megatron_offgrpo.transports._worker_calls import LoadDir
 
 
 class DiskTransport:
@@ -64,7 +65,7 @@ class DiskTransport:
     def install(self, targets: list[WorkerTarget], prepared: Path, version: int) -> dict[str, WorkerAnswer]:
         """Every target's workers check and load ``prepared`` concurrently."""
         answers, _ = call_targets(
-            targets, "offgrpo_load_dir", lambda i, t: {"path": str(prepared), "version": version}, self.timeout_s
+            targets, lambda i, t: LoadDir(path=str(prepared), version=int(version)), self.timeout_s
         )
         if any(a.ok for a in answers.values()) and prepared.parent == self.root.resolve():
             prune_versions(self.root, self.keep, protect=[version])

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Protocol
 from torch import Tensor
 
 from megatron_offgrpo.transports._answers import WorkerAnswer
+from megatron_offgrpo.transports._worker_calls import WorkerRequest
 
 Buckets = Iterable[list[tuple[str, Tensor]]]
 """HF-named tensors in buckets, as ``checkpoint_tools.stream_hf_buckets`` yields them."""
@@ -40,8 +41,9 @@ class WorkerTarget(Protocol):
 
     name: str
 
-    def rpc(self, method: str, kwargs: dict[str, Any], timeout: float) -> list[Any]:
-        """Call ``method`` on every worker of the engine; one wire answer per worker (``WorkerAnswer.from_wire``)."""
+    def call(self, request: WorkerRequest, timeout: float) -> list[object]:
+        """Call ``request``'s method on every worker of the engine; one wire answer per worker
+        (``WorkerAnswer.from_wire``)."""
         ...
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import WorkerTarget
+from megatron_offgrpo.transports._worker_calls import WorkerRequest
 
 
 def summarize(results: list[Any]) -> WorkerAnswer:
@@ -42,15 +43,14 @@ def summarize(results: list[Any]) -> WorkerAnswer:
 
 def call_targets(
     targets: list[WorkerTarget],
-    method: str,
-    kwargs_of: Callable[[int, WorkerTarget], dict[str, Any]],
+    request_of: Callable[[int, WorkerTarget], WorkerRequest],
     timeout: float,
     background: Callable[[], Any] | None = None,
 ) -> tuple[dict[str, WorkerAnswer], Any]:
-    """Call ``method`` on every target concurrently (one thread each); optionally run ``background()`` meanwhile.
+    """Send each target its request concurrently (one thread each); optionally run ``background()`` meanwhile.
 
     Args:
-        kwargs_of: (index, target) -> the method's arguments for that target.
+        request_of: (index, target) -> the request for that target.
         background: runs in the calling thread while the calls are in flight (e.g. the trainer's broadcast);
             its exception is re-raised after every call returned.
 
@@ -61,7 +61,7 @@ def call_targets(
 
     def call(index: int, target: WorkerTarget) -> None:
         try:
-            answers[target.name] = summarize(target.rpc(method, kwargs_of(index, target), timeout))
+            answers[target.name] = summarize(target.call(request_of(index, target), timeout))
         except Exception as exc:  # a dead server, a timeout, a rejected token
             answers[target.name] = WorkerAnswer.failed(f"{type(exc).__name__}: {exc}")
 

@@ -41,6 +41,7 @@ from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
 from megatron_offgrpo.transports._rpc import call_targets
 from megatron_offgrpo.transports._tensors import DEFAULT_BUCKET_BYTES, bucket_layout, bucket_stream, pack_into
+from megatron_offgrpo.transports._worker_calls import LoadShm
 
 SESSION_PREFIX = "offgrpo-shm-"
 LOCK_NAME = "owner.lock"
@@ -173,8 +174,8 @@ class SharedMemoryTransport:
     ) -> dict[str, WorkerAnswer]:
         """Every target's workers map the files, check the tensor set and version, and reload, concurrently."""
         start = time.perf_counter()
-        payload = {"dir": str(self._session), "version": int(version), "buckets": prepared}
-        answers, _ = call_targets(targets, "offgrpo_load_shm", lambda i, t: payload, self.timeout_s)
+        request = LoadShm(dir=str(self._session), version=int(version), buckets=prepared)
+        answers, _ = call_targets(targets, lambda i, t: request, self.timeout_s)
         if not all(a.ok for a in answers.values()):
             self._drop()
         self._metrics.seconds["call"] = time.perf_counter() - start

@@ -44,6 +44,7 @@ from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,
     SharedMemoryTransport,
+    calls,
     version_dir,
     write_version_dir,
 )
@@ -113,7 +114,7 @@ def _engine(fleet, transport, tmp_path=None, **kwargs):
 def test_status_and_labels(fleet):
     engine = _engine(fleet, "collective")
     for server in servers_of(load_state(fleet)):  # every server's worker draws with fleet._cpu_sampler
-        assert [a["sampler"] for a in server.rpc("offgrpo_info", {}, 30.0)] == ["offgrpo-inverse-cdf"]
+        assert [a["sampler"] for a in server.call(calls.Info(), 30.0)] == ["offgrpo-inverse-cdf"]
     rows = fleet_status(fleet)
     assert len(rows) == 2 and all(r["running"] and r["healthy"] for r in rows)
     assert {r["version"] for r in rows} == {
@@ -199,7 +200,7 @@ def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
     path, _ = write_version_dir(
         version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version()
     )
-    answer = client.rpc("offgrpo_load_dir", {"path": str(path), "version": engine.version()}, 60)[0]
+    answer = client.call(calls.LoadDir(path=str(path), version=engine.version()), 60)[0]
     assert not answer["ok"] and "not newer" in answer["error"]
 
 

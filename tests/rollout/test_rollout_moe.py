@@ -21,6 +21,7 @@ from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,
     SharedMemoryTransport,
+    calls,
     version_dir,
     write_version_dir,
 )
@@ -125,7 +126,7 @@ def test_fleet_refreshes_moe_through_every_transport(moe_fleet, tmp_path):
     client = next(iter(engine.servers.values()))
     nxt = version + 1
     path, _ = write_version_dir(version_dir(tmp_path / "direct", nxt), as_buckets(perturbed(base, 9)), nxt)
-    answers = client.rpc("offgrpo_load_dir", {"path": str(path), "version": nxt}, 60)
+    answers = client.call(calls.LoadDir(path=str(path), version=nxt), 60)
     assert len(answers) == 2, answers  # one per tensor-parallel worker, each repacking its slice of the experts
     for answer in answers:
         assert answer["ok"] and answer["moe_repacked"] == TINY_MOE["num_hidden_layers"], answer

@@ -7,7 +7,6 @@ model config, ``rank``, ``device``, ``reload_weights``); its ``reload_weights`` 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import sys
@@ -53,13 +52,13 @@ class FakeTarget:
         self.name = name
         self.workers = [FakeWorker(model_dir, rank=r) for r in range(workers)]
 
-    def rpc(self, method, kwargs, timeout):
+    def call(self, request, timeout):
         import threading
 
         results = [None] * len(self.workers)
 
         def run(i, worker):
-            results[i] = getattr(worker, method)(json.dumps(kwargs))
+            results[i] = getattr(worker, request.METHOD)(request.to_payload())
 
         threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(self.workers)]
         for t in threads:

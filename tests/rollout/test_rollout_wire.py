@@ -28,6 +28,7 @@ from megatron_offgrpo.transports import (
     DIRTY,
     END,
     WorkerAnswer,
+    calls,
     check_complete,
     make_group,
     make_store,
@@ -491,3 +492,41 @@ def test_token_versions_of_a_completion_a_refresh_came_in_the_middle_of():
 
     with pytest.raises(ValueError, match="token versions"):  # the oldest token's version is the sample's
         Sample("p", 0, [1], [2, 3], [-0.1, -0.2], 4, "stop", token_versions=[3, 4])
+
+
+def test_every_worker_call_is_a_worker_method_and_its_payload_travels():
+    """Each request class names a method of the worker extension, survives the JSON wire as itself, and a payload
+    that is not the method's arguments is refused naming them."""
+    import dataclasses
+
+    from megatron_offgrpo.fleet import OffgrpoWorkerExtension
+
+    examples = {calls.Info: {}, calls.RoutingBegin: {}, calls.RoutingTake: {"keys": ["a", "b"]},
+                calls.LoadDir: {"path": "/x", "version": 3},
+                calls.JoinGroup: {"group_id": "g", "key": "k", "host": "h", "port": 1, "rank_base": 1,
+                                  "world_size": 3, "timeout_s": 5.0},
+                calls.LeaveGroup: {"group_id": "g"}, calls.Receive: {"group_id": "g", "version": 2, "commit": False},
+                calls.LoadShm: {"dir": "/d", "version": 4, "buckets": [{"file": "f", "bytes": 8, "tensors": []}]}}
+    assert set(examples) == set(calls.REQUESTS)
+    for cls, args in examples.items():
+        assert callable(getattr(OffgrpoWorkerExtension, cls.METHOD)), cls
+        request = cls(**args)
+        assert cls.from_payload(request.to_payload()) == request
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        if required:
+            with pytest.raises(ValueError, match=f"{cls.METHOD}: expected the arguments"):
+                cls.from_payload(json.dumps({k: v for k, v in args.items() if k != required[0]}))
+        with pytest.raises(ValueError, match="got \\[.*'surplus'"):
+            cls.from_payload(json.dumps({**args, "surplus": 1}))
+    assert callable(getattr(OffgrpoWorkerExtension, calls.INSTALL_TENSORS))
+
+
+def test_no_worker_method_is_called_by_its_name_outside_the_calls():
+    """The worker methods' names are written once (transports/_worker_calls.py): any other file of the package that
+    spells one calls a method by string, which the typed requests exist to prevent."""
+    package = Path(__file__).resolve().parents[2] / "megatron_offgrpo"
+    names = {cls.METHOD for cls in calls.REQUESTS} | {calls.INSTALL_TENSORS}
+    found = [f"{path.relative_to(package)}: {name}" for path in package.rglob("*.py")
+             if path.name != "_worker_calls.py" for name in names
+             if f'"{name}"' in path.read_text() or f"'{name}'" in path.read_text()]
+    assert not found, found

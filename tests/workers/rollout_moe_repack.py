@@ -69,13 +69,13 @@ def check_reload_and_repack(work: Path) -> str:
     report = engine.update_weights(as_buckets(version_two), 1)
     assert report.detail["moe_repack_s"] >= 0.0, report.detail
     verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_two, probe), 1, EXACT)
-    from megatron_offgrpo.transports import write_version_dir
+    from megatron_offgrpo.transports import calls, write_version_dir
 
     version_three = perturbed(base, 84)
     path, _ = write_version_dir(work / "v3", as_buckets(version_three), 2, hf_config=dict(TINY_MOE))
     report = engine.update_weights(path, 2)
     verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_three, probe), 2, EXACT)
-    answer = engine._rpc("offgrpo_info", {})
+    answer = engine._rpc(calls.Info())
     assert answer.ok and answer.version == 2
     engine.close()
     del engine

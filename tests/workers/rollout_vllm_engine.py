@@ -114,7 +114,7 @@ def check_routing_refused_on_dense(model_dir: Path) -> None:
 
 def main() -> None:
     from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids
-    from megatron_offgrpo.transports import write_version_dir
+    from megatron_offgrpo.transports import calls, write_version_dir
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
@@ -137,7 +137,7 @@ def main() -> None:
     start = time.perf_counter()
     engine = make_engine("auto", model_dir, dtype="float32", max_model_len=512)
     assert isinstance(engine, VLLMEngine) and isinstance(engine, RolloutEngine) and engine.version() == 0
-    assert engine._rpc("offgrpo_info", {}).sampler == "offgrpo-inverse-cdf"  # fleet._cpu_sampler is in place
+    assert engine._rpc(calls.Info()).sampler == "offgrpo-inverse-cdf"  # fleet._cpu_sampler is in place
     scenarios.check_groups(engine)
     scenarios.check_concurrent_generate(engine)
     scenarios.check_prompt_caps(engine)
