@@ -18,6 +18,19 @@ class ConfigError(ValueError):
     """A recipe or override names an unknown key or a value of the wrong type."""
 
 
+NAME_MAX = 255
+"""Bytes of one path component on every filesystem a run is likely to read or write (ext4, xfs, NFS, Lustre)."""
+
+
+def long_component(path: str | Path) -> str | None:
+    """Why ``path`` cannot name a file: a component over ``NAME_MAX`` bytes (``stat`` would raise ``OSError: File name
+    too long`` from deep inside whatever reads it first), or None."""
+    long = next((part for part in Path(path).parts if len(part.encode()) > NAME_MAX), None)
+    if long is None:
+        return None
+    return f"the component {long[:40]}... is {len(long.encode())} bytes, over the {NAME_MAX} a file name may have"
+
+
 def coerce(value: Any, annotation: Any, key: str) -> Any:
     """Convert a YAML/CLI value to the field's declared type, naming the key on failure."""
     text = str(annotation)  # a string: annotations are not evaluated (`from __future__ import annotations`)
@@ -134,6 +147,8 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
             of sections.
     """
     path = Path(path)
+    if (long := long_component(path)) is not None:  # before is_file(): it would raise
+        raise ConfigError(f"config recipe {path}: {long}: give a shorter --config path")
     if not path.is_file():
         raise FileNotFoundError(f"config recipe {path} not found")
     try:

@@ -9,6 +9,8 @@ import dataclasses
 import math
 from typing import Any
 
+from megatron_offgrpo._config_load import long_component
+
 CHOICES = {
     "model.init": ("hf", "random", "megatron"),
     "model.precision": ("fp32", "bf16", "fp8"),
@@ -30,6 +32,9 @@ CHOICES = {
 }
 LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers (metrics.jsonl is always written)
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
+PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state", "rollout.shm_dir",
+         "distill.teacher_path", "distill.teacher_fleet"]
+"""The keys that name files or directories (``train.out_dir``: the run directory's own check, ``train._run_dir``)."""
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
             "train.steps", "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
@@ -49,6 +54,7 @@ def collect_errors(config: Any) -> list[str]:
     for key, choices in CHOICES.items():
         if _get(config, key) not in choices:
             errors.append(f"{key}={_get(config, key)!r}: expected one of {list(choices)}")
+    errors.extend(_path_errors(config))
     for key in POSITIVE:
         if _get(config, key) < 1:
             errors.append(f"{key}={_get(config, key)}: must be >= 1")
@@ -232,6 +238,16 @@ def _algo_errors(config: Any) -> list[str]:
         except (ValueError, TypeError) as exc:
             out.append(f"algo: {exc}")
     return out
+
+
+def _path_errors(config: Any) -> list[str]:
+    """A path key with a component no filesystem takes: named now, not an ``OSError`` traceback where it is read."""
+    errors = []
+    for key in PATHS:
+        value = _get(config, key)
+        if value and (long := long_component(value)) is not None:
+            errors.append(f"{key}={value}: {long}: choose a shorter {key}")
+    return errors
 
 
 def _parallel_errors(p: Any) -> list[str]:

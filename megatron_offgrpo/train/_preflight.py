@@ -4,9 +4,13 @@ that fails here prints one line per error and exits 2, having written nothing.""
 
 from __future__ import annotations
 
+import math
+import os
+import shlex
 import sys
 from pathlib import Path
 
+from megatron_offgrpo._config_load import long_component
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
 from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.train._trackers import missing_trackers
@@ -18,10 +22,12 @@ def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokeniz
     with ``weights``, its safetensors (present, not cut short, every tensor of the config's shape: headers only, no
     tensor is loaded); with ``tokenizer``, its own tokenizer (it must load and encode a probe to some tokens). The
     one check of ``train``, ``sft``, ``eval`` and ``fleet start``."""
+    if (long := long_component(source)) is not None:  # before any stat(): it would raise
+        return [f"{key}={source}: {long}: choose a shorter {key}"]
     try:
         arch = load_arch(source)
-    except (FileNotFoundError, ValueError) as exc:
-        return [f"{key}={source}: {exc}"]
+    except (OSError, ValueError) as exc:  # OSError: a path over the system's length limit, a directory not readable
+        return [f"{key}={source}: {getattr(exc, 'strerror', None) or exc}"]
     model_dir = resolve_model_dir(source)
     errors = []
     if weights:
@@ -220,6 +226,27 @@ def layout_errors(config: Config) -> list[str]:
     return []
 
 
+def world_errors(config: Config, relaunch: list[str]) -> list[str]:
+    """The parallel layout against the processes this job has (torchrun's ``WORLD_SIZE``; 1 without torchrun): TP x PP
+    must divide them and the experts' ETP x EP the processes of a stage, or megatron's set-up refuses after the run
+    directory and its log exist. The one line gives the torchrun command of the smallest job that fits:
+    ``relaunch`` is ``-m MODULE ARGS...`` of this command."""
+    p = config.parallel
+    etp = p.tp if p.etp is None else p.etp
+    need = p.pp * math.lcm(p.tp, etp * p.ep)  # world % (tp * pp) == 0 and (world / pp) % (etp * ep) == 0
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        return [f"WORLD_SIZE={raw!r}: not a process count (torchrun sets it; unset it for one process)"]
+    if world >= 1 and world % need == 0:
+        return []
+    ep = f" x parallel.ep={p.ep}" + (f" (parallel.etp={etp})" if p.etp is not None else "") if p.ep > 1 else ""
+    has = "one process (no torchrun)" if "WORLD_SIZE" not in os.environ else f"{world} processes"
+    return [f"parallel.tp={p.tp} x parallel.pp={p.pp}{ep} needs a multiple of {need} processes, this job has {has}: "
+            f"launch it as `torchrun --nproc_per_node={need} {shlex.join(relaunch)}`, or lower the parallel sizes"]
+
+
 def tracker_errors(config: Config) -> list[str]:
     """The trackers of ``train.loggers`` that are not installed, except the default list's tensorboard (skipped with
     an INFO line at start): a tracker the user named is never skipped silently."""
@@ -244,6 +271,11 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
         data = load_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return [str(exc)]
+    except OSError as exc:  # a file not readable, a path over the system's length limit: name the key
+        d = config.data
+        key = next((k for k, v in (("data.eval_path", d.eval_path), ("data.path", d.path)) if v and exc.filename
+                    and Path(v).name == Path(exc.filename).name), "data.path")
+        return [f"{key}={exc.filename}: {exc.strerror}"]
     records = used_records(config, data, "train") + used_records(config, data, "eval")
     if config.data.reward in MATH_REWARDS:
         for record in records:
@@ -263,12 +295,15 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
 
 
 def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None,
-                   tracking: bool = False) -> Config:
+                   tracking: bool = False, relaunch: list[str] | None = None) -> Config:
     """The validated config of a command line, or (bad recipe, key, value or model; with ``tracking``, a tracker of
-    ``train.loggers`` that is not installed; then bad data: ``data_errors``) its errors on stderr and exit 2."""
+    ``train.loggers`` that is not installed; with ``relaunch`` (``-m MODULE ARGS...``: a command that builds the
+    megatron model), a layout this job's process count cannot hold; then bad data: ``data_errors``) its errors on
+    stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
         errors = model_errors(config, model_dir) + layout_errors(config) + (tracker_errors(config) if tracking else [])
+        errors += world_errors(config, relaunch) if relaunch is not None else []
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
