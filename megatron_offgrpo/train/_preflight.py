@@ -97,13 +97,16 @@ def resume_errors(config: Config) -> list[str]:
     checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
     if checkpoint is None:
         return []
-    return _card_shape_errors(config, checkpoint, "--resume",
-                              "resume with the model the run started from, or start a new train.out_dir")
+    from checkpoint_tools import dist_dir_errors
+
+    return _card_shape_errors(config, checkpoint, "--resume", "resume with the model the run started from, or start "
+                              "a new train.out_dir") or [f"--resume: {error}" for error in dist_dir_errors(checkpoint)]
 
 
 def megatron_init_errors(config: Config) -> list[str]:
-    """``model.init=megatron``: ``model.megatron_path`` is a dist checkpoint of ``model.hf_path``'s shapes."""
-    from checkpoint_tools import CheckpointError, checkpoint_kind, resolve_checkpoint
+    """``model.init=megatron``: ``model.megatron_path`` is a whole dist checkpoint (every file its metadata names,
+    none cut short: ``offgrpo convert megatron-to-hf``'s check) of ``model.hf_path``'s shapes."""
+    from checkpoint_tools import CheckpointError, checkpoint_kind, dist_dir_errors, resolve_checkpoint
 
     if config.model.init != "megatron":
         return []
@@ -115,7 +118,8 @@ def megatron_init_errors(config: Config) -> list[str]:
         checkpoint = resolve_checkpoint(config.model.megatron_path)
     except CheckpointError as exc:
         return [f"{key}: {exc}"]
-    return _card_shape_errors(config, checkpoint, key, "give the model.hf_path it was converted from")
+    return (_card_shape_errors(config, checkpoint, key, "give the model.hf_path it was converted from")
+            or [f"{key}: {error}" for error in dist_dir_errors(checkpoint)])
 
 
 def _card_shape_errors(config: Config, checkpoint: Path, key: str, fix: str) -> list[str]:

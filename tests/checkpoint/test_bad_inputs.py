@@ -117,3 +117,49 @@ def test_hf_checkpoint_missing_a_tensor_is_named(hf_models, tmp_path):
         hf_to_dist_dir(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert torch.is_tensor(tensors["model.embed_tokens.weight"])
+
+
+@pytest.fixture(scope="module")
+def dist_checkpoint(hf_models, tmp_path_factory):
+    """``hf-to-megatron``'s output (Megatron-LM layout: tracker + release/) of a tiny Qwen2, written once."""
+    return hf_to_dist_dir(hf_models["qwen2_untied"], tmp_path_factory.mktemp("dist") / "mega")
+
+
+def _cut(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DIST_DAMAGE = {  # (what breaks the copy's release/ directory, the file named, what the line says)
+    "truncated-distcp": (lambda d: _cut(d / "__0_1.distcp"), "__0_1.distcp", ": truncated: "),
+    "missing-distcp": (lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp", ": missing (the checkpoint's "),
+    "truncated-metadata": (lambda d: _cut(d / ".metadata"), ".metadata", ": unreadable or corrupt (UnpicklingError"),
+    "corrupt-megatron-metadata": (lambda d: (d / "metadata.json").write_text("{"), "metadata.json",
+                                  ": unreadable or corrupt (JSONDecodeError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIST_DAMAGE))
+def test_a_damaged_dist_checkpoint_is_one_line_from_train_and_convert(case, dist_checkpoint, hf_models, tmp_path,
+                                                                      capsys):
+    """``model.init=megatron`` (before any process group or run directory) and ``convert megatron-to-hf`` answer
+    with the same line, naming the file, from the checkpoint's metadata alone."""
+    from checkpoint_tools import dist_dir_errors
+    from megatron_offgrpo.cli import main
+
+    ckpt = tmp_path / "mega"
+    shutil.copytree(dist_checkpoint, ckpt)
+    breaks, name, says = DIST_DAMAGE[case]
+    breaks(ckpt / "release")
+    errors = dist_dir_errors(ckpt / "release")
+    assert len(errors) == 1 and errors[0].startswith(f"{ckpt / 'release' / name}{says}"), errors
+    out = tmp_path / "run"
+    for argv in (["train", f"model.hf_path={hf_models['qwen2_untied']}", "model.init=megatron",
+                  f"model.megatron_path={ckpt}", f"train.out_dir={out}", "rollout.max_new_tokens=16"],
+                 ["convert", "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(out)]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and errors[0] in err and "Traceback" not in err, err
+        assert len(err.splitlines()) == (2 if argv[0] == "train" else 1), err
+        assert not out.exists()
+    assert dist_dir_errors(dist_checkpoint / "release") == []  # the intact one
