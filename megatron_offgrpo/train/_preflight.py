@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_offgrpo._config_load import long_component
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
-from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
+from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir, tokenizer_errors
 from megatron_offgrpo.train._trackers import missing_trackers
 
 
@@ -37,29 +37,6 @@ def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokeniz
     if tokenizer:
         errors += tokenizer_errors(model_dir, key, source)
     return errors
-
-
-PROBE = "What is 2 + 3?"
-
-
-def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]:
-    """The directory's own tokenizer (``tokenizer_config.json``; without one the bundled Qwen2.5 tokenizer is used)
-    must load and encode ``PROBE`` to at least one token: one without ``vocab.json``/``merges.txt`` (or
-    ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
-    if not (model_dir / "tokenizer_config.json").is_file():
-        return []
-    from megatron_offgrpo.train._prompts import load_tokenizer  # the run's own, read once per process (cached)
-
-    try:
-        ids = load_tokenizer(str(model_dir)).encode(PROBE, add_special_tokens=False)
-    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
-        return [f"{key}={source}: its tokenizer does not load ({type(exc).__name__}: "
-                f"{next(iter(str(exc).splitlines()), '')}): give the directory a complete tokenizer "
-                "(tokenizer.json, or vocab.json and merges.txt)"]
-    if not ids:
-        return [f"{key}={source}: its tokenizer encodes {PROBE!r} to no tokens (no vocab.json/merges.txt or "
-                "tokenizer.json?): give the directory a complete tokenizer"]
-    return []
 
 
 def length_errors(config: Config, max_positions: int, source: str | Path) -> list[str]:
@@ -269,7 +246,8 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     once: ``model_dir``'s, default ``model.hf_path``'s). Every training record and the evaluation records a run uses
     are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
     from megatron_offgrpo.data import answer_error
-    from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, used_records
+    from megatron_offgrpo.model import load_tokenizer
+    from megatron_offgrpo.train._prompts import build_prompts, load_data, used_records
 
     try:
         data = load_data(config)

@@ -13,6 +13,7 @@ import torch
 from checkpoint_tools import CheckpointError, StreamingSafetensorsWriter, hf_to_dist_dir, megatron_to_hf_dir
 from megatron_offgrpo.model import UnsupportedConfigError
 from tests.checkpoint.legacy_format import write_legacy_checkpoint
+from tests.helpers import TOKENIZER_DIR
 
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -163,3 +164,28 @@ def test_a_damaged_dist_checkpoint_is_one_line_from_train_and_convert(case, dist
         assert len(err.splitlines()) == (2 if argv[0] == "train" else 1), err
         assert not out.exists()
     assert dist_dir_errors(dist_checkpoint / "release") == []  # the intact one
+
+
+def _tokenizer_without_vocab(d):  # tokenizer_config.json and friends, but no vocab.json / merges.txt
+    for f in TOKENIZER_DIR.iterdir():
+        if f.name not in ("vocab.json", "merges.txt", "SOURCES.md"):
+            shutil.copy(f, d / f.name)
+
+
+@pytest.mark.parametrize("breaks, says", [
+    (_tokenizer_without_vocab, "its tokenizer encodes 'What is 2 + 3?' to no tokens"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{not json"), "its tokenizer does not load ("),
+], ids=["no-vocab", "corrupt-config"])
+def test_hf_to_megatron_refuses_a_tokenizer_train_and_eval_refuse(breaks, says, hf_models, tmp_path, capsys):
+    """The checkpoint would carry the broken tokenizer files to every export: refused before converting, with the
+    line train and eval give (``model.tokenizer_errors``)."""
+    from megatron_offgrpo.cli import main
+
+    src = copy_model(hf_models, tmp_path)
+    breaks(src)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"error: --hf={src}: {says}") and len(err.splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
