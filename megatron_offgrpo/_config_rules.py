@@ -32,8 +32,8 @@ CHOICES = {
 }
 LOGGERS = ("tensorboard", "wandb", "mlflow")  # train.loggers (metrics.jsonl is always written)
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
-PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state", "rollout.shm_dir",
-         "distill.teacher_path", "distill.teacher_fleet"]
+PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state",
+         "rollout.shm_dir", "distill.teacher_path", "distill.teacher_fleet"]
 """The keys that name files or directories (``train.out_dir``: the run directory's own check, ``train._run_dir``)."""
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
