@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from megatron_offgrpo.data._heldout import held_out_questions, ordered_by_hash
+from megatron_offgrpo.data._heldout import held_out_questions, ordered_by_hash, question_key
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED = {("gsm8k", "train"): ASSETS / "gsm8k" / "train.jsonl", ("gsm8k", "test"): ASSETS / "gsm8k" / "test.jsonl"}
@@ -217,10 +217,10 @@ def arithmetic_records(count: int, seed: int, max_operand: int = 20, held_out: b
         raise ValueError(f"data.max_operand={max_operand}: the arithmetic task has {exc}; use max_operand >= 1"
                          ) from None
     if held_out:
-        sums = {_question(a, b): a + b for a, b in pairs}
+        sums = {_question(a, b): a + b for a, b in pairs if question_key(_question(a, b)) in held}
         return [QARecord(f"arith/held-out/{i}", q, f"#### {sums[q]}", f"arithmetic held-out question {i}")
-                for i, q in enumerate(ordered_by_hash(held))]
-    train = [(a, b) for a, b in pairs if _question(a, b) not in held]
+                for i, q in enumerate(ordered_by_hash(sums))]
+    train = [(a, b) for a, b in pairs if question_key(_question(a, b)) not in held]
     rng = random.Random(seed)
     records = []
     for i in range(count):

@@ -114,3 +114,23 @@ def test_run_info_counts_the_overlap_and_the_start_line_warns(tmp_path):
         in proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "ask a question the run trains on" in line]
     assert len(warnings) == 1 and "16 of the 16 evaluation prompts" in warnings[0]
+
+
+def test_variants_of_a_question_in_case_unicode_form_or_spacing_fall_on_one_side(tmp_path):
+    """A file repeating a question as "WHAT IS 12 + 30?", with full-width digits (NFKC) or with other spacing: the
+    hash is of the normalised question, so no variant of a training question is evaluated on."""
+    from megatron_offgrpo.data import held_out_questions, question_key
+
+    base = [f"What is {i} + {i + 1}?" for i in range(60)]
+    variants = [q.upper() for q in base] + [q.replace(" + ", "\u00a0+  ") for q in base] + [
+        q.translate(str.maketrans("0123456789", "０１２３４５６７８９")) for q in base]
+    data = load_datasets("mine", path=str(_jsonl(tmp_path / "d.jsonl", base + variants)))
+    train, held = {question_key(r.question) for r in data.train}, {question_key(r.question) for r in data.eval}
+    assert len(train | held) == 60 and not train & held, "a variant landed on both sides"
+    assert len(data.eval) == 4 * len(held) == 4 * 12  # each held-out question with its three variants
+    assert held_out_questions(base) == held_out_questions(variants) == held  # the same split, whatever the spelling
+    assert question_key(" What  is\t２ + 3？ ") == "what is 2 + 3?"
+    # an evaluation file asking a training question in other case is counted as overlap, not as unseen
+    evaluation = _jsonl(tmp_path / "e.jsonl", [base[0].lower(), "Something else?"])
+    report = load_datasets("mine", path=str(tmp_path / "d.jsonl"), eval_path=str(evaluation)).report(10)
+    assert report["eval_overlap"] == 1 and report["eval_questions"] == 2
