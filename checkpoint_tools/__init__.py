@@ -1,6 +1,6 @@
 """checkpoint_tools: the one Qwen HF <-> megatron weight map, offline conversions and the live streaming export."""
 
-from checkpoint_tools._check import hf_dir_errors
+from checkpoint_tools._check import dist_dir_errors, hf_dir_errors
 from checkpoint_tools._convert import (
     MegatronCheckpoint,
     iter_hf_tensors,
@@ -50,6 +50,7 @@ __all__ = [
     "checkpoint_kind",
     "resolve_checkpoint",
     "dist_checkpoint_to_hf_dir",
+    "dist_dir_errors",
     "expected_hf_shapes",
     "hf_dir_errors",
     "hf_names",

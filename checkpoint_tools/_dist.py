@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from checkpoint_tools._check import dist_dir_errors
 from checkpoint_tools._convert import META, megatron_to_hf_dir, write_hf
 from checkpoint_tools._io import CheckpointError, check_output, copy_extra_files
 from checkpoint_tools._live import stream_hf_buckets
@@ -218,7 +219,9 @@ def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes
         raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a dist checkpoint")
     card = read_model_card(ckpt)
     arch = arch_from_hf_config(card.hf_config)
-    check_output(out, ckpt, overwrite)  # before the load: fail in a second, not after reading the model
+    check_output(out, ckpt, overwrite)
+    if errors := dist_dir_errors(ckpt):  # from the metadata, in a second: not megatron's load failing halfway
+        raise CheckpointError("; ".join(errors))  # before the load: fail in a second, not after reading the model
     start = time.perf_counter()
     started = _single_process_group()
     try:

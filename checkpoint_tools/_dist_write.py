@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from checkpoint_tools._convert import _read_hf_config, check_layout
 from checkpoint_tools._dist import DIST_MODEL_KEY, RELEASE, TRACKER, DistModelCard, cpu_stage, write_model_card
-from checkpoint_tools._io import atomic_output_dir, check_output, open_safetensors_dir
+from checkpoint_tools._io import CheckpointError, atomic_output_dir, check_output, open_safetensors_dir
 from checkpoint_tools._live import load_hf_into_stage
 from checkpoint_tools._mapping import check_hf_names
-from megatron_offgrpo.model import arch_from_hf_config
+from megatron_offgrpo.model import arch_from_hf_config, tokenizer_errors
 
 logger = logging.getLogger(__name__)
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version (dist checkpoints)
@@ -59,6 +59,9 @@ def hf_to_dist_dir(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     hf_config = _read_hf_config(hf_dir)
     arch = arch_from_hf_config(hf_config)
     check_layout(arch, tp, pp, ep)
+    # the checkpoint carries the tokenizer files to every export: one train and eval refuse is refused here too
+    if errors := tokenizer_errors(hf_dir, "--hf", hf_dir):
+        raise CheckpointError(errors[0])
     check_output(out, hf_dir, overwrite)  # before any process group or tensor: fail in a second
     tensors = open_safetensors_dir(hf_dir)
     check_hf_names(tensors.names(), arch)

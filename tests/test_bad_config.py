@@ -501,3 +501,66 @@ def test_the_longest_prompt_and_its_completion_must_fit_the_positions():
         f"rollout.max_new_tokens=500: the longest prompt of data split 'train' has {longest} tokens, so a sequence "
         f"reaches {500 + longest}, over the model's max_position_embeddings={499 + longest}: lower "
         f"rollout.max_new_tokens to <= 499 (or data.max_prompt_tokens)")
+
+
+@pytest.mark.parametrize("command, overrides, world, need", [
+    ("train", ["parallel.tp=2"], None, 2),  # the README's torchrun command, run without torchrun
+    ("sft", ["parallel.pp=2"], "3", 2),  # under torchrun, a process count the layout does not divide
+    ("train", ["model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "parallel.ep=2", "parallel.etp=1"], None, 2),
+])
+def test_a_layout_over_the_jobs_processes_names_the_torchrun_command(command, overrides, world, need, tmp_path,
+                                                                     capsys, monkeypatch):
+    """Refused before the run directory exists (megatron's own refusal came after train.log was written), with the
+    command that launches enough processes."""
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    out = tmp_path / "run"
+    argv = ["--config", TINY, f"train.out_dir={out}", *overrides]
+    code, err = _run([command, *argv], capsys)
+    module = "megatron_offgrpo.train" if command == "train" else "megatron_offgrpo.cli sft"
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 2, err
+    assert f"needs a multiple of {need} processes" in err and "--nproc_per_node=" in err, err
+    assert f"`torchrun --nproc_per_node={need} -m {module} --config {TINY} train.out_dir={out} " in err, err
+    assert not out.exists()
+
+
+def test_eval_builds_no_megatron_model_so_any_layout_is_fine(tmp_path, capsys, monkeypatch):
+    from megatron_offgrpo.train._preflight import world_errors
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = load_config(TINY, ["parallel.tp=2", "parallel.pp=2"])
+    assert "--nproc_per_node=4 -m x" in world_errors(config, ["-m", "x"])[0]
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert world_errors(config, ["-m", "x"]) == []  # DP 2
+
+
+LONG_NAME = "n" * 300  # over the 255 bytes a path component may have
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("key", ["model.hf_path", "data.path", "data.eval_path", "model.megatron_path",
+                                 "distill.teacher_path", "train.out_dir", "--config", "--model"])
+def test_a_path_component_over_255_bytes_is_one_line_naming_the_key(command, key, tmp_path, capsys):
+    long = str(tmp_path / LONG_NAME / "x")
+    if (key == "--model") != (command == "eval") and key in ("--model", "train.out_dir"):
+        pytest.skip("--model is eval's flag; eval writes no run directory")
+    out = tmp_path / "run"
+    argv = ["--config", long if key == "--config" else TINY, f"train.out_dir={long if key == 'train.out_dir' else out}"]
+    argv += [] if key in ("--config", "train.out_dir") else [key, long] if key == "--model" else [f"{key}={long}"]
+    argv += ["model.init=megatron"] if key == "model.megatron_path" else []
+    code, err = _run([command, *argv], capsys)
+    assert code == 2 and "Traceback" not in err and "is 300 bytes, over the 255 a file name may have" in err, err
+    name = "config recipe" if key == "--config" else key
+    assert f"{name}={long}" in err or f"{name} {long}" in err, err
+    assert len(err.splitlines()) <= 2 and not out.exists(), err
+
+
+def test_a_path_over_the_systems_length_limit_is_one_line(tmp_path, capsys):
+    """Every component short, the whole path over PATH_MAX (4096): the filesystem's own error, named by key."""
+    deep = str(tmp_path / "/".join(["d" * 200] * 25) / "f.jsonl")
+    for argv, key in ((["eval", f"data.path={deep}"], "data.path"), (["eval", "--model", deep], "--model"),
+                      (["sft", f"train.out_dir={deep}"], "train.out_dir")):
+        code, err = _run([argv[0], "--config", TINY, *argv[1:]], capsys)
+        assert code == 2 and "Traceback" not in err and f"{key}={deep}" in err and "File name too long" in err, err

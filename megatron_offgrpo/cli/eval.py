@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: --out {args.out}: {error}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    from megatron_offgrpo.config import ConfigError
     from megatron_offgrpo.data import get_reward
     from megatron_offgrpo.model import resolve_model_dir
     from megatron_offgrpo.runtime import tune_cpu_memory
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     tune_cpu_memory()  # as in training: every decode step's logits reuse pages, not fault fresh ones
-    engine = make_rollout_engine(config, Path(model), None, positions)
+    try:
+        engine = make_rollout_engine(config, Path(model), None, positions)
+    except ConfigError as exc:  # an engine asked for that cannot serve this model (rollout.engine=vllm)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     try:
         rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env)
         result = evaluate(rollouts, prompts, config.rollout.max_new_tokens, samples=config.train.eval_samples,

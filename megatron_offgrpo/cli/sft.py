@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -13,10 +14,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="also show megatron-core's INFO lines on the console "
                         "(they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     from megatron_offgrpo.train import claim_run_dir, config_or_exit
 
-    config = config_or_exit(args.config, args.overrides, tracking=True)
+    config = config_or_exit(args.config, args.overrides, tracking=True,
+                            relaunch=["-m", "megatron_offgrpo.cli", "sft", *argv])
     lock = claim_run_dir(config, command="sft")  # offgrpo train's rules: never over an earlier run, one writer
     from megatron_offgrpo.train import setup_logging
 

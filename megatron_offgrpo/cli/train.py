@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,11 +15,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="also show megatron-core's and vLLM's INFO lines on "
                         "the console (they always go to train.out_dir/train.log)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     from megatron_offgrpo.train import claim_run_dir, config_or_exit
 
     config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []),
-                            tracking=True)
+                            tracking=True, relaunch=["-m", "megatron_offgrpo.train", *argv])
     lock = claim_run_dir(config)  # held (rank 0) until this process ends: one writer per run directory
     from megatron_offgrpo.train import setup_logging
 

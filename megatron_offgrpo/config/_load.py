@@ -20,6 +20,19 @@ class ConfigError(ValueError):
     """A recipe or override names an unknown key or a value of the wrong type."""
 
 
+NAME_MAX = 255
+"""Bytes of one path component on every filesystem a run is likely to read or write (ext4, xfs, NFS, Lustre)."""
+
+
+def long_component(path: str | Path) -> str | None:
+    """Why ``path`` cannot name a file: a component over ``NAME_MAX`` bytes (``stat`` would raise ``OSError: File name
+    too long`` from deep inside whatever reads it first), or None."""
+    long = next((part for part in Path(path).parts if len(part.encode()) > NAME_MAX), None)
+    if long is None:
+        return None
+    return f"the component {long[:40]}... is {len(long.encode())} bytes, over the {NAME_MAX} a file name may have"
+
+
 @functools.cache
 def field_types(cls: type) -> dict[str, object]:
     """Field name -> its resolved type (annotations are strings under ``from __future__ import annotations``)."""
@@ -171,6 +184,8 @@ def read_recipe(path: str | Path) -> dict[str, object]:
             of sections.
     """
     path = Path(path)
+    if (long := long_component(path)) is not None:  # before is_file(): it would raise
+        raise ConfigError(f"config recipe {path}: {long}: give a shorter --config path")
     if not path.is_file():
         raise FileNotFoundError(f"config recipe {path} not found")
     try:

@@ -10,13 +10,16 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from megatron_offgrpo.config._load import choices, field_types
+from megatron_offgrpo.config._load import choices, field_types, long_component
 
 if TYPE_CHECKING:
     from megatron_offgrpo.config._sections import DistillConfig, EnvConfig
     from megatron_offgrpo.config._tree import Config, ParallelConfig
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
+PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state",
+         "rollout.shm_dir", "distill.teacher_path", "distill.teacher_fleet"]
+"""The keys that name files or directories (``train.out_dir``: the run directory's own check, ``train._run_dir``)."""
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
             "train.steps", "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
@@ -34,6 +37,7 @@ def collect_errors(config: Config) -> list[str]:
     if errors:  # every other rule compares numbers: a NaN passes them all
         return errors
     errors.extend(_choice_errors(config))
+    errors.extend(_path_errors(config))
     for key in POSITIVE:
         if _get(config, key) < 1:
             errors.append(f"{key}={_get(config, key)}: must be >= 1")
@@ -270,6 +274,16 @@ def _algo_errors(config: Config) -> list[str]:
         except (ValueError, TypeError) as exc:
             out.append(f"algo: {exc}")
     return out
+
+
+def _path_errors(config: Config) -> list[str]:
+    """A path key with a component no filesystem takes: named now, not an ``OSError`` traceback where it is read."""
+    errors = []
+    for key in PATHS:
+        value = _get(config, key)
+        if value and (long := long_component(value)) is not None:
+            errors.append(f"{key}={value}: {long}: choose a shorter {key}")
+    return errors
 
 
 def _parallel_errors(p: ParallelConfig) -> list[str]:

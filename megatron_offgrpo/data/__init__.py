@@ -1,7 +1,7 @@
 """Data: prompt/sample types, prompt datasets, chat templates and verifiable rewards."""
 
 from megatron_offgrpo.data._datasets import ASSETS, QARecord, arithmetic_records, load_hub, load_local, load_records
-from megatron_offgrpo.data._heldout import HELD_OUT_FRACTION, held_out_questions
+from megatron_offgrpo.data._heldout import HELD_OUT_FRACTION, held_out_questions, question_key
 from megatron_offgrpo.data._prompts import DEFAULT_INSTRUCTION, PromptStream, build_prompt
 from megatron_offgrpo.data._rewards import (
     MAX_ANSWER_DIGITS,
@@ -37,6 +37,7 @@ __all__ = [
     "extract_answer",
     "get_reward",
     "held_out_questions",
+    "question_key",
     "import_dotted",
     "load_datasets",
     "load_hub",

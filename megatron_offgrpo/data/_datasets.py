@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from megatron_offgrpo.data._heldout import held_out_questions, ordered_by_hash
+from megatron_offgrpo.data._heldout import held_out_questions, ordered_by_hash, question_key
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED = {("gsm8k", "train"): ASSETS / "gsm8k" / "train.jsonl", ("gsm8k", "test"): ASSETS / "gsm8k" / "test.jsonl"}
@@ -106,9 +106,29 @@ def _decode(raw: bytes, path: Path, line: int) -> str:
                          "file? datasets are JSONL, JSON or Parquet") from None
 
 
+BINARY_MAGIC = {b"PAR1": "Parquet", b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive",
+                b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed", b"(\xb5/\xfd": "zstd-compressed"}
+"""How a binary file given as JSON/JSONL starts: its bytes may decode as text by chance (Parquet's do, up to its
+first non-ASCII byte), and the first line would be called "cut short"."""
+
+
+def _binary_error(data: bytes, path: Path) -> str | None:
+    """Why the bytes of a file given as JSON or JSONL are not text at all, naming the file, or None: a known binary
+    format's leading bytes, or a NUL byte among the first 8 KiB (text never holds one)."""
+    what = next((name for magic, name in BINARY_MAGIC.items() if data.startswith(magic)), None)
+    if what is None and b"\x00" not in data[:8192]:
+        return None
+    fix = ("name it .parquet to read it as Parquet" if what == "Parquet" else "decompress it first" if what and
+           what.endswith("compressed") else "datasets are JSONL, JSON or Parquet")
+    return f"{path}: a binary file ({what or 'NUL bytes'}), not {path.suffix or 'JSONL'} text: {fix}"
+
+
 def _jsonl_rows(path: Path) -> tuple[list[object], list[str]]:
     rows, wheres = [], []
-    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+    data = path.read_bytes()
+    if (binary := _binary_error(data, path)) is not None:
+        raise ValueError(binary)
+    for n, raw in enumerate(data.splitlines(), 1):
         line = _decode(raw, path, n)
         if line.strip():
             try:
@@ -120,8 +140,11 @@ def _jsonl_rows(path: Path) -> tuple[list[object], list[str]]:
 
 
 def _json_rows(path: Path) -> tuple[list[object], list[str]]:
+    data = path.read_bytes()
+    if (binary := _binary_error(data, path)) is not None:
+        raise ValueError(binary)
     try:
-        rows = json.loads(_decode(path.read_bytes(), path, 0), parse_int=_json_int)
+        rows = json.loads(_decode(data, path, 0), parse_int=_json_int)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}:{exc.lineno}: not valid JSON ({exc}): a file cut short?") from None
     if not isinstance(rows, list):
@@ -194,10 +217,10 @@ def arithmetic_records(count: int, seed: int, max_operand: int = 20, held_out: b
         raise ValueError(f"data.max_operand={max_operand}: the arithmetic task has {exc}; use max_operand >= 1"
                          ) from None
     if held_out:
-        sums = {_question(a, b): a + b for a, b in pairs}
+        sums = {_question(a, b): a + b for a, b in pairs if question_key(_question(a, b)) in held}
         return [QARecord(f"arith/held-out/{i}", q, f"#### {sums[q]}", f"arithmetic held-out question {i}")
-                for i, q in enumerate(ordered_by_hash(held))]
-    train = [(a, b) for a, b in pairs if _question(a, b) not in held]
+                for i, q in enumerate(ordered_by_hash(sums))]
+    train = [(a, b) for a, b in pairs if question_key(_question(a, b)) not in held]
     rng = random.Random(seed)
     records = []
     for i in range(count):

@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from megatron_offgrpo.data._datasets import QARecord, load_local, load_records
-from megatron_offgrpo.data._heldout import HELD_OUT_FRACTION, held_out_questions
+from megatron_offgrpo.data._heldout import HELD_OUT_FRACTION, held_out_questions, question_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +32,11 @@ class DataSets:
         """Sizes and overlap of the first ``eval_prompts`` evaluation records (those a run evaluates) against the
         training questions: ``eval_overlap`` counts evaluation records whose question is also trained on."""
         used = self.eval[:eval_prompts]
-        trained = {r.question.strip() for r in self.train}
+        trained = {question_key(r.question) for r in self.train}  # variants of one question count as one
         return {"train_size": len(self.train), "train_questions": len(trained), "eval_size": len(used),
-                "eval_questions": len({r.question.strip() for r in used}),
-                "eval_overlap": sum(r.question.strip() in trained for r in used), "eval_source": self.eval_source}
+                "eval_questions": len({question_key(r.question) for r in used}),
+                "eval_overlap": sum(question_key(r.question) in trained for r in used),
+                "eval_source": self.eval_source}
 
 
 def split_held_out(records: list[QARecord], source: str) -> tuple[list[QARecord], list[QARecord]]:
@@ -48,8 +49,8 @@ def split_held_out(records: list[QARecord], source: str) -> tuple[list[QARecord]
         held = held_out_questions(r.question for r in records)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}: give an evaluation file as data.eval_path") from None
-    return ([r for r in records if r.question.strip() not in held],
-            [r for r in records if r.question.strip() in held])
+    return ([r for r in records if question_key(r.question) not in held],
+            [r for r in records if question_key(r.question) in held])
 
 
 def load_datasets(name: str, split: str = "train", eval_split: str = "test", source: str = "auto",

@@ -10,6 +10,7 @@ from megatron_offgrpo.model._arch import (
     resolve_model_dir,
 )
 from megatron_offgrpo.model._compile import compile_layers
+from megatron_offgrpo.model._tokenizer import load_tokenizer, tokenizer_errors
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -21,11 +22,13 @@ __all__ = [
     "expose_hidden_states",
     "hf_config_dict",
     "load_arch",
+    "load_tokenizer",
     "output_weight",
     "params_dtype",
     "precision_transformer_config",
     "qwen_layer_spec",
     "resolve_model_dir",
+    "tokenizer_errors",
     "transformer_config",
 ]
 

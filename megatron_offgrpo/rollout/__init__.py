@@ -9,7 +9,13 @@ imports megatron: the rollout side runs where megatron is not installed.
 
 from megatron_offgrpo.rollout._dispatch import RetryPolicy
 from megatron_offgrpo.rollout._episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
-from megatron_offgrpo.rollout._errors import EngineDiedError, FleetError, RefreshError, RefreshVerificationError
+from megatron_offgrpo.rollout._errors import (
+    EngineDiedError,
+    FleetError,
+    RefreshError,
+    RefreshVerificationError,
+    UnservableModelError,
+)
 from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
@@ -37,6 +43,7 @@ __all__ = [
     "ServerClient",
     "TeacherFleet",
     "TransformersEngine",
+    "UnservableModelError",
     "have_vllm",
     "make_engine",
     "make_probe_ids",

@@ -80,3 +80,9 @@ class EngineDiedError(RuntimeError):
 
     def __reduce__(self):  # pickled whole: rank 0 broadcasts it, and every rank raises the same error
         return type(self), (self.pid, self.reason)
+
+
+class UnservableModelError(ValueError):
+    """vLLM on this machine cannot serve the model (a head size its CPU attention has no kernel for), known before
+    its engine starts: ``rollout.engine=auto`` falls back to the transformers engine, an explicit ``vllm`` is refused
+    in one line (on CPU vLLM would start, then end the first generation in a traceback)."""

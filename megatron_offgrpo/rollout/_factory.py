@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from megatron_offgrpo.rollout._errors import UnservableModelError
 from megatron_offgrpo.rollout._protocol import RolloutEngine
 
 KINDS = ("fleet", "vllm", "transformers", "auto")
@@ -71,6 +72,8 @@ def _auto(model_dir: str | Path | None, **kwargs: Any) -> RolloutEngine:
 
         try:
             return VLLMEngine(model_dir, **kwargs)
+        except UnservableModelError as exc:  # known before its engine started (the README's promise: fall back)
+            reason = _first_line(exc)
         except Exception as exc:  # any start-up failure: the run goes on with the engine that needs nothing
             reason = f"vLLM did not start ({type(exc).__name__}: {_first_line(exc)})"
     warnings.warn(

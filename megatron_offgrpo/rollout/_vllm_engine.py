@@ -30,10 +30,11 @@ from megatron_offgrpo.fleet import (
     kv_cache_bytes,
 )
 from megatron_offgrpo.rollout._engine_loop import EngineLoop
-from megatron_offgrpo.rollout._errors import RefreshError, require_newer
+from megatron_offgrpo.rollout._errors import RefreshError, UnservableModelError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._vllm_core import VllmCore
+from megatron_offgrpo.rollout._vllm_support import unservable_reason
 from megatron_offgrpo.rollout._samples import (
     BadResponse,
     fill_group,
@@ -148,10 +149,15 @@ class VLLMEngine:
         Raises:
             ValueError: ``record_routing`` on a model without routers, or on CPU with ``enforce_eager=False``, or
                 with ``partial_rollouts`` (the routing a refresh changes halfway cannot be replayed).
+            UnservableModelError: a model vLLM here has no attention kernel for (``unservable_reason``), before the
+                engine starts.
         """
         if partial_rollouts and record_routing:
             raise ValueError("VLLMEngine partial_rollouts=True with record_routing=True: a sample's routing would "
                              "change at the refresh and router replay could not reproduce it")
+        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        if (reason := unservable_reason(hf_config)) is not None:  # first: nothing set up, no engine that would crash
+            raise UnservableModelError(f"vLLM cannot serve {model_dir}: {reason}")
         if in_process and _world_size() > 1:
             in_process = False
         if in_process:
@@ -179,7 +185,6 @@ class VLLMEngine:
         self.partial_rollouts = partial_rollouts
         llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards
         llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
-        hf_config = json.loads((model_dir / "config.json").read_text())
         llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype))
         llm_kwargs.setdefault(
             "logprobs_mode", "processed_logprobs"

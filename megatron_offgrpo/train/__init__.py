@@ -22,7 +22,7 @@ _EXPORTS = {
     "load_data": "megatron_offgrpo.train._prompts",
     "build_prompts": "megatron_offgrpo.train._prompts",
     "log_data": "megatron_offgrpo.train._prompts",
-    "load_tokenizer": "megatron_offgrpo.train._prompts",
+    "load_tokenizer": "megatron_offgrpo.model",
     "read_metrics": "megatron_offgrpo.train._metrics",
     "RunSummary": "megatron_offgrpo.train._summary",
     "run_summary": "megatron_offgrpo.train._summary",

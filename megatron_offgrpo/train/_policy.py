@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_offgrpo.config import ModelConfig, OptimConfig
+from megatron_offgrpo.config import ConfigError, ModelConfig, OptimConfig
 from megatron_offgrpo.model import (
     QwenArch,
     build_gpt_stage,
@@ -61,10 +61,19 @@ def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelCo
     """HF weights from ``model.hf_path`` (init=hf), or the model part of the megatron dist checkpoint at
     ``model.megatron_path`` (init=megatron; megatron reshards it to this run's layout; collective); init=random keeps
     megatron's seeded initialisation."""
-    from checkpoint_tools import load_hf_into_stage, load_model_part, open_safetensors_dir, resolve_checkpoint
+    from checkpoint_tools import (
+        CheckpointError,
+        load_hf_into_stage,
+        load_model_part,
+        open_safetensors_dir,
+        resolve_checkpoint,
+    )
 
     if model_cfg.init == "megatron":
-        load_model_part(stage, resolve_checkpoint(model_cfg.megatron_path))
+        try:
+            load_model_part(stage, resolve_checkpoint(model_cfg.megatron_path))
+        except CheckpointError as exc:  # damage the preflight's metadata check cannot see: bad input, one line
+            raise ConfigError(f"model.megatron_path={model_cfg.megatron_path}: {exc}") from None
         return
     if model_cfg.init != "hf":
         return

@@ -4,11 +4,14 @@ that fails here prints one line per error and exits 2, having written nothing.""
 
 from __future__ import annotations
 
+import math
+import os
+import shlex
 import sys
 from pathlib import Path
 
-from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
-from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
+from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config, long_component
+from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir, tokenizer_errors
 from megatron_offgrpo.train._trackers import missing_trackers
 
 
@@ -18,10 +21,12 @@ def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokeniz
     with ``weights``, its safetensors (present, not cut short, every tensor of the config's shape: headers only, no
     tensor is loaded); with ``tokenizer``, its own tokenizer (it must load and encode a probe to some tokens). The
     one check of ``train``, ``sft``, ``eval`` and ``fleet start``."""
+    if (long := long_component(source)) is not None:  # before any stat(): it would raise
+        return [f"{key}={source}: {long}: choose a shorter {key}"]
     try:
         arch = load_arch(source)
-    except (FileNotFoundError, ValueError) as exc:
-        return [f"{key}={source}: {exc}"]
+    except (OSError, ValueError) as exc:  # OSError: a path over the system's length limit, a directory not readable
+        return [f"{key}={source}: {getattr(exc, 'strerror', None) or exc}"]
     model_dir = resolve_model_dir(source)
     errors = []
     if weights:
@@ -31,29 +36,6 @@ def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokeniz
     if tokenizer:
         errors += tokenizer_errors(model_dir, key, source)
     return errors
-
-
-PROBE = "What is 2 + 3?"
-
-
-def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]:
-    """The directory's own tokenizer (``tokenizer_config.json``; without one the bundled Qwen2.5 tokenizer is used)
-    must load and encode ``PROBE`` to at least one token: one without ``vocab.json``/``merges.txt`` (or
-    ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
-    if not (model_dir / "tokenizer_config.json").is_file():
-        return []
-    from megatron_offgrpo.train._prompts import load_tokenizer  # the run's own, read once per process (cached)
-
-    try:
-        ids = load_tokenizer(str(model_dir)).encode(PROBE, add_special_tokens=False)
-    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
-        return [f"{key}={source}: its tokenizer does not load ({type(exc).__name__}: "
-                f"{next(iter(str(exc).splitlines()), '')}): give the directory a complete tokenizer "
-                "(tokenizer.json, or vocab.json and merges.txt)"]
-    if not ids:
-        return [f"{key}={source}: its tokenizer encodes {PROBE!r} to no tokens (no vocab.json/merges.txt or "
-                "tokenizer.json?): give the directory a complete tokenizer"]
-    return []
 
 
 def length_errors(config: Config, max_positions: int, source: str | Path) -> list[str]:
@@ -91,13 +73,16 @@ def resume_errors(config: Config) -> list[str]:
     checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
     if checkpoint is None:
         return []
-    return _card_shape_errors(config, checkpoint, "--resume",
-                              "resume with the model the run started from, or start a new train.out_dir")
+    from checkpoint_tools import dist_dir_errors
+
+    return _card_shape_errors(config, checkpoint, "--resume", "resume with the model the run started from, or start "
+                              "a new train.out_dir") or [f"--resume: {error}" for error in dist_dir_errors(checkpoint)]
 
 
 def megatron_init_errors(config: Config) -> list[str]:
-    """``model.init=megatron``: ``model.megatron_path`` is a dist checkpoint of ``model.hf_path``'s shapes."""
-    from checkpoint_tools import CheckpointError, checkpoint_kind, resolve_checkpoint
+    """``model.init=megatron``: ``model.megatron_path`` is a whole dist checkpoint (every file its metadata names,
+    none cut short: ``offgrpo convert megatron-to-hf``'s check) of ``model.hf_path``'s shapes."""
+    from checkpoint_tools import CheckpointError, checkpoint_kind, dist_dir_errors, resolve_checkpoint
 
     if config.model.init != "megatron":
         return []
@@ -109,7 +94,8 @@ def megatron_init_errors(config: Config) -> list[str]:
         checkpoint = resolve_checkpoint(config.model.megatron_path)
     except CheckpointError as exc:
         return [f"{key}: {exc}"]
-    return _card_shape_errors(config, checkpoint, key, "give the model.hf_path it was converted from")
+    return (_card_shape_errors(config, checkpoint, key, "give the model.hf_path it was converted from")
+            or [f"{key}: {error}" for error in dist_dir_errors(checkpoint)])
 
 
 def _card_shape_errors(config: Config, checkpoint: Path, key: str, fix: str) -> list[str]:
@@ -239,6 +225,27 @@ def layout_errors(config: Config) -> list[str]:
     return []
 
 
+def world_errors(config: Config, relaunch: list[str]) -> list[str]:
+    """The parallel layout against the processes this job has (torchrun's ``WORLD_SIZE``; 1 without torchrun): TP x PP
+    must divide them and the experts' ETP x EP the processes of a stage, or megatron's set-up refuses after the run
+    directory and its log exist. The one line gives the torchrun command of the smallest job that fits:
+    ``relaunch`` is ``-m MODULE ARGS...`` of this command."""
+    p = config.parallel
+    etp = p.tp if p.etp is None else p.etp
+    need = p.pp * math.lcm(p.tp, etp * p.ep)  # world % (tp * pp) == 0 and (world / pp) % (etp * ep) == 0
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        return [f"WORLD_SIZE={raw!r}: not a process count (torchrun sets it; unset it for one process)"]
+    if world >= 1 and world % need == 0:
+        return []
+    ep = f" x parallel.ep={p.ep}" + (f" (parallel.etp={etp})" if p.etp is not None else "") if p.ep > 1 else ""
+    has = "one process (no torchrun)" if "WORLD_SIZE" not in os.environ else f"{world} processes"
+    return [f"parallel.tp={p.tp} x parallel.pp={p.pp}{ep} needs a multiple of {need} processes, this job has {has}: "
+            f"launch it as `torchrun --nproc_per_node={need} {shlex.join(relaunch)}`, or lower the parallel sizes"]
+
+
 def tracker_errors(config: Config) -> list[str]:
     """The trackers of ``train.loggers`` that are not installed, except the default list's tensorboard (skipped with
     an INFO line at start): a tracker the user named is never skipped silently."""
@@ -257,12 +264,18 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     once: ``model_dir``'s, default ``model.hf_path``'s). Every training record and the evaluation records a run uses
     are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
     from megatron_offgrpo.data import answer_error
-    from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, used_records
+    from megatron_offgrpo.model import load_tokenizer
+    from megatron_offgrpo.train._prompts import build_prompts, load_data, used_records
 
     try:
         data = load_data(config)
     except (ValueError, FileNotFoundError) as exc:
         return [str(exc)]
+    except OSError as exc:  # a file not readable, a path over the system's length limit: name the key
+        d = config.data
+        key = next((k for k, v in (("data.eval_path", d.eval_path), ("data.path", d.path)) if v and exc.filename
+                    and Path(v).name == Path(exc.filename).name), "data.path")
+        return [f"{key}={exc.filename}: {exc.strerror}"]
     records = used_records(config, data, "train") + used_records(config, data, "eval")
     if config.data.reward in MATH_REWARDS:
         for record in records:
@@ -282,12 +295,15 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
 
 
 def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None,
-                   tracking: bool = False) -> Config:
+                   tracking: bool = False, relaunch: list[str] | None = None) -> Config:
     """The validated config of a command line, or (bad recipe, key, value or model; with ``tracking``, a tracker of
-    ``train.loggers`` that is not installed; then bad data: ``data_errors``) its errors on stderr and exit 2."""
+    ``train.loggers`` that is not installed; with ``relaunch`` (``-m MODULE ARGS...``: a command that builds the
+    megatron model), a layout this job's process count cannot hold; then bad data: ``data_errors``) its errors on
+    stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
         errors = model_errors(config, model_dir) + layout_errors(config) + (tracker_errors(config) if tracking else [])
+        errors += world_errors(config, relaunch) if relaunch is not None else []
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     except (ConfigError, ValueError, FileNotFoundError) as exc:

@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
-from pathlib import Path
 
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.data import ASSETS, DataSets, Prompt, QARecord, build_prompt, load_datasets
+from megatron_offgrpo.data import DataSets, Prompt, QARecord, build_prompt, load_datasets
 from megatron_offgrpo.envs import environment_tools
-from megatron_offgrpo.model import resolve_model_dir
 
 logger = logging.getLogger(__name__)
 ROLES = ("train", "eval")
-
-
-def load_tokenizer(hf_path: str):
-    """The model directory's tokenizer, or the bundled Qwen2.5 tokenizer when the directory has none (``hf_path``:
-    anything ``resolve_model_dir`` accepts). Read once per process and directory: the data check before the run
-    (``_preflight.data_errors``) and the run itself share it."""
-    return _tokenizer_of(resolve_model_dir(hf_path).resolve())
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer_of(model_dir: Path):
-    import transformers
-
-    has_own = (model_dir / "tokenizer_config.json").exists()
-    return transformers.AutoTokenizer.from_pretrained(model_dir if has_own else ASSETS / "qwen2-tokenizer")
 
 
 # tokenizer -> {(system prompt, instruction, format, question): prompt ids}: each distinct question is tokenised

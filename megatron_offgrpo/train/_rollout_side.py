@@ -17,14 +17,15 @@ from typing import Callable, Sequence
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
+from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
-                                      make_engine, verify_refresh)
+                                      UnservableModelError, make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._generate import Rollouts, env_factory
 from megatron_offgrpo.train._preflight import prompt_length_error
-from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
+from megatron_offgrpo.train._prompts import build_prompts, load_data, log_data, used_records
 from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
 from megatron_offgrpo.train.builders import sampling_params, serving_dtype, verify_tolerance
 from megatron_offgrpo.transports import Buckets
@@ -273,10 +274,14 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
                            record_routing=routing, partial_rollouts=r.partial_rollouts)
     if r.engine in ("vllm", "auto"):
         # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
-        return make_engine(r.engine, model_dir, dtype=serving_dtype(r, config.model.precision),
-                           max_model_len=generation_length(config, max_positions),
-                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
-                           partial_rollouts=r.partial_rollouts)
+        try:
+            return make_engine(r.engine, model_dir, dtype=serving_dtype(r, config.model.precision),
+                               max_model_len=generation_length(config, max_positions),
+                               max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH),
+                               record_routing=routing, partial_rollouts=r.partial_rollouts)
+        except UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
+            raise ConfigError(f"rollout.engine=vllm: {exc}: use rollout.engine=auto (falls back to the transformers "
+                              "engine) or rollout.engine=transformers") from None
     import torch
 
     return make_engine(r.engine, model_dir, dtype=getattr(torch, serving_dtype(r, config.model.precision)),

@@ -38,10 +38,13 @@ def path_error(out_dir: str, overwrite: bool) -> str | None:
     if long := next((part for part in path.parts if len(part.encode()) > NAME_MAX), None):
         return f"{key}: the component {long[:40]}... is {len(long.encode())} bytes, over the {NAME_MAX} a file " \
                "name may have: choose a shorter train.out_dir"
-    for parent in (path, *path.parents):
-        if parent.exists() and not parent.is_dir():
-            where = "is a file" if parent == path else f"lies under the file {parent}"
-            return f"{key} {where}: a run directory must be a directory; choose another train.out_dir"
+    try:
+        for parent in (path, *path.parents):
+            if parent.exists() and not parent.is_dir():
+                where = "is a file" if parent == path else f"lies under the file {parent}"
+                return f"{key} {where}: a run directory must be a directory; choose another train.out_dir"
+    except OSError as exc:  # a path over the system's length limit (short components), a directory not searchable
+        return f"{key}: {exc.strerror}: choose another train.out_dir"
     if overwrite:
         from megatron_offgrpo import checkout_root
 

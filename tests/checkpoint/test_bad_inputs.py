@@ -13,6 +13,7 @@ import torch
 from checkpoint_tools import CheckpointError, StreamingSafetensorsWriter, hf_to_dist_dir, megatron_to_hf_dir
 from megatron_offgrpo.model import UnsupportedConfigError
 from tests.checkpoint.legacy_format import write_legacy_checkpoint
+from tests.helpers import TOKENIZER_DIR
 
 
 def cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -117,3 +118,74 @@ def test_hf_checkpoint_missing_a_tensor_is_named(hf_models, tmp_path):
         hf_to_dist_dir(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert torch.is_tensor(tensors["model.embed_tokens.weight"])
+
+
+@pytest.fixture(scope="module")
+def dist_checkpoint(hf_models, tmp_path_factory):
+    """``hf-to-megatron``'s output (Megatron-LM layout: tracker + release/) of a tiny Qwen2, written once."""
+    return hf_to_dist_dir(hf_models["qwen2_untied"], tmp_path_factory.mktemp("dist") / "mega")
+
+
+def _cut(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DIST_DAMAGE = {  # (what breaks the copy's release/ directory, the file named, what the line says)
+    "truncated-distcp": (lambda d: _cut(d / "__0_1.distcp"), "__0_1.distcp", ": truncated: "),
+    "missing-distcp": (lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp", ": missing (the checkpoint's "),
+    "truncated-metadata": (lambda d: _cut(d / ".metadata"), ".metadata", ": unreadable or corrupt (UnpicklingError"),
+    "corrupt-megatron-metadata": (lambda d: (d / "metadata.json").write_text("{"), "metadata.json",
+                                  ": unreadable or corrupt (JSONDecodeError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIST_DAMAGE))
+def test_a_damaged_dist_checkpoint_is_one_line_from_train_and_convert(case, dist_checkpoint, hf_models, tmp_path,
+                                                                      capsys):
+    """``model.init=megatron`` (before any process group or run directory) and ``convert megatron-to-hf`` answer
+    with the same line, naming the file, from the checkpoint's metadata alone."""
+    from checkpoint_tools import dist_dir_errors
+    from megatron_offgrpo.cli import main
+
+    ckpt = tmp_path / "mega"
+    shutil.copytree(dist_checkpoint, ckpt)
+    breaks, name, says = DIST_DAMAGE[case]
+    breaks(ckpt / "release")
+    errors = dist_dir_errors(ckpt / "release")
+    assert len(errors) == 1 and errors[0].startswith(f"{ckpt / 'release' / name}{says}"), errors
+    out = tmp_path / "run"
+    for argv in (["train", f"model.hf_path={hf_models['qwen2_untied']}", "model.init=megatron",
+                  f"model.megatron_path={ckpt}", f"train.out_dir={out}", "rollout.max_new_tokens=16"],
+                 ["convert", "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(out)]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and errors[0] in err and "Traceback" not in err, err
+        assert len(err.splitlines()) == (2 if argv[0] == "train" else 1), err
+        assert not out.exists()
+    assert dist_dir_errors(dist_checkpoint / "release") == []  # the intact one
+
+
+def _tokenizer_without_vocab(d):  # tokenizer_config.json and friends, but no vocab.json / merges.txt
+    for f in TOKENIZER_DIR.iterdir():
+        if f.name not in ("vocab.json", "merges.txt", "SOURCES.md"):
+            shutil.copy(f, d / f.name)
+
+
+@pytest.mark.parametrize("breaks, says", [
+    (_tokenizer_without_vocab, "its tokenizer encodes 'What is 2 + 3?' to no tokens"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{not json"), "its tokenizer does not load ("),
+], ids=["no-vocab", "corrupt-config"])
+def test_hf_to_megatron_refuses_a_tokenizer_train_and_eval_refuse(breaks, says, hf_models, tmp_path, capsys):
+    """The checkpoint would carry the broken tokenizer files to every export: refused before converting, with the
+    line train and eval give (``model.tokenizer_errors``)."""
+    from megatron_offgrpo.cli import main
+
+    src = copy_model(hf_models, tmp_path)
+    breaks(src)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"error: --hf={src}: {says}") and len(err.splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))

@@ -50,6 +50,12 @@ CASES = {
     "binary_bytes": ("d.jsonl", GOOD.encode() + b"\n\x89PNG\r\n\x1a\n",
                      "{path}:2: not UTF-8 text (byte 0x89 at column 1): a binary file? datasets are JSONL, JSON or "
                      "Parquet"),
+    "parquet_as_jsonl": ("d.jsonl", b"PAR1\x15\x04\x15\x10" + b'{"question": "q?"}\n' * 3,  # ASCII up to here
+                         "{path}: a binary file (Parquet), not .jsonl text: name it .parquet to read it as Parquet"),
+    "gzip_as_json": ("d.json", b"\x1f\x8b\x08\x00" + GOOD.encode(), "{path}: a binary file (gzip-compressed), not "
+                     ".json text: decompress it first"),
+    "nul_bytes": ("d.jsonl", GOOD.encode() + b"\n\x00\x00\x00\x01", "{path}: a binary file (NUL bytes), not .jsonl "
+                  "text: datasets are JSONL, JSON or Parquet"),
     "json_cut_in_half": ("d.json", f"[{GOOD},\n{GOOD[:30]}", "{path}:2: not valid JSON (Expecting property name "
                          "enclosed in double quotes: line 2 column 31 (char 83)): a file cut short?"),
     "json_binary": ("d.json", f"[{GOOD},\n".encode() + b"\xff\xfe]", "{path}:2: not UTF-8 text (byte 0xff at column "

@@ -5,6 +5,7 @@ for is counted in ``run_info.json`` and warned about in one line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -114,3 +115,27 @@ def test_run_info_counts_the_overlap_and_the_start_line_warns(tmp_path):
         in proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "ask a question the run trains on" in line]
     assert len(warnings) == 1 and "16 of the 16 evaluation prompts" in warnings[0]
+
+
+def test_variants_of_a_question_in_case_unicode_form_or_spacing_fall_on_one_side(tmp_path):
+    """A file repeating a question as "WHAT IS 12 + 30?", with full-width digits (NFKC) or with other spacing: the
+    variants of a question are one question (``question_key``), so no variant of a training question is evaluated
+    on."""
+    from megatron_offgrpo.data import held_out_questions, question_key
+
+    base = [f"What is {i} + {i + 1}?" for i in range(60)]
+    variants = [q.upper() for q in base] + [q.replace(" + ", "\u00a0+  ") for q in base] + [
+        q.translate(str.maketrans("0123456789", "０１２３４５６７８９")) for q in base]
+    data = load_datasets("mine", path=str(_jsonl(tmp_path / "d.jsonl", base + variants)))
+    train, held = {question_key(r.question) for r in data.train}, {question_key(r.question) for r in data.eval}
+    assert len(train | held) == 60 and not train & held, "a variant landed on both sides"
+    assert len(data.eval) == 4 * len(held) == 4 * 12  # each held-out question with its three variants
+    # a question's variants rank by the lowest hash among them (a file without variants splits as it always did)
+    assert held_out_questions(variants + base) == held
+    by_hash = sorted(base, key=lambda q: hashlib.sha256(q.strip().encode()).digest())
+    assert held_out_questions(base) == {question_key(q) for q in by_hash[:12]}
+    assert question_key(" What  is\t２ + 3？ ") == "what is 2 + 3?"
+    # an evaluation file asking a training question in other case is counted as overlap, not as unseen
+    evaluation = _jsonl(tmp_path / "e.jsonl", [base[0].lower(), "Something else?"])
+    report = load_datasets("mine", path=str(tmp_path / "d.jsonl"), eval_path=str(evaluation)).report(10)
+    assert report["eval_overlap"] == 1 and report["eval_questions"] == 2

