@@ -30,6 +30,8 @@ from megatron_offgrpo.train.builders import sampling_params, serving_dtype, veri
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)
+STALENESS_KEYS = 8
+"""Staleness histograms keep a share per value 0..7, then one for 8 and more (async bounds in use are 1 to 8)."""
 
 
 @dataclasses.dataclass
@@ -340,15 +342,27 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
             "resent_fraction": sum(s.attempts > 1 for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
-            **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)},
+            **staleness_shares("staleness_", hist, staleness_bound),
             **token_staleness_metrics(samples, step, staleness_bound)}
+
+
+def staleness_shares(prefix: str, counts: collections.Counter[int], bound: int) -> dict[str, float]:
+    """The share of ``counts`` at each staleness 0..``bound`` (``{prefix}K``), the values from ``STALENESS_KEYS``
+    on summed into one ``{prefix}{STALENESS_KEYS}plus``: at most ``STALENESS_KEYS + 1`` keys whatever the bound, since
+    every record goes to each tracker (a key per value up to a bound of 1000 made 51 kB records; the mean and the max
+    beside them say how far the tail goes)."""
+    total = max(1, sum(counts.values()))
+    shares = {f"{prefix}{k}": counts[k] / total for k in range(min(bound, STALENESS_KEYS - 1) + 1)}
+    if bound >= STALENESS_KEYS:
+        shares[f"{prefix}{STALENESS_KEYS}plus"] = sum(n for k, n in counts.items() if k >= STALENESS_KEYS) / total
+    return shares
 
 
 def token_staleness_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
     """Per response token, step - the version that sampled it: the mean (``token_staleness_mean``; with partial
     rollouts a sample's tokens after a refresh are fresher than its first) and the share of the step's tokens at each
-    staleness 0..``staleness_bound`` (``token_staleness_{k}``: the tokens of version step - k); and the share of
-    samples a refresh came in the middle of (``partial_fraction``)."""
+    staleness 0..``staleness_bound`` (``token_staleness_{k}``: the tokens of version step - k; ``staleness_shares``
+    caps the keys); and the share of samples a refresh came in the middle of (``partial_fraction``)."""
     # Per sample, not per token: a sample of one version (the common case) adds its length at its staleness.
     tokens_at: collections.Counter[int] = collections.Counter()
     for s in samples:
@@ -358,5 +372,5 @@ def token_staleness_metrics(samples: Sequence[Sample], step: int, staleness_boun
             tokens_at.update(step - v for v in s.token_versions)
     tokens = max(1, sum(tokens_at.values()))
     return {"token_staleness_mean": sum(k * n for k, n in tokens_at.items()) / tokens,
-            **{f"token_staleness_{k}": tokens_at[k] / tokens for k in range(staleness_bound + 1)},
+            **staleness_shares("token_staleness_", tokens_at, staleness_bound),
             "partial_fraction": sum(s.token_versions is not None for s in samples) / max(1, len(samples))}

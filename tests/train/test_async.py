@@ -177,6 +177,25 @@ def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
         "token_staleness_3": 0.0, "partial_fraction": 0.5}
 
 
+def test_the_staleness_histograms_keep_a_fixed_number_of_keys_whatever_the_bound():
+    """A bound of 1e9 made a key per value (no step in 300 s; at 1000 a 51 kB record): values 0..7 keep their own
+    share, 8 and more share one key, for samples and for tokens alike."""
+    from megatron_offgrpo.train._rollout_side import sample_metrics
+
+    samples = [Sample(f"p{v}", 0, [1], [2], [-0.1], 100 - stale, "stop", reward=1.0) for v, stale in
+               enumerate([0, 0, 3, 7, 8, 40])]  # at step 100: staleness 0, 0, 3, 7, 8, 40
+    start = time.perf_counter()
+    metrics = sample_metrics(samples, 100, 10**9)
+    assert time.perf_counter() - start < 1.0
+    for prefix in ("staleness_", "token_staleness_"):
+        shares = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and k[len(prefix)].isdigit()}
+        assert shares == {"0": 2 / 6, "1": 0.0, "2": 0.0, "3": 1 / 6, "4": 0.0, "5": 0.0, "6": 0.0, "7": 1 / 6,
+                          "8plus": 2 / 6}
+    assert metrics["staleness_max"] == 40
+    small = sample_metrics(samples[:3], 100, 3)  # a bound below 8: one key per value, none for the tail
+    assert [k for k in small if k.startswith("staleness_") and k[10].isdigit()] == [f"staleness_{k}" for k in range(4)]
+
+
 B = 2  # train.samples_every=1 logs the first 2 groups of every step: all of them
 ASYNC = ["rollout.prompts_per_step=2", "train.samples_every=1", "train.steps=8", "train.save_every=2",
          "rollout.refresh_every=2"]
