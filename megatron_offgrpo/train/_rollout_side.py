@@ -20,7 +20,7 @@ from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
                                       make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
-from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
+from megatron_offgrpo.train._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._generate import Rollouts, env_factory
 from megatron_offgrpo.train._preflight import prompt_length_error
@@ -69,6 +69,7 @@ class RolloutSide:
     gate: EngineGate = dataclasses.field(default_factory=EngineGate)
     _stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # steps draw from threads
     _restored: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)  # a checkpoint's ready batches
+    _closed: bool = False
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, run_dir: Path, max_positions: int) -> RolloutSide:
@@ -250,14 +251,33 @@ class RolloutSide:
             self._restored = dict(state.ready)
 
     def close(self) -> None:
-        """Stop the async generation, wait for a batch in flight, then release the engine."""
+        """Every exit path (the end, a stop, an error): start no more generation, close the engine (a generation
+        still in flight, started ahead or by the step that failed, ends with it), then join the generation threads,
+        each wait bounded and named (``train._async.JOIN_TIMEOUT_S``). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._async is not None:
-            self._async.close()
+            self._async.stop()
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.engine.close()
+        finally:  # the threads are joined even when the engine fails to close
+            self._join_threads()
+
+    def _join_threads(self) -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        if self._async is not None:
+            self._async.close(max(0.0, deadline - time.monotonic()))
+        pending = None if self._pending is None else self._pending[1]  # rollout.overlap's prefetch
+        if pending is not None and not concurrent.futures.wait([pending], max(0.0, deadline - time.monotonic())).done:
+            logger.warning("closing the rollout side: the prefetch of step %d still running when its wait ran out "
+                           "(JOIN_TIMEOUT_S): left behind", self._pending[0])
+        elif self._executor is not None:
+            self._executor.shutdown(wait=True)  # nothing runs in it now: its idle thread ends at once
         if self.teacher is not None:
             self.teacher.close()
-        self.engine.close()
 
 
 def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> RolloutEngine:

@@ -156,6 +156,48 @@ def test_close_while_paused_at_the_bound_returns():
     assert time.monotonic() - start < 5
 
 
+def _offgrpo_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("offgrpo-")]
+
+
+def test_close_joins_every_generation_thread_and_names_one_that_outlives_its_wait(caplog):
+    """Every exit path joins the generation threads it started, each wait bounded: a step still generating when the
+    wait runs out is named (and left behind, a daemon), and a later close joins it."""
+    release = threading.Event()
+    gen = Recorder(hold={1: release})
+    producer = AsyncGenerator(gen, EngineGate(), bound=2, last=10, concurrent=True)
+    producer.set_version(0)
+    producer.take(0)
+    _wait_for(lambda: sorted(gen.finished) == [0, 2])  # step 1 is mid-generation
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="megatron_offgrpo.train._async"):
+        assert producer.close(0.3) == ["offgrpo-rollout-step-1"]
+    assert time.monotonic() - start < 3
+    assert "closing the async rollout: thread(s) offgrpo-rollout-step-1 still running" in caplog.text
+    release.set()
+    assert producer.close() == [] and _offgrpo_threads() == [] and gen.started == [0, 1, 2]  # none started after
+
+
+def test_an_error_while_the_async_producer_generates_joins_every_thread(tiny_hf_dir, tmp_path):
+    """The trainer fails (any error on the main thread) while the real rollout side generates step 1 ahead: the
+    loop's error path closes it, and no thread it started outlives the error (one left inside the engine's native
+    code at interpreter exit aborted the process: ``terminate called without an active exception``, exit 134)."""
+    from megatron_offgrpo.config import load_config
+    from megatron_offgrpo.train._rollout_side import RolloutSide
+    from megatron_offgrpo.train.loop import _close_after_error
+    from tests.train.conftest import TINY
+
+    config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", "rollout.mode=async", "train.steps=4",
+                                "rollout.max_new_tokens=64"])
+    side = RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
+    side._async.set_version(0)  # what verify() does once the engine serves the weights
+    side.batch(0)
+    _wait_for(lambda: 1 in side._async._in_flight)  # step 1 generates (the bound is v = 1)
+    _close_after_error(side, None)
+    assert _offgrpo_threads() == []
+    _close_after_error(side, None)  # every exit path closes: a second close is a no-op
+
+
 
 @pytest.mark.parametrize("mode, priority", [("async", 7), ("lockstep", 0)])
 def test_async_steps_ask_the_engine_for_the_oldest_step_first(mode, priority):
