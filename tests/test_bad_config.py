@@ -40,6 +40,10 @@ CASES = [  # (overrides, what the message must name)
     (["rollout.partial_rollouts=true"], "rollout.partial_rollouts=true with rollout.mode='lockstep'"),
     (["rollout.partial_rollouts=true", "rollout.mode=async", "rollout.engine=transformers"],
      "it needs mode='async' and vLLM (engine=vllm, auto or fleet)"),
+    (["rollout.mode=async", "rollout.max_staleness=1000000000"],
+     "rollout.max_staleness=1000000000: the async staleness bound must be <= 64; every step it allows generates"),
+    (["rollout.mode=async", "rollout.refresh_every=65"],  # the bound's default, v, is held to the same limit
+     "rollout.refresh_every (the bound when rollout.max_staleness is null)=65: the async staleness bound must be"),
     (["parallel.tp=3"], "num_attention_heads=2 is not divisible by tp=3"),
     (["parallel.pp=3"], "num_hidden_layers=2 is not divisible by pp=3"),
     (["model.hf_path=/nonexistent/model"], "model.hf_path=/nonexistent/model: "),

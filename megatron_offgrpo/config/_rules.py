@@ -14,7 +14,7 @@ from megatron_offgrpo.config._load import choices, field_types, long_component
 
 if TYPE_CHECKING:
     from megatron_offgrpo.config._sections import DistillConfig, EnvConfig
-    from megatron_offgrpo.config._tree import Config, ParallelConfig
+    from megatron_offgrpo.config._tree import Config, ParallelConfig, RolloutConfig
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state",
@@ -92,10 +92,7 @@ def _rollout_mode_errors(config: Config) -> list[str]:
         errors.append(f"rollout.partial_rollouts=true with rollout.mode={r.mode!r}, engine={r.engine!r}, "
                       f"model.router_replay={m.router_replay}: it needs mode='async' and vLLM (engine=vllm, auto or "
                       "fleet), without router replay")
-    if r.max_staleness is not None and (r.mode != "async" or r.max_staleness < r.refresh_every - 1):
-        errors.append(f"rollout.max_staleness={r.max_staleness} with rollout.mode={r.mode!r}, refresh_every="
-                      f"{r.refresh_every}: it bounds async generation (mode='async') and must be >= refresh_every - 1 "
-                      "(a smaller bound would wait for a version the trainer only pushes after that batch)")
+    errors.extend(_staleness_errors(r))
     if r.overlap and r.behavior_logprobs == "recompute":
         errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
                       "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
@@ -141,6 +138,27 @@ def _train_errors(config: Config) -> list[str]:
         if _get(config, key) < 0:
             errors.append(f"{key}={_get(config, key)}: must be >= 0 (0 = off)")
     return errors
+
+
+MAX_STALENESS = 64
+"""The largest async staleness bound (``rollout.max_staleness``, or ``refresh_every`` when it is null). Every step the
+bound allows generates at once (on vLLM and the fleet): B + 1 steps' requests and threads, and their finished batches
+held in memory and written into every checkpoint, so the bound is also a memory bound; and a sample 64 optimizer steps
+old has a ratio the clipped objective mostly masks (async RL systems run at 1 to 8)."""
+
+
+def _staleness_errors(r: RolloutConfig) -> list[str]:
+    if r.max_staleness is not None and (r.mode != "async" or r.max_staleness < r.refresh_every - 1):
+        return [f"rollout.max_staleness={r.max_staleness} with rollout.mode={r.mode!r}, refresh_every="
+                f"{r.refresh_every}: it bounds async generation (mode='async') and must be >= refresh_every - 1 "
+                "(a smaller bound would wait for a version the trainer only pushes after that batch)"]
+    if r.mode == "async" and r.staleness_bound() > MAX_STALENESS:
+        key = ("rollout.max_staleness" if r.max_staleness is not None
+               else "rollout.refresh_every (the bound when rollout.max_staleness is null)")
+        return [f"{key}={r.staleness_bound()}: the async staleness bound must be <= {MAX_STALENESS}; every step it "
+                "allows generates at once, its requests and finished batch held in memory and in each checkpoint "
+                f"(and samples that stale barely move the clipped objective): use a bound <= {MAX_STALENESS}"]
+    return []
 
 
 def _distill_errors(d: DistillConfig, temperature: float) -> list[str]:

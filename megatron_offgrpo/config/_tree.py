@@ -163,8 +163,10 @@ class RolloutConfig:
     go on under the new weights, their KV recomputed (AReaL); each token keeps its version and behavior log-prob (the
     ratio's), the bound holds on a sample's oldest token. Not with router replay (docs/guide.md)."""
     max_staleness: int | None = None
-    """mode=async: the oldest a trained sample may be, in optimizer steps (>= v - 1; null: v). Generation of step
-    s waits until the engine's version w has s - w <= max_staleness."""
+    """mode=async: the oldest a trained sample may be, in optimizer steps (v - 1 to 64; null: v, which is then held
+    to 64 too). Generation of step s waits until the engine's version w has s - w <= max_staleness. At most 64 since
+    every step the bound allows generates at once: B + 1 steps' requests, and their finished batches in memory and in
+    each checkpoint (and a sample that stale barely moves the clipped objective)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups with equal rewards (algo's zero-variance criterion) are discarded and the step
     refills from the prompt stream up to prompts_per_step groups with variance (changes the batch, not the loss)."""

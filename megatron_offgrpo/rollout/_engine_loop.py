@@ -13,12 +13,16 @@ at once without a batch waiting for its longest answer, the oldest step's reques
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 60.0
+"""How long ``close`` waits for the loop's thread: it ends after the decode step it is in (seconds)."""
 
 
 @dataclasses.dataclass
@@ -49,6 +53,8 @@ class EngineLoop:
         self._jobs: queue.Queue[_Generation | _Call | None] = queue.Queue()
         self._waiting: dict[str, tuple[_Generation, int]] = {}  # request id -> its caller and its index there
         self._broken: BaseException | None = None  # the engine failed: every later job fails with this at once
+        self._closed = False  # under _put_lock: no job is queued after close's None, where no thread would take it
+        self._put_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="offgrpo-vllm-loop", daemon=True)
         self._thread.start()
 
@@ -60,19 +66,32 @@ class EngineLoop:
             what the engine raised (``EngineDiedError`` for a dead engine process).
         """
         job = _Generation(list(prompts), list(params), priority, Future())
-        self._jobs.put(job)
+        self._put(job)
         return job.future.result()
 
     def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the loop's thread, between two decode steps of the requests in flight."""
         job = _Call(fn, Future())
-        self._jobs.put(job)
+        self._put(job)
         return job.future.result()
 
     def close(self) -> None:
-        """Fail the requests still in flight and stop the thread."""
-        self._jobs.put(None)
-        self._thread.join()
+        """Fail the requests still in flight (and any asked for later) and stop the thread, waiting at most
+        ``CLOSE_TIMEOUT_S`` for it, naming it if it is still running then. Idempotent."""
+        with self._put_lock:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning("closing the vLLM engine: its loop thread %s is still in a decode step after %.0f s: "
+                           "left behind", self._thread.name, CLOSE_TIMEOUT_S)
+
+    def _put(self, job: _Generation | _Call) -> None:
+        with self._put_lock:
+            if self._closed:  # the thread is gone or going: the job would wait for ever
+                raise RuntimeError("the vLLM engine is closed")
+            self._jobs.put(job)
 
     def _run(self) -> None:
         try:

@@ -73,5 +73,6 @@ class TeacherFleet:
         raise FleetError(f"teacher fleet: no server scored sample {sample.prompt_id}/{sample.group_id}: {errors}")
 
     def close(self) -> None:
-        """Stop the scoring threads (the servers belong to ``offgrpo fleet stop``)."""
-        self._pool.shutdown(wait=True)
+        """Stop the scoring threads: the requests not started are dropped, those in flight end within their HTTP
+        timeout (the servers belong to ``offgrpo fleet stop``)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -29,11 +29,17 @@ not yet here.)
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from megatron_offgrpo.train._sampling import RolloutBatch
+
+logger = logging.getLogger(__name__)
+JOIN_TIMEOUT_S = 60.0
+"""How long closing waits for the generation threads, in all. Once the engine is closed a step in flight ends at its
+next decode step (the vLLM engine fails its requests); a transformers ``generate`` runs to its end (seconds here)."""
 
 Generate = Callable[[int, Callable[[], None]], RolloutBatch]
 """``generate(step, drawn)``: step ``step``'s scored batch; it calls ``drawn()`` once its first prompts are drawn."""
@@ -93,6 +99,7 @@ class AsyncGenerator:
         self._closed = False
         self._paused_s = 0.0  # since the last take(): no step in flight, held by the bound (or the first version)
         self._thread: threading.Thread | None = None
+        self._workers: dict[int, threading.Thread] = {}  # step -> its generation thread (joined by close)
 
     def set_version(self, version: int) -> None:
         """The engine serves ``version``, verified: generation may run up to ``version + bound``."""
@@ -134,16 +141,23 @@ class AsyncGenerator:
         with self._cond:
             return dict(self._ready)
 
-    def close(self) -> None:
-        """Start no more steps; wait for those in flight."""
+    def stop(self) -> None:
+        """Start no more steps (those in flight go on: closing the engine ends them)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+
+    def close(self, timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
+        """Start no more steps and join the generation threads (the dispatcher, then each step in flight), at most
+        ``timeout_s`` in all; returns the names of those still running then, named in a warning (daemons: they do
+        not hold the process's exit up)."""
+        self.stop()
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None:  # first: once it has returned, it starts no step thread
+            self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._cond:
-            while self._in_flight:
-                self._cond.wait()
+            threads = [t for t in (self._thread, *self._workers.values()) if t is not None]
+        return join_threads(threads, deadline, "the async rollout")
 
     def _failed(self, step: int) -> bool:
         """Step ``step`` failed, or generation stopped on an error before starting it."""
@@ -168,8 +182,11 @@ class AsyncGenerator:
                 self._in_flight.add(step)
             self.gate.enter_shared()  # after a refresh or checkpoint that waits: they see no step half-started
             drawn = threading.Event()
-            threading.Thread(target=self._work, args=(step, drawn), name=f"offgrpo-rollout-step-{step}",
-                             daemon=True).start()
+            worker = threading.Thread(target=self._work, args=(step, drawn), name=f"offgrpo-rollout-step-{step}",
+                                      daemon=True)
+            with self._cond:  # the ended ones are forgotten: a long run does not keep a thread object per step
+                self._workers = {s: t for s, t in self._workers.items() if t.is_alive()} | {step: worker}
+            worker.start()
             drawn.wait()  # the next step draws after this one: batches keep the stream's order
 
     def _work(self, step: int, drawn: threading.Event) -> None:
@@ -186,3 +203,15 @@ class AsyncGenerator:
             self._in_flight.discard(step)
             self._cond.notify_all()
         self.gate.leave_shared()  # after the batch is ready: a checkpoint that was waiting keeps it
+
+
+def join_threads(threads: Sequence[threading.Thread], deadline: float, owner: str) -> list[str]:
+    """Join ``threads`` until ``deadline`` (``time.monotonic()``); the names of those still alive then, named in a
+    warning with their ``owner``, so that a shutdown never waits without bound nor silently leaves a thread behind."""
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        logger.warning("closing %s: thread(s) %s still running when its wait ran out (JOIN_TIMEOUT_S): left behind",
+                       owner, ", ".join(alive))
+    return alive

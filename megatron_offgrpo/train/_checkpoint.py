@@ -2,9 +2,10 @@
 
 Layout of ``RUN/checkpoints/step_00000040/``: megatron ``dist_checkpointing`` files (model and optimizer, sharded by
 every rank), ``rng_rank{r}.pt`` (CPU and model-parallel RNG states of each rank), ``offgrpo_model.json`` and
-``hf_extra/`` (the model's HF config, dtype, tokenizer and generation config: ``checkpoint_tools``' card, so
-``offgrpo convert megatron-to-hf`` exports the checkpoint without the recipe), ``rollout_state.pt`` (rank 0's
-``RolloutState``: the prompt stream's position and the batches generated but not yet trained) and
+``hf_extra/`` (the model's HF config, dtype, tokenizer and generation config: ``checkpoint_tools``' card, so ``offgrpo
+convert megatron-to-hf`` exports the checkpoint without the recipe), ``rollout_state.pt`` (rank 0's ``RolloutState``:
+the prompt stream's position and the batches generated but not yet trained), ``log_tail.json`` (the metrics records and
+completion rows since the previous checkpoint, fsynced in the run's files first: ``train._log_tail``) and
 ``trainer_state.json`` (step, engine version, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
 by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete.
 """
@@ -23,9 +24,9 @@ import torch.distributed as dist
 
 from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, sweep_stale_siblings, write_model_card
 from megatron_offgrpo.train._disk import writing
+from megatron_offgrpo.train._log_tail import STATE, TAIL_FILE
 
 logger = logging.getLogger(__name__)
-STATE = "trainer_state.json"
 ROLLOUT_STATE = "rollout_state.pt"
 # dp_reshardable: fully parallel save/load, reshardable over DP (the layout TP/PP stays as trained).
 OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -33,18 +34,6 @@ OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run (``trainer_state.json`` present), or None."""
-    root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE).exists())
-    return done[-1] if done else None
-
-
-def checkpoint_step(path: str | Path) -> int:
-    """The step a complete checkpoint was taken after."""
-    return int(json.loads((Path(path) / STATE).read_text())["step"])
 
 
 def sweep_partial_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -99,13 +88,16 @@ def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict[str, Any], keep: int = 2, *,
-                    card: DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None) -> Path:
+                    card: DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None,
+                    log_tail: dict[str, list] | None = None) -> Path:
     """Save step ``step`` (collective: every rank calls it). Keeps the newest ``keep`` checkpoints.
 
     Args:
         card: the model's description (``_weights.model_card``). extra_dirs: tokenizer / generation config sources.
         rollout_state: rank 0's rollout side (``RolloutState``: untrained batches hold tensors and many tokens, so a
             binary file, ``rollout_state.pt``, beside the JSON state).
+        log_tail: rank 0's records and completion rows since the previous checkpoint, already durable in the run's
+            files (``MetricsLog.checkpoint_tail``): ``log_tail.json``, what a resume restores a lost one from.
     """
     from megatron.core import dist_checkpointing
 
@@ -128,6 +120,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
             write_model_card(tmp, card, extra_dirs)
             if rollout_state is not None:
                 torch.save(rollout_state, tmp / ROLLOUT_STATE)
+            if log_tail is not None:
+                (tmp / TAIL_FILE).write_text(json.dumps(log_tail, default=float))
             (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
             fd = os.open(tmp, os.O_RDONLY)
             os.fsync(fd)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Callable, Sequence
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.train._disk import writing
+from megatron_offgrpo.train._log_tail import merge_metrics, merge_samples, steps_text
 from megatron_offgrpo.train._trackers import SampleRow, Tracker, make_trackers
 
 logger = logging.getLogger(__name__)
@@ -90,16 +92,39 @@ class MetricsLog:
         self._first, self._resumed_wall = 0, 0.0  # a resumed run: its first step, the wall-clock it had reached
         self._not_numbers: set[str] = set()  # metrics the trackers cannot take (warned once each)
         self._hparams = hparams
+        self._tail: dict[str, list[dict[str, Any]]] = {"metrics": [], "samples": []}  # since the last checkpoint
 
-    def resume_at(self, step: int) -> None:
+    def checkpoint_tail(self) -> dict[str, list[dict[str, Any]]]:
+        """Make every record and completion row logged so far durable (fsync), and hand over those logged since the
+        previous call for the checkpoint about to be published to keep (``train._log_tail``): its records are then
+        on disk before it is, so a crash never leaves a checkpoint ahead of ``metrics.jsonl``."""
+        self._file.flush()
+        with writing(self.path):
+            os.fsync(self._file.fileno())
+            if self.samples_path.exists():
+                fd = os.open(self.samples_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        tail, self._tail = self._tail, {"metrics": [], "samples": []}
+        return tail
+
+    def resume_at(self, step: int, saved: dict[str, list[dict[str, Any]]] | None = None) -> None:
         """Continue a resumed run at ``step``: the records of later steps (logged after the checkpoint the run resumes
-        from, before it stopped) are dropped, since the run logs them again, and wall-clock continues from the last
-        record kept. ``step`` 0: a new run over an earlier one's records (a warm-up run again)."""
+        from, before it stopped) are dropped, since the run logs them again; a step before it that the file lacks (a
+        torn or lost last write) is restored from the checkpoint's copy ``saved`` (``checkpoint_tail``), and one
+        missing from both is named in a warning. Wall-clock continues from the last record kept. ``step`` 0: a new
+        run over an earlier one's records (a warm-up run again)."""
+        saved = saved or {"metrics": [], "samples": []}
         self._file.close()
         kept = [r for r in read_metrics(self.path.parent) if r["step"] < step] if self.path.exists() else []
+        kept, restored, lost = merge_metrics(kept, saved["metrics"], step)
         _rewrite(self.path, kept)
-        if self.samples_path.exists():
-            _rewrite(self.samples_path, [r for r in read_jsonl(self.samples_path) if r["step"] < step])
+        _say_restored(self.path, step, restored, lost)
+        rows = [r for r in read_jsonl(self.samples_path) if r["step"] < step] if self.samples_path.exists() else []
+        if rows or saved["samples"]:
+            _rewrite(self.samples_path, merge_samples(rows, saved["samples"], step))
         self._file = open(self.path, "a", buffering=1)
         self._resumed_wall = kept[-1]["wall_s"] if kept else 0.0
         self._start = time.time() - self._resumed_wall
@@ -114,14 +139,17 @@ class MetricsLog:
             self._hparams = None
         values = {key: plain_scalar(value) for key, value in values.items()}
         record = {"step": step, "wall_s": round(time.time() - self._start, 3), **values}
+        line = json.dumps(record, default=float)
         with writing(self.path):
-            self._file.write(json.dumps(record, default=float) + "\n")
+            self._file.write(line + "\n")
+        self._tail["metrics"].append(json.loads(line))  # as the file has it
         self._fan_out("log_metrics", step, self._scalars(record),
                       {"response_len_hist": [len(s.response_ids) for s in samples]} if samples else {})
         if samples and self._samples_every and step % self._samples_every == 0:
             rows = completion_rows(samples, self._tokenizer, step)
             with writing(self.samples_path), open(self.samples_path, "a") as f:
                 f.writelines(json.dumps(dataclasses.asdict(row)) + "\n" for row in rows)
+            self._tail["samples"].extend(dataclasses.asdict(row) for row in rows)
             self._fan_out("log_samples", step, rows)
         done = step + 1
         if done % self._log_every and done != self._total and step != self._first:
@@ -162,6 +190,18 @@ class MetricsLog:
                 logger.warning("%s failed (%s: %s): it gets nothing more; metrics.jsonl has every step",
                                type(tracker).__name__, type(exc).__name__, exc)
                 self._trackers.remove(tracker)
+
+
+def _say_restored(path: Path, start: int, restored: list[int], lost: list[int]) -> None:
+    """A resume at step ``start`` that found steps before it missing from ``path``: which came back from the
+    checkpoint's copy of the log, which are lost."""
+    if restored:
+        logger.warning("%s: the record(s) of step(s) %s were missing (a torn or lost write): restored from the "
+                       "checkpoint's copy of the log", path, steps_text(restored))
+    if lost:
+        logger.warning("%s: the record(s) of step(s) %s are missing and not in the checkpoint's copy of the log "
+                       "(step %d's, which holds the steps since the previous checkpoint): they stay missing", path,
+                       steps_text(lost), start)
 
 
 def open_metrics_log(config: Config, tokenizer, progress: Callable[[dict[str, Any]], str] = grpo_progress,

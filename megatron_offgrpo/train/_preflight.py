@@ -68,7 +68,7 @@ def resume_errors(config: Config) -> list[str]:
     """A resume (``train.resume``) of a checkpoint whose model has other shapes than ``model.hf_path``'s: one line
     naming both shapes, from the checkpoint's model card, before megatron's loader fails deep inside (or, for a
     reshaped dimension it can slice, succeeds wrongly)."""
-    from megatron_offgrpo.train._checkpoint import latest_checkpoint
+    from megatron_offgrpo.train._log_tail import latest_checkpoint
 
     checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
     if checkpoint is None:

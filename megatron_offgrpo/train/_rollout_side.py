@@ -21,7 +21,7 @@ from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
                                       UnservableModelError, make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
-from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
+from megatron_offgrpo.train._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
 from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.train._generate import Rollouts, env_factory
 from megatron_offgrpo.train._preflight import prompt_length_error
@@ -31,6 +31,8 @@ from megatron_offgrpo.train.builders import sampling_params, serving_dtype, veri
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)
+STALENESS_KEYS = 8
+"""Staleness histograms keep a share per value 0..7, then one for 8 and more (async bounds in use are 1 to 8)."""
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class RolloutSide:
     gate: EngineGate = dataclasses.field(default_factory=EngineGate)
     _stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # steps draw from threads
     _restored: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)  # a checkpoint's ready batches
+    _closed: bool = False
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, run_dir: Path, max_positions: int) -> RolloutSide:
@@ -249,14 +252,33 @@ class RolloutSide:
             self._restored = dict(state.ready)
 
     def close(self) -> None:
-        """Stop the async generation, wait for a batch in flight, then release the engine."""
+        """Every exit path (the end, a stop, an error): start no more generation, close the engine (a generation
+        still in flight, started ahead or by the step that failed, ends with it), then join the generation threads,
+        each wait bounded and named (``train._async.JOIN_TIMEOUT_S``). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._async is not None:
-            self._async.close()
+            self._async.stop()
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.engine.close()
+        finally:  # the threads are joined even when the engine fails to close
+            self._join_threads()
+
+    def _join_threads(self) -> None:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        if self._async is not None:
+            self._async.close(max(0.0, deadline - time.monotonic()))
+        pending = None if self._pending is None else self._pending[1]  # rollout.overlap's prefetch
+        if pending is not None and not concurrent.futures.wait([pending], max(0.0, deadline - time.monotonic())).done:
+            logger.warning("closing the rollout side: the prefetch of step %d still running when its wait ran out "
+                           "(JOIN_TIMEOUT_S): left behind", self._pending[0])
+        elif self._executor is not None:
+            self._executor.shutdown(wait=True)  # nothing runs in it now: its idle thread ends at once
         if self.teacher is not None:
             self.teacher.close()
-        self.engine.close()
 
 
 def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> RolloutEngine:
@@ -345,15 +367,27 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
             "resent_fraction": sum(s.attempts > 1 for s in samples) / n,
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
-            **{f"staleness_{k}": hist[k] / len(values) for k in range(staleness_bound + 1)},
+            **staleness_shares("staleness_", hist, staleness_bound),
             **token_staleness_metrics(samples, step, staleness_bound)}
+
+
+def staleness_shares(prefix: str, counts: collections.Counter[int], bound: int) -> dict[str, float]:
+    """The share of ``counts`` at each staleness 0..``bound`` (``{prefix}K``), the values from ``STALENESS_KEYS``
+    on summed into one ``{prefix}{STALENESS_KEYS}plus``: at most ``STALENESS_KEYS + 1`` keys whatever the bound, since
+    every record goes to each tracker (a key per value up to a bound of 1000 made 51 kB records; the mean and the max
+    beside them say how far the tail goes)."""
+    total = max(1, sum(counts.values()))
+    shares = {f"{prefix}{k}": counts[k] / total for k in range(min(bound, STALENESS_KEYS - 1) + 1)}
+    if bound >= STALENESS_KEYS:
+        shares[f"{prefix}{STALENESS_KEYS}plus"] = sum(n for k, n in counts.items() if k >= STALENESS_KEYS) / total
+    return shares
 
 
 def token_staleness_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -> dict[str, float]:
     """Per response token, step - the version that sampled it: the mean (``token_staleness_mean``; with partial
     rollouts a sample's tokens after a refresh are fresher than its first) and the share of the step's tokens at each
-    staleness 0..``staleness_bound`` (``token_staleness_{k}``: the tokens of version step - k); and the share of
-    samples a refresh came in the middle of (``partial_fraction``)."""
+    staleness 0..``staleness_bound`` (``token_staleness_{k}``: the tokens of version step - k; ``staleness_shares``
+    caps the keys); and the share of samples a refresh came in the middle of (``partial_fraction``)."""
     # Per sample, not per token: a sample of one version (the common case) adds its length at its staleness.
     tokens_at: collections.Counter[int] = collections.Counter()
     for s in samples:
@@ -363,5 +397,5 @@ def token_staleness_metrics(samples: Sequence[Sample], step: int, staleness_boun
             tokens_at.update(step - v for v in s.token_versions)
     tokens = max(1, sum(tokens_at.values()))
     return {"token_staleness_mean": sum(k * n for k, n in tokens_at.items()) / tokens,
-            **{f"token_staleness_{k}": tokens_at[k] / tokens for k in range(staleness_bound + 1)},
+            **staleness_shares("token_staleness_", tokens_at, staleness_bound),
             "partial_fraction": sum(s.token_versions is not None for s in samples) / max(1, len(samples))}

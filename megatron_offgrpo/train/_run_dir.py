@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from megatron_offgrpo.config import Config
+from megatron_offgrpo.train._log_tail import torn_fate
 from megatron_offgrpo.train._metrics import SAMPLES_FILE, cut_torn_tail, numbered_records
 
 LOCK_FILE = ".offgrpo.lock"
@@ -186,11 +187,13 @@ def _check_records(run_dir: Path) -> None:
 
 def _cut_torn_tails(run_dir: Path) -> None:
     """Cut a torn last line (a kill or a full disk during its write) off the records a resume continues, saying
-    so: the resumed run logs that step again. Rank 0, holding the lock."""
+    so and what becomes of its step (``train._log_tail.torn_fate``). Rank 0, holding the lock."""
     for name in ("metrics.jsonl", SAMPLES_FILE):
         if (path := run_dir / name).is_file() and (line := cut_torn_tail(path)) is not None:
-            print(f"WARNING: {path}:{line}: a torn last record (the run stopped while writing it) was cut off; the "
-                  "resumed run logs that step again", file=sys.stderr)
+            records = numbered_records(path, warn_torn=False)
+            fate = torn_fate(name, records[-1][1].get("step") if records else None, run_dir)
+            print(f"WARNING: {path}:{line}: a torn last record (the run stopped while writing it) was cut off; {fate}",
+                  file=sys.stderr)
 
 
 def claim_run_dir(config: Config, command: str = "train") -> RunLock | None:

@@ -33,11 +33,15 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
     if not rank0:
         return trainer, None, None
     rollout = RolloutSide.build(config, v0, run_dir, trainer.arch.max_position_embeddings)
-    # once the engine (rollout.engine=auto's pick) is known
-    write_run_info(run_dir, config, trainer.ctx, trainer.arch, started, rollout.engine, rollout.data_report)
-    ctx = trainer.ctx
-    logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, trainer.arch.model_type, ctx.tp_size,
-                ctx.pp_size, ctx.dp_size, type(rollout.engine).__name__, config.rollout.refresh_every,
-                config.algo.objective)
-    return trainer, rollout, open_metrics_log(config, rollout.rollouts.tokenizer)
+    try:
+        # once the engine (rollout.engine=auto's pick) is known
+        write_run_info(run_dir, config, trainer.ctx, trainer.arch, started, rollout.engine, rollout.data_report)
+        ctx = trainer.ctx
+        logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, trainer.arch.model_type,
+                    ctx.tp_size, ctx.pp_size, ctx.dp_size, type(rollout.engine).__name__,
+                    config.rollout.refresh_every, config.algo.objective)
+        return trainer, rollout, open_metrics_log(config, rollout.rollouts.tokenizer)
+    except BaseException:  # the engine's threads end before the error does (a full disk, a tracker refused)
+        rollout.close()
+        raise
 

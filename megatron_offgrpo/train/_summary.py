@@ -135,7 +135,7 @@ def _change(pair: tuple[float, float] | None) -> str:
 def locations(run_dir: str | Path) -> dict[str, str | None]:
     """Where a run's outputs are: the directory, its metrics, the HF policy and the newest checkpoint (None when
     absent), and the command that draws its plots."""
-    from megatron_offgrpo.train._checkpoint import latest_checkpoint  # imports torch: only when asked
+    from megatron_offgrpo.train._log_tail import latest_checkpoint
 
     run_dir = Path(run_dir)
     checkpoint = latest_checkpoint(run_dir)

@@ -141,14 +141,14 @@ class TrainerSide:
         returns it)."""
         return export_hf_dir(self.policy.model, self.arch, self.ctx, out, Path(self.config.model.hf_path))
 
-    def save(self, step: int, state: dict, rollout_state: object = None) -> None:
-        """Checkpoint after ``step`` steps with the driver's ``state`` and the rollout side's ``rollout_state``
-        (collective; rank 0's are written)."""
+    def save(self, step: int, state: dict, rollout_state: object = None, log_tail: dict | None = None) -> None:
+        """Checkpoint after ``step`` steps with the driver's ``state``, the rollout side's ``rollout_state`` and the
+        metrics log's ``log_tail`` (collective; rank 0's are written)."""
         source = Path(self.config.model.hf_path)
         save_checkpoint(self.config.train.out_dir, step, self.policy.model, self.policy.optimizer,
                         {**state, "scheduler": self.policy.scheduler.state_dict(), "config": self.config.to_dict()},
                         card=model_card(self.policy.model, self.arch, self.ctx, source),
-                        extra_dirs=hf_extra_dirs(source), rollout_state=rollout_state)
+                        extra_dirs=hf_extra_dirs(source), rollout_state=rollout_state, log_tail=log_tail)
 
     def restore(self, checkpoint: Path) -> dict:
         """Model, optimizer, RNG and LR schedule from ``checkpoint``; returns its saved state (collective)."""

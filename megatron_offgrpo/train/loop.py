@@ -18,7 +18,8 @@ from pathlib import Path
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError
-from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint, load_rollout_state
+from megatron_offgrpo.train._checkpoint import changed_keys, load_rollout_state
+from megatron_offgrpo.train._log_tail import checkpoint_step, latest_checkpoint, read_log_tail
 from megatron_offgrpo.train._metrics import MetricsLog
 from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
@@ -57,6 +58,30 @@ def train(config: Config) -> TrainResult:
 
 def _train(config: Config, stop: StopRequest) -> TrainResult:
     trainer, rollout, log = setup(config)
+    try:
+        return _run(config, stop, trainer, rollout, log)
+    except BaseException:
+        _close_after_error(rollout, log)
+        raise
+
+
+def _close_after_error(rollout: RolloutSide | None, log: MetricsLog | None) -> None:
+    """An error ends the run: stop and join what the rollout side and the trackers started (the async steps in
+    flight, the engine's loop thread, a tracker's writer thread) before the error reaches the exit. A thread left
+    running at interpreter exit inside the engine's native code aborted the process (``terminate called without an
+    active exception``, exit 134) after the error's line. A failure to close is a warning: the error stays the one
+    reported."""
+    for what, part in (("the rollout side", rollout), ("the metrics log", log)):
+        if part is None:  # ranks above 0 have neither
+            continue
+        try:
+            part.close()
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            logger.warning("closing %s after the error failed (%s: %s)", what, type(exc).__name__, exc)
+
+
+def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: RolloutSide | None,
+         log: MetricsLog | None) -> TrainResult:
     steps, run_dir = config.train.steps, Path(config.train.out_dir)
     start, version = _start(trainer, rollout, log)  # the engine serves `version`, verified
     first_eval = _evaluate(rollout, version, "eval_start_") if start == 0 else {}  # what the run improves on
@@ -86,7 +111,7 @@ def _train(config: Config, stop: StopRequest) -> TrainResult:
         if nonfinite >= config.train.max_nonfinite_steps:
             raise RuntimeError(f"{nonfinite} non-finite losses in a row (step {step}): stopping; lower optim.lr "
                                f"or check the data, then resume from {latest_checkpoint(run_dir)}")
-        _persist(trainer, rollout, step + 1, version)
+        _persist(trainer, rollout, log, step + 1, version)
     if trainer.export_hf(run_dir / "hf") is not None:  # the trained policy, loadable by transformers
         logger.info("policy exported to %s", run_dir / "hf")
     summary = None
@@ -106,7 +131,7 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
     if cfg.train.resume and checkpoint is None:
         logger.warning("--resume: no complete checkpoint in %s/checkpoints: starting at step 0", cfg.train.out_dir)
     if log is not None and cfg.train.resume:
-        log.resume_at(0 if checkpoint is None else checkpoint_step(checkpoint))
+        log.resume_at(0 if checkpoint is None else checkpoint_step(checkpoint), read_log_tail(checkpoint))
     if checkpoint is None:
         verify(trainer, rollout, 0)
         return 0, 0
@@ -177,12 +202,13 @@ def _evaluate(rollout: RolloutSide | None, version: int, prefix: str = "eval_") 
     return {f"{prefix}{key[len('eval_'):]}": value for key, value in result.items()} | {f"{prefix}version": version}
 
 
-def _persist(trainer: TrainerSide, rollout: RolloutSide | None, done: int, version: int) -> None:
+def _persist(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, done: int,
+             version: int) -> None:
     """After ``done`` steps: the checkpoint (every ``train.save_every``, and the last) and the periodic HF export
     (every ``train.export_every`` before the last, whose export is ``out_dir/hf``). Collective."""
     cfg = trainer.config.train
     if _save_due(cfg, done):
-        _save(trainer, rollout, done, version)
+        _save(trainer, rollout, log, done, version)
     if (out := _export_dir(cfg, done)) is not None and trainer.export_hf(out) is not None:
         logger.info("policy exported to %s", out)
 
@@ -200,8 +226,10 @@ def _save_due(cfg: TrainConfig, done: int) -> bool:
     return bool(cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps
 
 
-def _save(trainer: TrainerSide, rollout: RolloutSide | None, done: int, version: int) -> None:
-    trainer.save(done, {"version": version}, None if rollout is None else rollout.resume_state())
+def _save(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, done: int, version: int) -> None:
+    """The checkpoint after ``done`` steps, published after the records of its steps are durable (``log_tail``)."""
+    tail = None if log is None else log.checkpoint_tail()
+    trainer.save(done, {"version": version}, None if rollout is None else rollout.resume_state(), tail)
 
 
 def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, signum: int, done: int,
@@ -211,7 +239,7 @@ def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog 
     decision is the same arithmetic on every rank, never a look at the disk that a rank could see differently."""
     run_dir = Path(trainer.config.train.out_dir)
     if done > start and not _save_due(trainer.config.train, done):
-        _save(trainer, rollout, done, version)
+        _save(trainer, rollout, log, done, version)
     if rollout is not None:
         rollout.close()
         log.close()

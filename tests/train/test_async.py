@@ -156,6 +156,48 @@ def test_close_while_paused_at_the_bound_returns():
     assert time.monotonic() - start < 5
 
 
+def _offgrpo_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("offgrpo-")]
+
+
+def test_close_joins_every_generation_thread_and_names_one_that_outlives_its_wait(caplog):
+    """Every exit path joins the generation threads it started, each wait bounded: a step still generating when the
+    wait runs out is named (and left behind, a daemon), and a later close joins it."""
+    release = threading.Event()
+    gen = Recorder(hold={1: release})
+    producer = AsyncGenerator(gen, EngineGate(), bound=2, last=10, concurrent=True)
+    producer.set_version(0)
+    producer.take(0)
+    _wait_for(lambda: sorted(gen.finished) == [0, 2])  # step 1 is mid-generation
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="megatron_offgrpo.train._async"):
+        assert producer.close(0.3) == ["offgrpo-rollout-step-1"]
+    assert time.monotonic() - start < 3
+    assert "closing the async rollout: thread(s) offgrpo-rollout-step-1 still running" in caplog.text
+    release.set()
+    assert producer.close() == [] and _offgrpo_threads() == [] and gen.started == [0, 1, 2]  # none started after
+
+
+def test_an_error_while_the_async_producer_generates_joins_every_thread(tiny_hf_dir, tmp_path):
+    """The trainer fails (any error on the main thread) while the real rollout side generates step 1 ahead: the
+    loop's error path closes it, and no thread it started outlives the error (one left inside the engine's native
+    code at interpreter exit aborted the process: ``terminate called without an active exception``, exit 134)."""
+    from megatron_offgrpo.config import load_config
+    from megatron_offgrpo.train._rollout_side import RolloutSide
+    from megatron_offgrpo.train.loop import _close_after_error
+    from tests.train.conftest import TINY
+
+    config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", "rollout.mode=async", "train.steps=4",
+                                "rollout.max_new_tokens=64"])
+    side = RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
+    side._async.set_version(0)  # what verify() does once the engine serves the weights
+    side.batch(0)
+    _wait_for(lambda: 1 in side._async._in_flight)  # step 1 generates (the bound is v = 1)
+    _close_after_error(side, None)
+    assert _offgrpo_threads() == []
+    _close_after_error(side, None)  # every exit path closes: a second close is a no-op
+
+
 
 @pytest.mark.parametrize("mode, priority", [("async", 7), ("lockstep", 0)])
 def test_async_steps_ask_the_engine_for_the_oldest_step_first(mode, priority):
@@ -175,6 +217,25 @@ def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
     assert token_staleness_metrics([partial, whole], 5, 3) == {
         "token_staleness_mean": 1.0, "token_staleness_0": 0.2, "token_staleness_1": 0.6, "token_staleness_2": 0.2,
         "token_staleness_3": 0.0, "partial_fraction": 0.5}
+
+
+def test_the_staleness_histograms_keep_a_fixed_number_of_keys_whatever_the_bound():
+    """A bound of 1e9 made a key per value (no step in 300 s; at 1000 a 51 kB record): values 0..7 keep their own
+    share, 8 and more share one key, for samples and for tokens alike."""
+    from megatron_offgrpo.train._rollout_side import sample_metrics
+
+    samples = [Sample(f"p{v}", 0, [1], [2], [-0.1], 100 - stale, "stop", reward=1.0) for v, stale in
+               enumerate([0, 0, 3, 7, 8, 40])]  # at step 100: staleness 0, 0, 3, 7, 8, 40
+    start = time.perf_counter()
+    metrics = sample_metrics(samples, 100, 10**9)
+    assert time.perf_counter() - start < 1.0
+    for prefix in ("staleness_", "token_staleness_"):
+        shares = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and k[len(prefix)].isdigit()}
+        assert shares == {"0": 2 / 6, "1": 0.0, "2": 0.0, "3": 1 / 6, "4": 0.0, "5": 0.0, "6": 0.0, "7": 1 / 6,
+                          "8plus": 2 / 6}
+    assert metrics["staleness_max"] == 40
+    small = sample_metrics(samples[:3], 100, 3)  # a bound below 8: one key per value, none for the tail
+    assert [k for k in small if k.startswith("staleness_") and k[10].isdigit()] == [f"staleness_{k}" for k in range(4)]
 
 
 B = 2  # train.samples_every=1 logs the first 2 groups of every step: all of them

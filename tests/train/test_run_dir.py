@@ -242,8 +242,58 @@ def test_a_torn_last_record_is_cut_off_on_resume(tail, tmp_path, capsys):
     lock.release()
     err = capsys.readouterr().err
     assert err.splitlines() == [f"WARNING: {tmp_path / 'metrics.jsonl'}:4: a torn last record (the run stopped while "
-                                "writing it) was cut off; the resumed run logs that step again"]
+                                "writing it) was cut off; the resume starts at step 0 (no complete checkpoint) and "
+                                "logs every step again"]
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def _log_with_checkpoints(run_dir, steps: int, save_every: int, keep_copy: bool = True) -> None:
+    """A run's log of ``steps`` steps, checkpointed every ``save_every`` as the loop does: each checkpoint's records
+    made durable first and its copy of them written beside its state (``save_checkpoint``'s two files)."""
+    log = MetricsLog(run_dir, total_steps=steps)
+    for step in range(steps):
+        log.log(step, {"reward_mean": step / 10})
+        if (step + 1) % save_every == 0:
+            tail, ckpt = log.checkpoint_tail(), run_dir / "checkpoints" / f"step_{step + 1:08d}"
+            ckpt.mkdir(parents=True)
+            if keep_copy:  # False: a checkpoint written before checkpoints kept one
+                (ckpt / "log_tail.json").write_text(json.dumps(tail))
+            (ckpt / "trainer_state.json").write_text(json.dumps({"step": step + 1}))
+    log.close()
+
+
+@pytest.mark.parametrize("keep_copy", [True, False])
+def test_a_resume_with_records_behind_its_checkpoint_restores_them_or_names_them(keep_copy, tmp_path, capsys, caplog):
+    """The audit's case moved: not the last record torn behind a checkpoint one step ahead, but the last two lost
+    (step 8's gone, step 7's torn) behind a checkpoint after step 8. Every step is logged exactly once after the
+    resume (from the checkpoint's copy of the log), and each warning says what happens; a checkpoint without a copy
+    names the steps lost instead of promising them again."""
+    from megatron_offgrpo.train._log_tail import latest_checkpoint, read_log_tail
+
+    _log_with_checkpoints(tmp_path, steps=9, save_every=3, keep_copy=keep_copy)  # checkpoints after 3, 6 and 9 steps
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:7]) + "\n" + lines[7][:15])  # steps 0-6, then step 7 torn, no step 8
+    capsys.readouterr()
+    lock = claim_run_dir(load_config(RECIPE, [f"train.out_dir={tmp_path}", "train.resume=true"]))
+    fate = (": restored from step_00000009's copy of the log" if keep_copy
+            else " and not in step_00000009's copy of the log: that step's record is lost")
+    assert capsys.readouterr().err.splitlines() == [
+        f"WARNING: {path}:8: a torn last record (the run stopped while writing it) was cut off; its step 7 is before "
+        f"the resume's (step 9){fate}"]
+    log = MetricsLog(tmp_path, total_steps=10)
+    with caplog.at_level("WARNING", logger="megatron_offgrpo.train._metrics"):
+        log.resume_at(9, read_log_tail(latest_checkpoint(tmp_path)))  # what train.loop._start does
+    log.log(9, {"reward_mean": 0.9})
+    log.close()
+    lock.release()
+    steps = [json.loads(x)["step"] for x in path.read_text().splitlines()]
+    if keep_copy:
+        assert steps == list(range(10))
+        assert "step(s) 7-8 were missing (a torn or lost write): restored from the checkpoint's copy" in caplog.text
+    else:
+        assert steps == [0, 1, 2, 3, 4, 5, 6, 9]
+        assert "step(s) 7-8 are missing and not in the checkpoint's copy of the log" in caplog.text
 
 
 @pytest.mark.parametrize("bad, message", [

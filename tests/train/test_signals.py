@@ -3,6 +3,7 @@ one line and exit 143 / 130, and ``--resume`` continues to the uninterrupted run
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -63,6 +64,9 @@ def _stopped_by(sig: signal.Signals, code: int, out: Path, *overrides: str) -> i
     line = err.strip().splitlines()[-1]
     assert line == (f"stopped by {sig.name} at step {steps}: checkpoint written to {ckpt}; resume with --resume"), err
     assert (ckpt / "trainer_state.json").exists() and not list((out / "checkpoints").glob("*.tmp"))
+    # its copy of the log: the records since the previous checkpoint, as metrics.jsonl has them (fsynced before it)
+    tail = json.loads((ckpt / "log_tail.json").read_text())["metrics"]
+    assert tail and tail[-1]["step"] == steps - 1 and all(r in metrics(out) for r in tail)
     assert not (out / "hf").exists()  # the trained policy's export is the finished run's, never a stopped one's
     if overrides:
         assert "resumed from" in err
