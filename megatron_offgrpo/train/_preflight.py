@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
 from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
-from megatron_offgrpo.train._trackers import missing_trackers
+from megatron_offgrpo.runlog._trackers import missing_trackers
 
 
 def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokenizer: bool = False) -> list[str]:
@@ -42,7 +42,7 @@ def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]
     ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
     if not (model_dir / "tokenizer_config.json").is_file():
         return []
-    from megatron_offgrpo.train._prompts import load_tokenizer  # the run's own, read once per process (cached)
+    from megatron_offgrpo.sampler._prompts import load_tokenizer  # the run's own, read once per process (cached)
 
     try:
         ids = load_tokenizer(str(model_dir)).encode(PROBE, add_special_tokens=False)
@@ -257,7 +257,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     once: ``model_dir``'s, default ``model.hf_path``'s). Every training record and the evaluation records a run uses
     are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
     from megatron_offgrpo.data import answer_error
-    from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, used_records
+    from megatron_offgrpo.sampler._prompts import build_prompts, load_data, load_tokenizer, used_records
 
     try:
         data = load_data(config)

@@ -23,11 +23,11 @@ from megatron_offgrpo.data import Prompt, PromptStream, Sample, extract_answer
 from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
 from megatron_offgrpo.train._batch import build_microbatches
-from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log, sft_progress
+from megatron_offgrpo.runlog._metrics import MetricsLog, open_metrics_log, sft_progress
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._prompts import build_prompts, load_data, load_tokenizer, log_data
-from megatron_offgrpo.train._run_info import write_run_info
+from megatron_offgrpo.sampler._prompts import build_prompts, load_data, load_tokenizer, log_data
+from megatron_offgrpo.runlog._run_info import write_run_info
 from megatron_offgrpo.train._step import policy_step, sequence_shard
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from megatron_offgrpo.train._weights import export_hf_dir

@@ -19,11 +19,11 @@ from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError
 from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint, load_rollout_state
-from megatron_offgrpo.train._metrics import MetricsLog
-from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
+from megatron_offgrpo.runlog._metrics import MetricsLog
+from megatron_offgrpo.sampler._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
-from megatron_offgrpo.train._summary import format_summary, write_summary
+from megatron_offgrpo.runlog._summary import format_summary, write_summary
 from megatron_offgrpo.train._sync import on_rank0_shared, refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 

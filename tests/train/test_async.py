@@ -14,9 +14,9 @@ import pytest
 
 from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
-from megatron_offgrpo.train._sampling import RolloutBatch
-from megatron_offgrpo.train.builders import sampling_params
+from megatron_offgrpo.sampler._async import AsyncGenerator, EngineGate
+from megatron_offgrpo.sampler._sampling import RolloutBatch
+from megatron_offgrpo.sampler._builders import sampling_params
 from tests.helpers import REPO
 from tests.train.conftest import kill_tree, metrics, train_cmd, train_env, train_proc
 
@@ -166,7 +166,7 @@ def test_async_steps_ask_the_engine_for_the_oldest_step_first(mode, priority):
 
 
 def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
-    from megatron_offgrpo.train._rollout_side import token_staleness_metrics
+    from megatron_offgrpo.sampler._rollout_side import token_staleness_metrics
 
     partial = Sample("p", 0, [1], [2, 3, 4], [-0.1] * 3, 3, "stop", token_versions=[3, 4, 5])
     whole = Sample("q", 1, [1], [2, 3], [-0.1] * 2, 4, "stop")

@@ -10,8 +10,8 @@ import torch
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.train._checkpoint import changed_keys, resume_schedule, sweep_partial_checkpoints
-from megatron_offgrpo.train._metrics import MetricsLog
-from megatron_offgrpo.train._run_dir import LOCK_FILE, claim_run_dir
+from megatron_offgrpo.runlog._metrics import MetricsLog
+from megatron_offgrpo.runlog._run_dir import LOCK_FILE, claim_run_dir
 from tests.helpers import REPO
 
 RECIPE = REPO / "configs" / "tiny-cpu.yaml"
@@ -187,7 +187,7 @@ def _hold_lock_in_subprocess(run_dir):
     import sys
 
     code = ("import sys, time; from megatron_offgrpo.config import load_config; "
-            "from megatron_offgrpo.train._run_dir import claim_run_dir; "
+            "from megatron_offgrpo.runlog._run_dir import claim_run_dir; "
             f"lock = claim_run_dir(load_config({SFT_RECIPE!r}, ['train.out_dir={run_dir}'])); "
             "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,

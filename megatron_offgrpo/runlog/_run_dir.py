@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.train._metrics import SAMPLES_FILE, cut_torn_tail, numbered_records
+from megatron_offgrpo.runlog._metrics import SAMPLES_FILE, cut_torn_tail, numbered_records
 
 LOCK_FILE = ".offgrpo.lock"
 NAME_MAX = 255  # bytes of one path component on every filesystem a run is likely to write (ext4, xfs, NFS, Lustre)

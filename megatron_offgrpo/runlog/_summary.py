@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo.train._metrics import read_metrics
+from megatron_offgrpo.runlog._metrics import read_metrics
 
 TIME_KEYS = {"generate": "time_generate_s", "sync": "time_sync_s", "train": "time_train_s"}
 """The parts of a step's time, as the summary names them -> their metric."""

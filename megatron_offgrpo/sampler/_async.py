@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from megatron_offgrpo.train._sampling import RolloutBatch
+from megatron_offgrpo.sampler._sampling import RolloutBatch
 
 Generate = Callable[[int, Callable[[], None]], RolloutBatch]
 """``generate(step, drawn)``: step ``step``'s scored batch; it calls ``drawn()`` once its first prompts are drawn."""

@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._disk import writing
-from megatron_offgrpo.train._trackers import SampleRow, Tracker, make_trackers
+from megatron_offgrpo.runlog._disk import writing
+from megatron_offgrpo.runlog._trackers import SampleRow, Tracker, make_trackers
 
 logger = logging.getLogger(__name__)
 SAMPLE_GROUPS = 2
