@@ -64,12 +64,6 @@ def grpo_progress(values: dict[str, Any]) -> str:
             f"train {values.get('time_train_s', 0):.1f}s {values.get('tokens_per_s', 0):.0f} tok/s")
 
 
-def sft_progress(values: dict[str, Any]) -> str:
-    """The middle of a warm-up step's progress line: cross-entropy, learning rate, throughput."""
-    return (f"cross-entropy {values.get('loss', float('nan')):.4f} lr {values.get('lr', 0):.2e} "
-            f"{values.get('tokens_per_s', 0):.0f} tok/s")
-
-
 class MetricsLog:
     """Writes ``RUN/metrics.jsonl`` and ``RUN/samples.jsonl`` and feeds the trackers; only rank 0 creates one."""
 

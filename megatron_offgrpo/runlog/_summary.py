@@ -132,13 +132,10 @@ def _change(pair: tuple[float, float] | None) -> str:
     return "not logged" if pair is None else f"{pair[0]:.3f} -> {pair[1]:.3f}"
 
 
-def locations(run_dir: str | Path) -> dict[str, str | None]:
+def locations(run_dir: str | Path, checkpoint: Path | None) -> dict[str, str | None]:
     """Where a run's outputs are: the directory, its metrics, the HF policy and the newest checkpoint (None when
-    absent), and the command that draws its plots."""
-    from megatron_offgrpo.train._checkpoint import latest_checkpoint  # imports torch: only when asked
-
+    absent; the trainer finds it: ``train._checkpoint.latest_checkpoint``), and the command that draws its plots."""
     run_dir = Path(run_dir)
-    checkpoint = latest_checkpoint(run_dir)
     return {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
             "hf": str(run_dir / "hf") if (run_dir / "hf" / "config.json").exists() else None,
             "checkpoint": None if checkpoint is None else str(checkpoint),
@@ -169,10 +166,10 @@ def format_summary(summary: RunSummary, where: dict[str, str | None]) -> str:
     return "\n".join(lines)
 
 
-def write_summary(run_dir: str | Path) -> tuple[RunSummary, dict[str, str | None]]:
-    """Summarise the run in ``run_dir`` from its ``metrics.jsonl`` and write ``RUN/summary.json`` (the fields,
-    ``time_share`` and ``locations``); returns the summary and the locations."""
-    summary, where = run_summary(read_metrics(run_dir)), locations(run_dir)
+def write_summary(run_dir: str | Path, checkpoint: Path | None) -> tuple[RunSummary, dict[str, str | None]]:
+    """Summarise the run in ``run_dir`` (whose newest checkpoint is ``checkpoint``) from its ``metrics.jsonl`` and
+    write ``RUN/summary.json`` (the fields, ``time_share`` and ``locations``); returns the summary and the locations."""
+    summary, where = run_summary(read_metrics(run_dir)), locations(run_dir, checkpoint)
     data = dataclasses.asdict(summary) | {"time_share": summary.time_share, "locations": where}
     path = Path(run_dir) / SUMMARY_FILE
     tmp = path.with_name(path.name + ".tmp")

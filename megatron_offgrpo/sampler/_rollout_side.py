@@ -21,12 +21,12 @@ from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport,
                                       make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.sampler._async import AsyncGenerator, EngineGate
+from megatron_offgrpo.sampler._builders import sampling_params, serving_dtype, verify_tolerance
 from megatron_offgrpo.sampler._eval import EVAL_BATCH, evaluate
 from megatron_offgrpo.sampler._generate import Rollouts, env_factory
-from megatron_offgrpo.train._preflight import prompt_length_error
-from megatron_offgrpo.sampler._prompts import build_prompts, load_data, load_tokenizer, log_data, used_records
+from megatron_offgrpo.sampler._prompts import (build_prompts, load_data, load_tokenizer, log_data, prompt_length_error,
+                                               used_records)
 from megatron_offgrpo.sampler._sampling import RolloutBatch, fill_batch, round_seed
-from megatron_offgrpo.sampler._builders import sampling_params, serving_dtype, verify_tolerance
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)

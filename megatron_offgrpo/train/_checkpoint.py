@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, sweep_stale_siblings, write_model_card
-from megatron_offgrpo.runlog._disk import writing
+from megatron_offgrpo.runlog import writing
 
 logger = logging.getLogger(__name__)
 STATE = "trainer_state.json"
@@ -191,7 +191,7 @@ def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]
 def load_rollout_state(path: str | Path, trainer_state: dict[str, Any]):
     """The rollout side's ``RolloutState`` of checkpoint ``path`` (rank 0). A checkpoint written before it had one
     keeps only the prompt stream's position in its JSON state."""
-    from megatron_offgrpo.sampler._rollout_side import RolloutState
+    from megatron_offgrpo.sampler import RolloutState
 
     file = Path(path) / ROLLOUT_STATE
     if file.exists():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config
 from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
-from megatron_offgrpo.runlog._trackers import missing_trackers
+from megatron_offgrpo.runlog import missing_trackers
 
 
 def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokenizer: bool = False) -> list[str]:
@@ -42,7 +42,7 @@ def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]
     ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt."""
     if not (model_dir / "tokenizer_config.json").is_file():
         return []
-    from megatron_offgrpo.sampler._prompts import load_tokenizer  # the run's own, read once per process (cached)
+    from megatron_offgrpo.sampler import load_tokenizer  # the run's own, read once per process (cached)
 
     try:
         ids = load_tokenizer(str(model_dir)).encode(PROBE, add_special_tokens=False)
@@ -66,20 +66,6 @@ def length_errors(config: Config, max_positions: int, source: str | Path) -> lis
     return [f"rollout.max_new_tokens={r.max_new_tokens}: a prompt and its completion must fit the model's "
             f"max_position_embeddings={max_positions} ({source}): lower rollout.max_new_tokens to at most "
             f"{max_positions} minus the longest prompt's tokens"]
-
-
-def prompt_length_error(prompts, config: Config, max_positions: int, split: str) -> str | None:
-    """The longest prompt of ``split`` plus the longest response (``rollout.max_new_tokens``, or a multi-turn
-    episode's ``env.max_tokens``) over the model's positions (the engine would cap it short silently), or None."""
-    longest = max((len(p.prompt_ids) for p in prompts), default=0)
-    env = config.env
-    key, new = (("env.max_tokens", env.episode_tokens(config.rollout.max_new_tokens)) if env.name
-                else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
-    if longest + new <= max_positions:
-        return None
-    return (f"{key}={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
-            f"sequence reaches {longest + new}, over the model's max_position_embeddings={max_positions}: lower "
-            f"{key} to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
 
 
 def resume_errors(config: Config) -> list[str]:
@@ -257,7 +243,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     once: ``model_dir``'s, default ``model.hf_path``'s). Every training record and the evaluation records a run uses
     are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
     from megatron_offgrpo.data import answer_error
-    from megatron_offgrpo.sampler._prompts import build_prompts, load_data, load_tokenizer, used_records
+    from megatron_offgrpo.sampler import build_prompts, load_data, load_tokenizer, used_records
 
     try:
         data = load_data(config)

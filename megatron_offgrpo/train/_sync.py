@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError, make_probe_ids
-from megatron_offgrpo.sampler._rollout_side import RolloutSide
+from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)

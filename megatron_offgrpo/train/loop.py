@@ -18,12 +18,11 @@ from pathlib import Path
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError
+from megatron_offgrpo.runlog import MetricsLog, format_summary, write_summary
+from megatron_offgrpo.sampler import RolloutSide, sample_metrics
 from megatron_offgrpo.train._checkpoint import changed_keys, checkpoint_step, latest_checkpoint, load_rollout_state
-from megatron_offgrpo.runlog._metrics import MetricsLog
-from megatron_offgrpo.sampler._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
-from megatron_offgrpo.runlog._summary import format_summary, write_summary
 from megatron_offgrpo.train._sync import on_rank0_shared, refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
@@ -93,7 +92,8 @@ def _train(config: Config, stop: StopRequest) -> TrainResult:
     if rollout is not None:
         rollout.close()
         log.close()
-        summary = format_summary(*write_summary(run_dir))  # after the export and the last checkpoint: it names them
+        # after the export and the last checkpoint: it names them
+        summary = format_summary(*write_summary(run_dir, latest_checkpoint(run_dir)))
     return TrainResult(run_dir, summary)
 
 

@@ -14,7 +14,7 @@ import torch
 from megatron_offgrpo.algo import AdvantageParams, compute_group_advantages
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.data import PromptStream, Sample
-from megatron_offgrpo.train import load_prompts
+from megatron_offgrpo.sampler import load_prompts
 from megatron_offgrpo.sampler._rollout_side import RolloutSide
 from megatron_offgrpo.sampler._sampling import NoLearningSignalError, SamplingStats, fill_batch, round_seed
 from tests.helpers import REPO

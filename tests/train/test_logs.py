@@ -15,7 +15,7 @@ import pytest
 
 from megatron_offgrpo.runlog._logs import LOG_FILE, ConsoleFilter, vllm_logging_config
 from tests.helpers import REPO
-from megatron_offgrpo.train import read_metrics
+from megatron_offgrpo.runlog import read_metrics
 from tests.train.conftest import TINY
 from tests.train.trackers import tensorboard_scalars
 

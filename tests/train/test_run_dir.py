@@ -267,7 +267,7 @@ def test_a_full_disk_names_the_file_being_written(site, tmp_path, monkeypatch):
     import errno
 
     from megatron_offgrpo.data import Sample
-    from megatron_offgrpo.train import no_space_line
+    from megatron_offgrpo.runlog import no_space_line
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
