@@ -408,7 +408,7 @@ def _tokenizer_copy(directory, vocab=None, added=None, merges=None):
 def test_a_teachers_tokenizer_is_compared_token_by_token(edit, difference, tmp_path):
     """A real tokenizer (the bundled Qwen2.5 one) copied and edited: the first id, added token or merge that differs
     is named; a teacher that only adds tokens after the policy's numbers every policy token alike."""
-    from megatron_offgrpo.train._tokenizer_diff import tokenizer_difference
+    from megatron_offgrpo.sampler._tokenizer_diff import tokenizer_difference
 
     got = tokenizer_difference(ASSET, _tokenizer_copy(tmp_path / "teacher", **edit))
     bundled = "; the policy has no tokenizer of its own (the bundled Qwen2.5 one stands for it)"

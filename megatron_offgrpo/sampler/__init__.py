@@ -1,5 +1,6 @@
 """Rank 0's sampling: the engine, the prompt stream and the reward behind ``RolloutSide`` (batch sources: lockstep,
-prefetch, async), the run's tokenizer and prompts, evaluation, and the one way prompts become rewarded samples.
+prefetch, async), the run's tokenizer (a distillation teacher's compared with it) and prompts, evaluation, and the one
+way prompts become rewarded samples.
 
 The door the trainer (``megatron_offgrpo.train``) and the commands enter by. Names load lazily: ``offgrpo eval
 --help`` must not import torch or vLLM, and logging is set up before they are imported.
@@ -20,6 +21,7 @@ _EXPORTS = {
     "build_prompts": "megatron_offgrpo.sampler._prompts",
     "load_prompts": "megatron_offgrpo.sampler._prompts",
     "log_data": "megatron_offgrpo.sampler._prompts",
+    "tokenizer_difference": "megatron_offgrpo.sampler._tokenizer_diff",
 }
 __all__ = sorted(_EXPORTS)
 

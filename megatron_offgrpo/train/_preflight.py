@@ -161,7 +161,7 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
 def teacher_tokenizer_errors(key: str, teacher_dir: Path, policy: str | Path) -> list[str]:
     """A teacher whose tokenizer numbers the policy's tokens otherwise (``_tokenizer_diff``: what is compared), in
     one line naming the first difference."""
-    from megatron_offgrpo.train._tokenizer_diff import tokenizer_difference
+    from megatron_offgrpo.sampler import tokenizer_difference
 
     difference = tokenizer_difference(resolve_model_dir(policy), teacher_dir)
     if difference is None:

@@ -36,7 +36,7 @@ def tokenizer_difference(policy_dir: Path, teacher_dir: Path) -> str | None:
     ids or cuts text otherwise, in words ("token 'abc' is id 17 in the policy, 912 in the teacher"), or None."""
     if tokenizer_source(policy_dir) == tokenizer_source(teacher_dir):
         return None  # one tokenizer
-    from megatron_offgrpo.sampler import load_tokenizer  # transformers: read once per process and directory
+    from megatron_offgrpo.sampler._prompts import load_tokenizer  # transformers: read once per process and directory
 
     policy, teacher = load_tokenizer(str(policy_dir)), load_tokenizer(str(teacher_dir))
     difference = _id_difference(policy, teacher.get_vocab()) or _rules_difference(policy, teacher)
