@@ -1,6 +1,6 @@
 """Run metrics: one JSON line per step in ``RUN/metrics.jsonl`` (always), sample completions in ``RUN/samples.jsonl``
 every ``train.samples_every`` steps, a console progress line, and the same records fanned out to the trackers of
-``train.loggers`` (``train._trackers``: TensorBoard, wandb, mlflow)."""
+``train.loggers`` (``runlog._trackers``: TensorBoard, wandb, mlflow)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ ROLES = ("train", "eval")
 def load_tokenizer(hf_path: str):
     """The model directory's tokenizer, or the bundled Qwen2.5 tokenizer when the directory has none (``hf_path``:
     anything ``resolve_model_dir`` accepts). Read once per process and directory: the data check before the run
-    (``_preflight.data_errors``) and the run itself share it."""
+    (``train._preflight.data_errors``) and the run itself share it."""
     return _tokenizer_of(resolve_model_dir(hf_path).resolve())
 
 

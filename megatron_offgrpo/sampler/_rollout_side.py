@@ -62,7 +62,7 @@ class RolloutSide:
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     # (step, its generation, the stream's position before it drew): a failed prefetch's prompts are drawn again
     _pending: tuple[int, concurrent.futures.Future, dict[str, int]] | None = None
-    # rollout.mode=async: the generation threads, and the gate every use of the engine passes (train._async)
+    # rollout.mode=async: the generation threads, and the gate every use of the engine passes (sampler._async)
     _async: AsyncGenerator | None = None
     gate: EngineGate = dataclasses.field(default_factory=EngineGate)
     _stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # steps draw from threads
@@ -110,7 +110,7 @@ class RolloutSide:
         """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step (per round).
 
         With ``rollout.dynamic_sampling``, groups whose rewards are all equal are discarded and further rounds refill
-        the batch from the stream (``train._sampling.fill_batch``). Samples carry the version that generated them
+        the batch from the stream (``sampler._sampling.fill_batch``). Samples carry the version that generated them
         (with ``rollout.partial_rollouts`` a refresh may come during a step: then each token carries its own).
         ``drawn()`` is called once the first round's prompts are drawn (``rollout.mode=async`` starts the next step
         then).

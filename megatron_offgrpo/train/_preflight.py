@@ -159,8 +159,8 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
 
 
 def teacher_tokenizer_errors(key: str, teacher_dir: Path, policy: str | Path) -> list[str]:
-    """A teacher whose tokenizer numbers the policy's tokens otherwise (``_tokenizer_diff``: what is compared), in
-    one line naming the first difference."""
+    """A teacher whose tokenizer numbers the policy's tokens otherwise (``sampler._tokenizer_diff``: what is
+    compared), in one line naming the first difference."""
     from megatron_offgrpo.sampler import tokenizer_difference
 
     difference = tokenizer_difference(resolve_model_dir(policy), teacher_dir)
@@ -261,7 +261,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
         return [f"data.prompt_format=chat: the tokenizer of {model_dir or config.model.hf_path} has no chat_template: "
                 "use a chat/instruct tokenizer (e.g. Qwen2.5's) or data.prompt_format=plain"]
     try:
-        build_prompts(config, tokenizer, records)  # the run reuses the ids (``_prompts.prompt_ids``)
+        build_prompts(config, tokenizer, records)  # the run reuses the ids (``sampler._prompts.prompt_ids``)
     except ValueError as exc:
         return [str(exc)]
     return []

@@ -122,7 +122,7 @@ def _open_log(config: Config, ctx: ParallelContext, arch: QwenArch, tokenizer, s
               data: dict) -> MetricsLog:
     """Rank 0's metrics log of the warm-up, and its ``run_info.json`` (``data``: the set sizes, the evaluation set
     being the one the warm-up keeps out). A warm-up has no resume: ``offgrpo sft`` follows ``offgrpo train``'s
-    run-directory rules (``train._run_dir.claim_run_dir``), so it starts in a directory without an earlier run's
+    run-directory rules (``runlog._run_dir.claim_run_dir``), so it starts in a directory without an earlier run's
     records (one moved aside by ``train.overwrite``), and starts new tracker runs."""
     run_dir = Path(config.train.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

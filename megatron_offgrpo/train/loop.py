@@ -133,7 +133,7 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     sampling metrics (``rollout.dynamic_sampling``'s group counts; {} elsewhere).
 
     Without ``rollout.overlap`` the refresh comes first and the batch is generated now (async: taken from the
-    generation thread's buffer, ``train._async``). With it, the batch generated during the previous step is
+    generation thread's buffer, ``sampler._async``). With it, the batch generated during the previous step is
     collected first, then the refresh, then the next batch starts generating (from the new version) while the
     trainer learns from this one.
     """

@@ -1,4 +1,4 @@
-"""rollout.mode=async (``train._async``): generation runs ahead of the trainer up to the staleness bound and pauses
+"""rollout.mode=async (``sampler._async``): generation runs ahead of the trainer up to the staleness bound and pauses
 there, batches are trained in the order their prompts were drawn, a generation error reaches the trainer, and a run
 killed at any point and resumed trains every prompt of the stream exactly once (the checkpoint keeps the untrained
 batches)."""
