@@ -161,7 +161,7 @@ def device_batches(samples, args, device) -> tuple[list, int, int]:
     import torch
 
     from megatron_offgrpo.algo import AdvantageParams, compute_group_advantages
-    from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
+    from megatron_offgrpo.train import build_microbatches, global_seq_count, global_token_count
 
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     adv = compute_group_advantages(rewards, args.group_size, AdvantageParams())
@@ -178,8 +178,7 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
     from megatron_offgrpo.kernels import resolve_impl
     from megatron_offgrpo.model import output_weight
     from megatron_offgrpo.runtime import have_te
-    from megatron_offgrpo.train._policy import build_policy, use_fused_adam
-    from megatron_offgrpo.train._step import policy_step
+    from megatron_offgrpo.train import build_policy, policy_step, use_fused_adam
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
                             fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
@@ -357,16 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_step: no CUDA device here: run on a GPU machine, or --device cpu --tiny", file=sys.stderr)
         return 2
     import megatron.core
+    from megatron.core import tensor_parallel
 
     from megatron_offgrpo.runtime import destroy_parallel, init_parallel, te_status
-    from megatron_offgrpo.train._checkpoint import _rng_state, _set_rng_state
 
     ctx = init_parallel(1, 1, args.seed)
     try:
         arch = load_shapes(args)
-        steps, seeded, weight = [], _rng_state(), None
+        steps, weight = [], None
         for variant in args.variants:
-            _set_rng_state(seeded)  # every variant trains the same initial weights on the same data
+            # every variant trains the same initial weights on the same data: the generators as init_parallel seeds them
+            tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+            torch.manual_seed(args.seed)
             try:
                 step, weight = train_row(args, ctx, arch, variant)
             except ValueError as exc:  # e.g. --precision fp8 without Transformer Engine

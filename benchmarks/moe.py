@@ -70,10 +70,8 @@ def worker(args) -> None:
     from megatron_offgrpo.config import ModelConfig, OptimConfig
     from megatron_offgrpo.model import load_arch
     from megatron_offgrpo.runtime import destroy_parallel, init_parallel, tune_cpu_memory
-    from megatron_offgrpo.train._batch import build_microbatches, global_seq_count, global_token_count
-    from megatron_offgrpo.train._policy import build_policy
-    from megatron_offgrpo.train._step import policy_step
-    from megatron_offgrpo.train._weights import export_buckets
+    from megatron_offgrpo.train import (build_microbatches, build_policy, export_buckets, global_seq_count,
+                                        global_token_count, policy_step)
 
     tune_cpu_memory()  # as `offgrpo train` does: a step's large buffers reuse their pages
     ctx = init_parallel(1, 1, args.seed, ep=args.ep)

@@ -62,7 +62,8 @@ def save_model(model_dir: Path, seed: int) -> None:
 def prompt_texts(model_dir: Path, count: int) -> list[str]:
     """The first ``count`` training prompts of offgrpo's arithmetic data, as text (TRL tokenizes them itself)."""
     from megatron_offgrpo.config import load_config
-    from megatron_offgrpo.train import load_prompts, load_tokenizer
+    from megatron_offgrpo.model import load_tokenizer
+    from megatron_offgrpo.sampler import load_prompts
 
     config = load_config(None, [f"model.hf_path={model_dir}", *DATA])
     tokenizer = load_tokenizer(str(model_dir))
@@ -124,7 +125,7 @@ def run_ours(args, model_dir: Path, work: Path, env: dict[str, str], name: str =
            "rollout.temperature=1.0", f"optim.lr={args.lr}", f"train.steps={args.steps}", f"train.out_dir={out}",
            "train.save_every=0", "train.eval_every=0", "train.loggers=[]", *args.ours, *extra]
     wall, peak = run_measured(cmd, env, work / f"{name}.log")
-    from megatron_offgrpo.train import read_metrics
+    from megatron_offgrpo.runlog import read_metrics
 
     records = read_metrics(out)
     walls = [r["wall_s"] for r in records]

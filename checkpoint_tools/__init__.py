@@ -3,7 +3,6 @@
 from checkpoint_tools._check import dist_dir_errors, hf_dir_errors
 from checkpoint_tools._convert import (
     MegatronCheckpoint,
-    iter_hf_tensors,
     megatron_to_hf_dir,
     write_hf,
 )
@@ -58,7 +57,6 @@ __all__ = [
     "hf_to_dist_dir",
     "hf_to_state_dict",
     "is_extra_state",
-    "iter_hf_tensors",
     "load_model_part",
     "load_hf_into_stage",
     "megatron_to_hf_any",

@@ -288,9 +288,9 @@ def test_eval_out_is_checked_before_the_evaluation(case, tmp_path, capsys, monke
         "under-a-file": (tmp_path / "a-file" / "r.json", f"its directory {tmp_path / 'a-file'} "),
         "long-name": (tmp_path / ("y" * 300 + ".json"), "bytes, over the 255 a file name may have"),
     }[case]
-    import megatron_offgrpo.train as train_room
+    import megatron_offgrpo.sampler as sampler_room
 
-    monkeypatch.setattr(train_room, "evaluate", lambda *a, **k: pytest.fail("evaluated before --out was checked"),
+    monkeypatch.setattr(sampler_room, "evaluate", lambda *a, **k: pytest.fail("evaluated before --out was checked"),
                         raising=False)
     code, err = _run(["eval", "--config", TINY, "--out", str(out)], capsys)
     assert code == 2 and err.startswith(f"error: --out {out}: ") and message in err and len(err.splitlines()) == 1, err
@@ -412,9 +412,10 @@ def _tokenizer_copy(directory, vocab=None, added=None, merges=None):
 def test_a_teachers_tokenizer_is_compared_token_by_token(edit, difference, tmp_path):
     """A real tokenizer (the bundled Qwen2.5 one) copied and edited: the first id, added token or merge that differs
     is named; a teacher that only adds tokens after the policy's numbers every policy token alike."""
-    from megatron_offgrpo.train._tokenizer_diff import tokenizer_difference
+    from megatron_offgrpo.model import load_tokenizer
+    from megatron_offgrpo.model._tokenizer_diff import tokenizer_difference
 
-    got = tokenizer_difference(ASSET, _tokenizer_copy(tmp_path / "teacher", **edit))
+    got = tokenizer_difference(ASSET, _tokenizer_copy(tmp_path / "teacher", **edit), load_tokenizer)
     bundled = "; the policy has no tokenizer of its own (the bundled Qwen2.5 one stands for it)"
     assert got is None if difference is None else got.startswith(difference) and got.endswith(bundled), got
 
@@ -494,8 +495,9 @@ def test_a_megatron_checkpoint_of_another_model_names_both_shapes(tmp_path, caps
 def test_the_longest_prompt_and_its_completion_must_fit_the_positions():
     """Once the prompts are tokenized (before any engine starts), the longest one plus ``rollout.max_new_tokens`` is
     checked against the model's positions: the engine would otherwise cap those completions short, silently."""
-    from megatron_offgrpo.train import load_prompts, load_tokenizer
-    from megatron_offgrpo.train._preflight import prompt_length_error
+    from megatron_offgrpo.model import load_tokenizer
+    from megatron_offgrpo.sampler import load_prompts
+    from megatron_offgrpo.sampler._prompts import prompt_length_error
 
     config = load_config(TINY, ["rollout.max_new_tokens=500"])
     prompts = load_prompts(config, load_tokenizer(config.model.hf_path), config.data.split)

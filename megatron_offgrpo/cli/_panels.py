@@ -12,7 +12,7 @@ import math
 import statistics
 from typing import Callable
 
-from megatron_offgrpo.train import eval_points, pass_points
+from megatron_offgrpo.runlog import eval_points, pass_points
 
 TIME_PARTS = (("time_generate_s", "generate"), ("time_sync_s", "weight sync"), ("time_train_s", "train"))
 """The parts of a step's time, bottom to top of the stacked bars."""

@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.data import get_reward
     from megatron_offgrpo.model import resolve_model_dir
     from megatron_offgrpo.runtime import tune_cpu_memory
-    from megatron_offgrpo.train import Rollouts, env_factory, evaluate
-    from megatron_offgrpo.train import make_rollout_engine
+    from megatron_offgrpo.sampler import Rollouts, env_factory, evaluate
+    from megatron_offgrpo.sampler import make_rollout_engine
     from megatron_offgrpo.train import config_or_exit
-    from megatron_offgrpo.train import build_prompts, load_data, load_tokenizer, log_data
+    from megatron_offgrpo.model import load_tokenizer
+    from megatron_offgrpo.sampler import build_prompts, load_data, log_data
 
     # the flags are config keys too: validated with the recipe (an unknown engine, --prompts 0: one line, exit 2)
     flags = [f"rollout.engine={args.engine}"] * (args.engine is not None) + [f"train.eval_prompts={args.prompts}"] * (

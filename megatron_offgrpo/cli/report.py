@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron_offgrpo import pyplot
 from megatron_offgrpo.cli._panels import PANELS, Panel, mean_records, time_split
-from megatron_offgrpo.train import eval_points, pass_points, read_metrics, run_summary
+from megatron_offgrpo.runlog import eval_points, pass_points, read_metrics, run_summary
 
 __all__ = ["eval_points", "main", "make_report", "mean_records", "pass_points", "plot_runs", "summary"]
 X_AXES = {"step": "optimizer step", "wall": "wall-clock (min)"}
@@ -135,7 +135,7 @@ def _draw_time(ax, runs: dict[str, list[dict]]) -> None:
 
 def summary(run_dir: str | Path) -> str:
     """A run in one line: reward and sampled accuracy change, greedy held-out accuracy before and after (pass@k),
-    where the time went, staleness and refreshes (``megatron_offgrpo.train.RunSummary.line``)."""
+    where the time went, staleness and refreshes (``megatron_offgrpo.runlog._summary.RunSummary.line``)."""
     return run_summary(_records(Path(run_dir))).line()
 
 

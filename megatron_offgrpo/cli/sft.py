@@ -16,12 +16,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=300")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train import claim_run_dir, config_or_exit
+    from megatron_offgrpo.runlog import claim_run_dir
+    from megatron_offgrpo.train import config_or_exit
 
     config = config_or_exit(args.config, args.overrides, tracking=True,
                             relaunch=["-m", "megatron_offgrpo.cli", "sft", *argv])
     lock = claim_run_dir(config, command="sft")  # offgrpo train's rules: never over an earlier run, one writer
-    from megatron_offgrpo.train import setup_logging
+    from megatron_offgrpo.runlog import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import tune_cpu_memory

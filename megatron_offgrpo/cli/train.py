@@ -17,12 +17,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.refresh_every=4")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    from megatron_offgrpo.train import claim_run_dir, config_or_exit
+    from megatron_offgrpo.runlog import claim_run_dir
+    from megatron_offgrpo.train import config_or_exit
 
     config = config_or_exit(args.config, list(args.overrides) + (["train.resume=true"] if args.resume else []),
                             tracking=True, relaunch=["-m", "megatron_offgrpo.train", *argv])
     lock = claim_run_dir(config)  # held (rank 0) until this process ends: one writer per run directory
-    from megatron_offgrpo.train import setup_logging
+    from megatron_offgrpo.runlog import setup_logging
 
     setup_logging(config.train.out_dir, args.verbose)  # before megatron is imported: its import warns
     from megatron_offgrpo.runtime import tune_cpu_memory

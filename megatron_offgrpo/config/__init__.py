@@ -11,10 +11,9 @@ coercion by each field's type), ``_rules`` (the cross-field rules of ``validate`
 
 from megatron_offgrpo.config._choices import Logger
 from megatron_offgrpo.config._load import ConfigError, field_types, long_component, parse_override, type_name
-from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, SftConfig
 from megatron_offgrpo.config._tree import (AlgoConfig, Config, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
                                            RolloutConfig, TrainConfig, load_config)
 
-__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "DistillConfig", "EnvConfig", "Logger", "ModelConfig",
-           "OptimConfig", "ParallelConfig", "RolloutConfig", "SftConfig", "TrainConfig", "field_types", "load_config",
-           "long_component", "parse_override", "type_name"]
+__all__ = ["AlgoConfig", "Config", "ConfigError", "DataConfig", "Logger", "ModelConfig", "OptimConfig",
+           "ParallelConfig", "RolloutConfig", "TrainConfig", "field_types", "load_config", "long_component",
+           "parse_override", "type_name"]

@@ -1,8 +1,8 @@
 """Data: prompt/sample types, prompt datasets, chat templates and verifiable rewards."""
 
 from megatron_offgrpo.data._datasets import ASSETS, QARecord, arithmetic_records, load_hub, load_local, load_records
-from megatron_offgrpo.data._heldout import HELD_OUT_FRACTION, held_out_questions, question_key
-from megatron_offgrpo.data._prompts import DEFAULT_INSTRUCTION, PromptStream, build_prompt
+from megatron_offgrpo.data._heldout import held_out_questions, question_key
+from megatron_offgrpo.data._prompts import PromptStream, build_prompt
 from megatron_offgrpo.data._rewards import (
     MAX_ANSWER_DIGITS,
     answer_error,
@@ -20,8 +20,6 @@ from megatron_offgrpo.data._types import Prompt, Sample, SamplingParams
 
 __all__ = [
     "ASSETS",
-    "DEFAULT_INSTRUCTION",
-    "HELD_OUT_FRACTION",
     "MAX_ANSWER_DIGITS",
     "PLAIN",
     "DataSets",

@@ -1,7 +1,6 @@
 """Model: HF Qwen config -> megatron ``TransformerConfig`` + layer spec -> one PP stage of a ``GPTModel``."""
 
 from megatron_offgrpo.model._arch import (
-    SUPPORTED_MODEL_TYPES,
     QwenArch,
     UnsupportedConfigError,
     arch_from_hf_config,
@@ -13,7 +12,6 @@ from megatron_offgrpo.model._compile import compile_layers
 from megatron_offgrpo.model._tokenizer import load_tokenizer, tokenizer_errors
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
     "QwenArch",
     "UnsupportedConfigError",
     "arch_from_hf_config",
@@ -26,7 +24,6 @@ __all__ = [
     "output_weight",
     "params_dtype",
     "precision_transformer_config",
-    "qwen_layer_spec",
     "resolve_model_dir",
     "tokenizer_errors",
     "transformer_config",
@@ -43,8 +40,4 @@ def __getattr__(name: str):
         from megatron_offgrpo.model import _precision
 
         return getattr(_precision, name)
-    if name == "qwen_layer_spec":
-        from megatron_offgrpo.model._spec import qwen_layer_spec
-
-        return qwen_layer_spec
     raise AttributeError(name)

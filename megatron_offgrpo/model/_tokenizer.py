@@ -27,12 +27,28 @@ def _tokenizer_of(model_dir: Path):
     return transformers.AutoTokenizer.from_pretrained(model_dir if has_own else BUNDLED_TOKENIZER)
 
 
-def tokenizer_errors(model_dir: Path, key: str, source: str | Path) -> list[str]:
+def tokenizer_errors(model_dir: Path, key: str, source: str | Path, policy: str | Path | None = None) -> list[str]:
     """The directory's own tokenizer (``tokenizer_config.json``; without one the bundled Qwen2.5 tokenizer is used)
     must load and encode ``PROBE`` to at least one token: one without ``vocab.json``/``merges.txt`` (or
     ``tokenizer.json``) encodes every prompt to nothing, which vLLM refuses much later as an empty prompt. ``key``
-    and ``source`` name where the directory came from (``model.hf_path=DIR``, ``--hf DIR``)."""
-    if not (Path(model_dir) / "tokenizer_config.json").is_file():
+    and ``source`` name where the directory came from (``model.hf_path=DIR``, ``--hf DIR``). With ``policy`` (a model
+    that scores the policy's token ids: a distillation teacher), it must also give the policy's (``policy``'s) tokens
+    the same ids and cut text the same way (``_tokenizer_diff``: what is compared), the first difference named."""
+    errors = _own_errors(Path(model_dir), key, source)
+    if errors or policy is None:
+        return errors
+    from megatron_offgrpo.model._tokenizer_diff import tokenizer_difference
+
+    difference = tokenizer_difference(resolve_model_dir(policy), Path(model_dir), load_tokenizer)
+    if difference is None:
+        return []
+    return [f"{key}={source}: its tokenizer differs from the policy's (model.hf_path={policy}): {difference}; the "
+            "teacher scores the policy's token ids, so it needs the policy's tokenizer (the same ids for the same "
+            "tokens)"]
+
+
+def _own_errors(model_dir: Path, key: str, source: str | Path) -> list[str]:
+    if not (model_dir / "tokenizer_config.json").is_file():
         return []
     try:
         ids = load_tokenizer(str(model_dir)).encode(PROBE, add_special_tokens=False)

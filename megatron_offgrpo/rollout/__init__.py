@@ -19,10 +19,10 @@ from megatron_offgrpo.rollout._errors import (
 from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
-from megatron_offgrpo.rollout._protocol import ProbeEngine, RolloutEngine
+from megatron_offgrpo.rollout._protocol import RolloutEngine
 from megatron_offgrpo.rollout._server import ServerClient, servers_of
 from megatron_offgrpo.rollout._teacher_fleet import TeacherFleet
-from megatron_offgrpo.rollout._types import PROBE_ATOL, ProbeResult, RefreshReport, probe_atol, probe_bound
+from megatron_offgrpo.rollout._types import PROBE_ATOL, RefreshReport, probe_atol, probe_bound
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 
 __all__ = [
@@ -33,8 +33,6 @@ __all__ = [
     "PROBE_ATOL",
     "FleetEngine",
     "FleetError",
-    "ProbeEngine",
-    "ProbeResult",
     "RefreshError",
     "RefreshReport",
     "RefreshVerificationError",

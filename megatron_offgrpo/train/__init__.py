@@ -1,36 +1,26 @@
-"""The trainer: builders from the config, the megatron step with the fused loss, the loop, checkpoints, metrics.
+"""The trainer: the loop over the trainer side (every rank: policy, optimizer, reference, teacher) and rank 0's
+sampler (``megatron_offgrpo.sampler``), the megatron step with the fused loss, checkpoints, HF exports, the warm-up.
 
-The door the commands (``megatron_offgrpo.cli``) enter by. Names load lazily: ``offgrpo train --help`` must not
-import megatron-core (5-7 s), and logging is set up before it is imported.
+The door the commands (``megatron_offgrpo.cli``) and the benchmarks enter by. Names load lazily: ``offgrpo train
+--help`` must not import megatron-core (5-7 s), and logging is set up before it is imported.
 """
 
 _EXPORTS = {
     "train": "megatron_offgrpo.train.loop",
-    "TrainResult": "megatron_offgrpo.train.loop",
     "sft": "megatron_offgrpo.train._sft",
-    "evaluate": "megatron_offgrpo.train._eval",
-    "Rollouts": "megatron_offgrpo.train._generate",
-    "env_factory": "megatron_offgrpo.train._generate",
     "config_or_exit": "megatron_offgrpo.train._preflight",
-    "claim_run_dir": "megatron_offgrpo.train._run_dir",
-    "no_space_line": "megatron_offgrpo.train._disk",
-    "run_to_exit": "megatron_offgrpo.train._exits",
     "model_dir_errors": "megatron_offgrpo.train._preflight",
-    "setup_logging": "megatron_offgrpo.train._logs",
-    "make_rollout_engine": "megatron_offgrpo.train._rollout_side",
-    "load_prompts": "megatron_offgrpo.train._prompts",
-    "load_data": "megatron_offgrpo.train._prompts",
-    "build_prompts": "megatron_offgrpo.train._prompts",
-    "log_data": "megatron_offgrpo.train._prompts",
-    "load_tokenizer": "megatron_offgrpo.model",
-    "read_metrics": "megatron_offgrpo.train._metrics",
-    "RunSummary": "megatron_offgrpo.train._summary",
-    "run_summary": "megatron_offgrpo.train._summary",
-    "format_summary": "megatron_offgrpo.train._summary",
-    "locations": "megatron_offgrpo.train._summary",
-    "write_summary": "megatron_offgrpo.train._summary",
-    "eval_points": "megatron_offgrpo.train._summary",
-    "pass_points": "megatron_offgrpo.train._summary",
+    "run_to_exit": "megatron_offgrpo.train._exits",
+    # the pieces of the step, for the benchmarks that time them
+    "build_policy": "megatron_offgrpo.train._policy",
+    "use_fused_adam": "megatron_offgrpo.train._policy",
+    "build_microbatches": "megatron_offgrpo.train._batch",
+    "build_packed_microbatches": "megatron_offgrpo.train._packing",
+    "build_shared_prompt_microbatches": "megatron_offgrpo.train._shared_prompt",
+    "global_token_count": "megatron_offgrpo.train._batch",
+    "global_seq_count": "megatron_offgrpo.train._batch",
+    "policy_step": "megatron_offgrpo.train._step",
+    "export_buckets": "megatron_offgrpo.train._weights",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -5,7 +5,7 @@ every rank), ``rng_rank{r}.pt`` (CPU and model-parallel RNG states of each rank)
 ``hf_extra/`` (the model's HF config, dtype, tokenizer and generation config: ``checkpoint_tools``' card, so ``offgrpo
 convert megatron-to-hf`` exports the checkpoint without the recipe), ``rollout_state.pt`` (rank 0's ``RolloutState``:
 the prompt stream's position and the batches generated but not yet trained), ``log_tail.json`` (the metrics records and
-completion rows since the previous checkpoint, fsynced in the run's files first: ``train._log_tail``) and
+completion rows since the previous checkpoint, fsynced in the run's files first: ``runlog.checkpoints``) and
 ``trainer_state.json`` (step, engine version, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
 by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete.
 """
@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, sweep_stale_siblings, write_model_card
-from megatron_offgrpo.train._disk import writing
-from megatron_offgrpo.train._log_tail import STATE, TAIL_FILE
+from megatron_offgrpo.runlog import checkpoints, writing
 
 logger = logging.getLogger(__name__)
 ROLLOUT_STATE = "rollout_state.pt"
@@ -121,8 +120,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
             if rollout_state is not None:
                 torch.save(rollout_state, tmp / ROLLOUT_STATE)
             if log_tail is not None:
-                (tmp / TAIL_FILE).write_text(json.dumps(log_tail, default=float))
-            (tmp / STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+                (tmp / checkpoints.TAIL_FILE).write_text(json.dumps(log_tail, default=float))
+            (tmp / checkpoints.STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
             fd = os.open(tmp, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
@@ -141,7 +140,7 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    state = json.loads((path / STATE).read_text())
+    state = json.loads((path / checkpoints.STATE).read_text())
     loaded = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(loaded[DIST_MODEL_KEY])
     with torch.no_grad():  # fp32 params are their own main params: the optimizer copies into views of leaves
@@ -185,7 +184,7 @@ def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]
 def load_rollout_state(path: str | Path, trainer_state: dict[str, Any]):
     """The rollout side's ``RolloutState`` of checkpoint ``path`` (rank 0). A checkpoint written before it had one
     keeps only the prompt stream's position in its JSON state."""
-    from megatron_offgrpo.train._rollout_side import RolloutState
+    from megatron_offgrpo.sampler import RolloutState
 
     file = Path(path) / ROLLOUT_STATE
     if file.exists():

@@ -9,9 +9,8 @@ from typing import Callable, TypeVar
 
 from megatron_offgrpo.config import ConfigError
 from megatron_offgrpo.rollout import EngineDiedError
-from megatron_offgrpo.train._disk import no_space_line
-from megatron_offgrpo.train._run_dir import RunLock
-from megatron_offgrpo.train._sampling import NoLearningSignalError
+from megatron_offgrpo.runlog import RunLock, no_space_line
+from megatron_offgrpo.sampler import NoLearningSignalError
 from megatron_offgrpo.train._stop import RunStopped
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config, long_component
 from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir, tokenizer_errors
-from megatron_offgrpo.train._trackers import missing_trackers
+from megatron_offgrpo.runlog import missing_trackers
 
 
 def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokenizer: bool = False) -> list[str]:
@@ -50,27 +50,13 @@ def length_errors(config: Config, max_positions: int, source: str | Path) -> lis
             f"{max_positions} minus the longest prompt's tokens"]
 
 
-def prompt_length_error(prompts, config: Config, max_positions: int, split: str) -> str | None:
-    """The longest prompt of ``split`` plus the longest response (``rollout.max_new_tokens``, or a multi-turn
-    episode's ``env.max_tokens``) over the model's positions (the engine would cap it short silently), or None."""
-    longest = max((len(p.prompt_ids) for p in prompts), default=0)
-    env = config.env
-    key, new = (("env.max_tokens", env.episode_tokens(config.rollout.max_new_tokens)) if env.name
-                else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
-    if longest + new <= max_positions:
-        return None
-    return (f"{key}={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
-            f"sequence reaches {longest + new}, over the model's max_position_embeddings={max_positions}: lower "
-            f"{key} to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
-
-
 def resume_errors(config: Config) -> list[str]:
     """A resume (``train.resume``) of a checkpoint whose model has other shapes than ``model.hf_path``'s: one line
     naming both shapes, from the checkpoint's model card, before megatron's loader fails deep inside (or, for a
     reshaped dimension it can slice, succeeds wrongly)."""
-    from megatron_offgrpo.train._log_tail import latest_checkpoint
+    from megatron_offgrpo.runlog import checkpoints
 
-    checkpoint = latest_checkpoint(config.train.out_dir) if config.train.resume else None
+    checkpoint = checkpoints.latest_checkpoint(config.train.out_dir) if config.train.resume else None
     if checkpoint is None:
         return []
     from checkpoint_tools import dist_dir_errors
@@ -151,23 +137,10 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
     if teacher and not model_dir:
         errors = model_dir_errors(teacher, "distill.teacher_path", tokenizer=True)
         errors = errors or teacher_errors(load_arch(teacher), arch, p.tp, p.pp, p.ep, p.etp)
-        return errors or teacher_tokenizer_errors(f"distill.teacher_path={teacher}", resolve_model_dir(teacher),
-                                                  source)
+        return errors or tokenizer_errors(resolve_model_dir(teacher), "distill.teacher_path", teacher, policy=source)
     if config.distill.teacher_fleet and not model_dir:
         return teacher_fleet_errors(config.distill.teacher_fleet, arch, source)
     return []
-
-
-def teacher_tokenizer_errors(key: str, teacher_dir: Path, policy: str | Path) -> list[str]:
-    """A teacher whose tokenizer numbers the policy's tokens otherwise (``_tokenizer_diff``: what is compared), in
-    one line naming the first difference."""
-    from megatron_offgrpo.train._tokenizer_diff import tokenizer_difference
-
-    difference = tokenizer_difference(resolve_model_dir(policy), teacher_dir)
-    if difference is None:
-        return []
-    return [f"{key}: its tokenizer differs from the policy's (model.hf_path={policy}): {difference}; the teacher "
-            "scores the policy's token ids, so it needs the policy's tokenizer (the same ids for the same tokens)"]
 
 
 def teacher_fleet_errors(state: str, student: QwenArch, policy: str | Path) -> list[str]:
@@ -184,9 +157,8 @@ def teacher_fleet_errors(state: str, student: QwenArch, policy: str | Path) -> l
         return [f"distill.teacher_fleet={state}: {exc}"]
     if not (Path(served) / "config.json").is_file():  # a fleet serving from other nodes' disks: nothing to read here
         return []
-    key = f"distill.teacher_fleet={state} (serving {served})"
-    return (_vocabulary_errors(key, load_arch(served), student) or tokenizer_errors(Path(served), key, served)
-            or teacher_tokenizer_errors(key, Path(served), policy))
+    return (_vocabulary_errors(f"distill.teacher_fleet={state} (serving {served})", load_arch(served), student)
+            or tokenizer_errors(Path(served), "distill.teacher_fleet", f"{state} (serving {served})", policy=policy))
 
 
 def _vocabulary_errors(key: str, teacher: QwenArch, student: QwenArch) -> list[str]:
@@ -265,7 +237,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
     from megatron_offgrpo.data import answer_error
     from megatron_offgrpo.model import load_tokenizer
-    from megatron_offgrpo.train._prompts import build_prompts, load_data, used_records
+    from megatron_offgrpo.sampler import build_prompts, load_data, used_records
 
     try:
         data = load_data(config)
@@ -288,7 +260,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
         return [f"data.prompt_format=chat: the tokenizer of {model_dir or config.model.hf_path} has no chat_template: "
                 "use a chat/instruct tokenizer (e.g. Qwen2.5's) or data.prompt_format=plain"]
     try:
-        build_prompts(config, tokenizer, records)  # the run reuses the ids (``_prompts.prompt_ids``)
+        build_prompts(config, tokenizer, records)  # the run reuses the ids (``sampler._prompts.prompt_ids``)
     except ValueError as exc:
         return [str(exc)]
     return []

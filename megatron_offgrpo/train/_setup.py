@@ -9,10 +9,9 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.model import resolve_model_dir
+from megatron_offgrpo.runlog import MetricsLog, open_metrics_log, write_run_info
+from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints, sweep_partial_exports
-from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log
-from megatron_offgrpo.train._rollout_side import RolloutSide
-from megatron_offgrpo.train._run_info import write_run_info
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,13 +22,12 @@ from megatron_offgrpo.algo import ObjectiveParams
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, extract_answer
 from megatron_offgrpo.model import QwenArch, load_arch, load_tokenizer, resolve_model_dir
+from megatron_offgrpo.runlog import MetricsLog, open_metrics_log, write_run_info
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
+from megatron_offgrpo.sampler import build_prompts, load_data, log_data
 from megatron_offgrpo.train._batch import build_microbatches
-from megatron_offgrpo.train._metrics import MetricsLog, open_metrics_log, sft_progress
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.train._prompts import build_prompts, load_data, log_data
-from megatron_offgrpo.train._run_info import write_run_info
 from megatron_offgrpo.train._step import policy_step, sequence_shard
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from megatron_offgrpo.train._weights import export_hf_dir
@@ -112,11 +112,17 @@ def _sft(config: Config, stop: StopRequest) -> Path:
     return out
 
 
+def sft_progress(values: dict[str, Any]) -> str:
+    """The middle of a warm-up step's progress line: cross-entropy, learning rate, throughput."""
+    return (f"cross-entropy {values.get('loss', float('nan')):.4f} lr {values.get('lr', 0):.2e} "
+            f"{values.get('tokens_per_s', 0):.0f} tok/s")
+
+
 def _open_log(config: Config, ctx: ParallelContext, arch: QwenArch, tokenizer, started: float,
               data: dict) -> MetricsLog:
     """Rank 0's metrics log of the warm-up, and its ``run_info.json`` (``data``: the set sizes, the evaluation set
     being the one the warm-up keeps out). A warm-up has no resume: ``offgrpo sft`` follows ``offgrpo train``'s
-    run-directory rules (``train._run_dir.claim_run_dir``), so it starts in a directory without an earlier run's
+    run-directory rules (``runlog._run_dir.claim_run_dir``), so it starts in a directory without an earlier run's
     records (one moved aside by ``train.overwrite``), and starts new tracker runs."""
     run_dir = Path(config.train.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError, make_probe_ids
-from megatron_offgrpo.train._rollout_side import RolloutSide
+from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def refresh(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> 
     def install() -> None:
         try:
             report = rollout.install(buckets, version)
-            if report is not None:  # a detail: its time is in the progress line (train._logs keeps it off the console)
+            if report is not None:  # a detail: its time is in the progress line (runlog._logs keeps it off the console)
                 logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)
         finally:
             for _ in buckets:  # the export is collective: finish it even when the install stopped early

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from checkpoint_tools import DistModelCard, stream_hf_buckets, write_hf
 from megatron_offgrpo.data import ASSETS
 from megatron_offgrpo.model import QwenArch, hf_config_dict
+from megatron_offgrpo.runlog import writing
 from megatron_offgrpo.runtime import ParallelContext
-from megatron_offgrpo.train._disk import writing
 
 Bucket = list[tuple[str, torch.Tensor]]
 

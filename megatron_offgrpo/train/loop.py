@@ -18,13 +18,11 @@ from pathlib import Path
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.rollout import EngineDiedError
+from megatron_offgrpo.runlog import MetricsLog, checkpoints, finish_summary
+from megatron_offgrpo.sampler import RolloutSide, sample_metrics
 from megatron_offgrpo.train._checkpoint import changed_keys, load_rollout_state
-from megatron_offgrpo.train._log_tail import checkpoint_step, latest_checkpoint, read_log_tail
-from megatron_offgrpo.train._metrics import MetricsLog
-from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
-from megatron_offgrpo.train._summary import format_summary, write_summary
 from megatron_offgrpo.train._sync import on_rank0_shared, refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
@@ -110,7 +108,7 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
             log.log(step, metrics, samples)
         if nonfinite >= config.train.max_nonfinite_steps:
             raise RuntimeError(f"{nonfinite} non-finite losses in a row (step {step}): stopping; lower optim.lr "
-                               f"or check the data, then resume from {latest_checkpoint(run_dir)}")
+                               f"or check the data, then resume from {checkpoints.latest_checkpoint(run_dir)}")
         _persist(trainer, rollout, log, step + 1, version)
     if trainer.export_hf(run_dir / "hf") is not None:  # the trained policy, loadable by transformers
         logger.info("policy exported to %s", run_dir / "hf")
@@ -118,7 +116,8 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
     if rollout is not None:
         rollout.close()
         log.close()
-        summary = format_summary(*write_summary(run_dir))  # after the export and the last checkpoint: it names them
+        # after the export and the last checkpoint: it names them
+        summary = finish_summary(run_dir)
     return TrainResult(run_dir, summary)
 
 
@@ -127,11 +126,12 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
     before any sample comes from it. A resume: the checkpoint's step, whose weights the engine gets now, as the
     uninterrupted run's engine did at that step."""
     cfg = trainer.config
-    checkpoint = latest_checkpoint(cfg.train.out_dir) if cfg.train.resume else None
+    checkpoint = checkpoints.latest_checkpoint(cfg.train.out_dir) if cfg.train.resume else None
     if cfg.train.resume and checkpoint is None:
         logger.warning("--resume: no complete checkpoint in %s/checkpoints: starting at step 0", cfg.train.out_dir)
     if log is not None and cfg.train.resume:
-        log.resume_at(0 if checkpoint is None else checkpoint_step(checkpoint), read_log_tail(checkpoint))
+        log.resume_at(0 if checkpoint is None else checkpoints.checkpoint_step(checkpoint),
+                      checkpoints.read_log_tail(checkpoint))
     if checkpoint is None:
         verify(trainer, rollout, 0)
         return 0, 0
@@ -158,7 +158,7 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
     sampling metrics (``rollout.dynamic_sampling``'s group counts; {} elsewhere).
 
     Without ``rollout.overlap`` the refresh comes first and the batch is generated now (async: taken from the
-    generation thread's buffer, ``train._async``). With it, the batch generated during the previous step is
+    generation thread's buffer, ``sampler._async``). With it, the batch generated during the previous step is
     collected first, then the refresh, then the next batch starts generating (from the new version) while the
     trainer learns from this one.
     """
@@ -243,5 +243,5 @@ def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog 
     if rollout is not None:
         rollout.close()
         log.close()
-    checkpoint = latest_checkpoint(run_dir) if done > 0 else None
+    checkpoint = checkpoints.latest_checkpoint(run_dir) if done > 0 else None
     return RunStopped(signum, done, None if checkpoint is None else str(checkpoint))

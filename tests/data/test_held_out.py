@@ -16,7 +16,7 @@ import pytest
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.data import load_datasets, load_records
-from megatron_offgrpo.train import load_data
+from megatron_offgrpo.sampler import load_data
 from tests.helpers import REPO
 
 SFT, RL = str(REPO / "configs" / "tiny-cpu-sft.yaml"), str(REPO / "configs" / "tiny-cpu.yaml")

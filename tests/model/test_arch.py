@@ -61,7 +61,7 @@ def test_hf_config_round_trips(tmp_path):
 
 
 def test_te_spec_refused_on_cpu_with_reason():
-    from megatron_offgrpo.model import qwen_layer_spec
+    from megatron_offgrpo.model._spec import qwen_layer_spec
     from megatron_offgrpo.runtime import have_te
 
     if have_te():

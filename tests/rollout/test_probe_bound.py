@@ -10,7 +10,7 @@ import torch
 
 from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.rollout import PROBE_ATOL, probe_bound
-from megatron_offgrpo.train.builders import verify_tolerance
+from megatron_offgrpo.sampler._builders import verify_tolerance
 
 U = 2.0 ** -24
 

@@ -1,4 +1,4 @@
-"""rollout.mode=async (``train._async``): generation runs ahead of the trainer up to the staleness bound and pauses
+"""rollout.mode=async (``sampler._async``): generation runs ahead of the trainer up to the staleness bound and pauses
 there, batches are trained in the order their prompts were drawn, a generation error reaches the trainer, and a run
 killed at any point and resumed trains every prompt of the stream exactly once (the checkpoint keeps the untrained
 batches)."""
@@ -14,9 +14,9 @@ import pytest
 
 from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._async import AsyncGenerator, EngineGate
-from megatron_offgrpo.train._sampling import RolloutBatch
-from megatron_offgrpo.train.builders import sampling_params
+from megatron_offgrpo.sampler._async import AsyncGenerator, EngineGate
+from megatron_offgrpo.sampler._sampling import RolloutBatch
+from megatron_offgrpo.sampler._builders import sampling_params
 from tests.helpers import REPO
 from tests.train.conftest import kill_tree, metrics, train_cmd, train_env, train_proc
 
@@ -170,7 +170,7 @@ def test_close_joins_every_generation_thread_and_names_one_that_outlives_its_wai
     producer.take(0)
     _wait_for(lambda: sorted(gen.finished) == [0, 2])  # step 1 is mid-generation
     start = time.monotonic()
-    with caplog.at_level("WARNING", logger="megatron_offgrpo.train._async"):
+    with caplog.at_level("WARNING", logger="megatron_offgrpo.sampler._async"):
         assert producer.close(0.3) == ["offgrpo-rollout-step-1"]
     assert time.monotonic() - start < 3
     assert "closing the async rollout: thread(s) offgrpo-rollout-step-1 still running" in caplog.text
@@ -183,7 +183,7 @@ def test_an_error_while_the_async_producer_generates_joins_every_thread(tiny_hf_
     loop's error path closes it, and no thread it started outlives the error (one left inside the engine's native
     code at interpreter exit aborted the process: ``terminate called without an active exception``, exit 134)."""
     from megatron_offgrpo.config import load_config
-    from megatron_offgrpo.train._rollout_side import RolloutSide
+    from megatron_offgrpo.sampler._rollout_side import RolloutSide
     from megatron_offgrpo.train.loop import _close_after_error
     from tests.train.conftest import TINY
 
@@ -208,7 +208,7 @@ def test_async_steps_ask_the_engine_for_the_oldest_step_first(mode, priority):
 
 
 def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
-    from megatron_offgrpo.train._rollout_side import token_staleness_metrics
+    from megatron_offgrpo.sampler._rollout_side import token_staleness_metrics
 
     partial = Sample("p", 0, [1], [2, 3, 4], [-0.1] * 3, 3, "stop", token_versions=[3, 4, 5])
     whole = Sample("q", 1, [1], [2, 3], [-0.1] * 2, 4, "stop")
@@ -222,7 +222,7 @@ def test_token_staleness_weighs_each_token_by_the_version_that_sampled_it():
 def test_the_staleness_histograms_keep_a_fixed_number_of_keys_whatever_the_bound():
     """A bound of 1e9 made a key per value (no step in 300 s; at 1000 a 51 kB record): values 0..7 keep their own
     share, 8 and more share one key, for samples and for tokens alike."""
-    from megatron_offgrpo.train._rollout_side import sample_metrics
+    from megatron_offgrpo.sampler._rollout_side import sample_metrics
 
     samples = [Sample(f"p{v}", 0, [1], [2], [-0.1], 100 - stale, "stop", reward=1.0) for v, stale in
                enumerate([0, 0, 3, 7, 8, 40])]  # at step 100: staleness 0, 0, 3, 7, 8, 40

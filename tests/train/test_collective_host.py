@@ -14,7 +14,7 @@ import pytest
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.rollout import FleetEngine
 from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport
-from megatron_offgrpo.train._rollout_side import make_rollout_engine
+from megatron_offgrpo.sampler._rollout_side import make_rollout_engine
 from tests.helpers import REPO
 
 RECIPE = REPO / "configs" / "tiny-cpu.yaml"

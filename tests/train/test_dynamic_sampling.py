@@ -14,9 +14,9 @@ import torch
 from megatron_offgrpo.algo import AdvantageParams, compute_group_advantages
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.data import PromptStream, Sample
-from megatron_offgrpo.train import load_prompts
-from megatron_offgrpo.train._rollout_side import RolloutSide
-from megatron_offgrpo.train._sampling import NoLearningSignalError, SamplingStats, fill_batch, round_seed
+from megatron_offgrpo.sampler import load_prompts
+from megatron_offgrpo.sampler._rollout_side import RolloutSide
+from megatron_offgrpo.sampler._sampling import NoLearningSignalError, SamplingStats, fill_batch, round_seed
 from tests.helpers import REPO
 from tests.train.conftest import TINY, run_train, train_env
 from tests.train.rewards import answer_value
@@ -176,7 +176,7 @@ def test_one_round_keeps_the_shape_and_says_how_many_groups_are_degenerate(tiny_
     # even_length, one round: the batch is the first round's 4 groups, whatever their variance (no refill)
     side = _side(tiny_hf_dir, tmp_path, "rollout.max_sampling_rounds=1")
     try:
-        with caplog.at_level("INFO", logger="megatron_offgrpo.train._rollout_side"):
+        with caplog.at_level("INFO", logger="megatron_offgrpo.sampler._rollout_side"):
             batch = side.generate(0)
         stats, G = batch.stats, 4
         equal = [len({s.reward for s in batch.samples[b * G:(b + 1) * G]}) == 1 for b in range(4)]

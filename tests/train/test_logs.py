@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from megatron_offgrpo.train._logs import LOG_FILE, ConsoleFilter, vllm_logging_config
+from megatron_offgrpo.runlog._logs import LOG_FILE, ConsoleFilter, vllm_logging_config
 from tests.helpers import REPO
-from megatron_offgrpo.train import read_metrics
+from megatron_offgrpo.runlog import read_metrics
 from tests.train.conftest import TINY
 from tests.train.trackers import tensorboard_scalars
 
@@ -60,7 +60,7 @@ def test_vllm_configures_its_loggers_from_our_file(tmp_path):
     pytest.importorskip("vllm")
     script = textwrap.dedent(f"""
         import logging
-        from megatron_offgrpo.train._logs import setup_logging
+        from megatron_offgrpo.runlog._logs import setup_logging
         setup_logging({str(tmp_path)!r})
         from vllm.config.logging import LoggingConfig
         from vllm.logger import configure_logging

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_offgrpo.train._metrics import MetricsLog, plain_scalar, read_metrics
-from megatron_offgrpo.train._trackers import TensorBoardTracker
+from megatron_offgrpo.runlog._metrics import MetricsLog, plain_scalar, read_metrics
+from megatron_offgrpo.runlog._trackers import TensorBoardTracker
 
 
 def test_plain_scalar_unwraps_tensors_and_numpy_scalars():
@@ -38,7 +38,7 @@ def test_tensor_and_numpy_metrics_reach_jsonl_and_tensorboard(tmp_path, capsys):
 
 
 def test_response_length_distribution_by_hand():
-    from megatron_offgrpo.train._rollout_side import length_metrics
+    from megatron_offgrpo.sampler._rollout_side import length_metrics
 
     # 10 lengths 1..10: mean 5.5; nearest rank: p50 = the 5th (ceil(0.5 x 10)), p90 = the 9th
     assert length_metrics([7, 1, 10, 2, 9, 3, 8, 4, 6, 5]) == {"response_len": 5.5, "response_len_min": 1,

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import load_config
-from megatron_offgrpo.train._rollout_side import RolloutSide, sample_metrics
+from megatron_offgrpo.sampler._rollout_side import RolloutSide, sample_metrics
 from tests.helpers import REPO
 from tests.train.conftest import TINY, metrics, run_train, train_env
 

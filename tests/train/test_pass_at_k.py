@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_offgrpo.train._eval import pass_at_k, pass_ks
+from megatron_offgrpo.sampler._eval import pass_at_k, pass_ks
 
 
 def test_pass_at_k_by_hand():

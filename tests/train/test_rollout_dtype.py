@@ -8,7 +8,7 @@ import pytest
 
 from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.rollout import have_vllm
-from megatron_offgrpo.train.builders import serving_dtype, verify_tolerance
+from megatron_offgrpo.sampler._builders import serving_dtype, verify_tolerance
 from tests.train.conftest import metrics, train_proc
 
 

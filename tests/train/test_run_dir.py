@@ -10,8 +10,8 @@ import torch
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.train._checkpoint import changed_keys, resume_schedule, sweep_partial_checkpoints
-from megatron_offgrpo.train._metrics import MetricsLog
-from megatron_offgrpo.train._run_dir import LOCK_FILE, claim_run_dir
+from megatron_offgrpo.runlog._metrics import MetricsLog
+from megatron_offgrpo.runlog._run_dir import LOCK_FILE, claim_run_dir
 from tests.helpers import REPO
 
 RECIPE = REPO / "configs" / "tiny-cpu.yaml"
@@ -187,7 +187,7 @@ def _hold_lock_in_subprocess(run_dir):
     import sys
 
     code = ("import sys, time; from megatron_offgrpo.config import load_config; "
-            "from megatron_offgrpo.train._run_dir import claim_run_dir; "
+            "from megatron_offgrpo.runlog._run_dir import claim_run_dir; "
             f"lock = claim_run_dir(load_config({SFT_RECIPE!r}, ['train.out_dir={run_dir}'])); "
             "print('held', flush=True); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
@@ -268,7 +268,7 @@ def test_a_resume_with_records_behind_its_checkpoint_restores_them_or_names_them
     (step 8's gone, step 7's torn) behind a checkpoint after step 8. Every step is logged exactly once after the
     resume (from the checkpoint's copy of the log), and each warning says what happens; a checkpoint without a copy
     names the steps lost instead of promising them again."""
-    from megatron_offgrpo.train._log_tail import latest_checkpoint, read_log_tail
+    from megatron_offgrpo.runlog._checkpoints import latest_checkpoint, read_log_tail
 
     _log_with_checkpoints(tmp_path, steps=9, save_every=3, keep_copy=keep_copy)  # checkpoints after 3, 6 and 9 steps
     path = tmp_path / "metrics.jsonl"
@@ -282,7 +282,7 @@ def test_a_resume_with_records_behind_its_checkpoint_restores_them_or_names_them
         f"WARNING: {path}:8: a torn last record (the run stopped while writing it) was cut off; its step 7 is before "
         f"the resume's (step 9){fate}"]
     log = MetricsLog(tmp_path, total_steps=10)
-    with caplog.at_level("WARNING", logger="megatron_offgrpo.train._metrics"):
+    with caplog.at_level("WARNING", logger="megatron_offgrpo.runlog._metrics"):
         log.resume_at(9, read_log_tail(latest_checkpoint(tmp_path)))  # what train.loop._start does
     log.log(9, {"reward_mean": 0.9})
     log.close()
@@ -317,7 +317,7 @@ def test_a_full_disk_names_the_file_being_written(site, tmp_path, monkeypatch):
     import errno
 
     from megatron_offgrpo.data import Sample
-    from megatron_offgrpo.train import no_space_line
+    from megatron_offgrpo.runlog import no_space_line
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

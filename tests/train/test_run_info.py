@@ -17,7 +17,7 @@ import torch
 from megatron_offgrpo import build_info
 from megatron_offgrpo.rollout import FleetEngine, TransformersEngine
 from megatron_offgrpo.runtime import ParallelContext
-from megatron_offgrpo.train import _run_info
+from megatron_offgrpo.runlog import _run_info
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from megatron_offgrpo.train import format_summary, locations, run_summary, write_summary
+from megatron_offgrpo.runlog._summary import format_summary, run_summary, write_summary
+from megatron_offgrpo.runlog._summary import locations
 
 
 def _records() -> list[dict]:
@@ -72,14 +73,16 @@ def test_the_end_of_run_lines_name_the_numbers_and_where_things_are(tmp_path):
 
 def test_write_summary_puts_the_fields_and_the_locations_in_summary_json(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records()))
-    assert locations(tmp_path)["hf"] is None and locations(tmp_path)["checkpoint"] is None
+    from megatron_offgrpo.runlog._checkpoints import latest_checkpoint  # the newest complete checkpoint
+
+    assert locations(tmp_path, None)["hf"] is None and locations(tmp_path, None)["checkpoint"] is None
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     done = tmp_path / "checkpoints" / "step_00000010"
     done.mkdir(parents=True)
     (done / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoints" / "step_00000012.tmp").mkdir()  # a save cut short: not a checkpoint
-    summary, where = write_summary(tmp_path)
+    summary, where = write_summary(tmp_path, latest_checkpoint(tmp_path))
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["steps"] == 10 and data["held_out"] == [0, 0.1, 10, 0.8] and data["refreshes"] == 4
     assert data["time_share"]["generate"] == pytest.approx(0.5)

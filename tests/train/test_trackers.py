@@ -20,10 +20,10 @@ import torch
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train import _trackers
-from megatron_offgrpo.train._metrics import MetricsLog, completion_rows, read_metrics
+from megatron_offgrpo.runlog import _trackers
+from megatron_offgrpo.runlog._metrics import MetricsLog, completion_rows, read_metrics
 from megatron_offgrpo.train._preflight import tracker_errors
-from megatron_offgrpo.train._trackers import BACKENDS, SAMPLE_COLUMNS, make_trackers
+from megatron_offgrpo.runlog._trackers import BACKENDS, SAMPLE_COLUMNS, make_trackers
 from tests.helpers import REPO
 from tests.train.trackers import (
     OFFLINE_ENV,

@@ -18,7 +18,7 @@ from checkpoint_tools import DIST_MODEL_KEY
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import init_parallel
-from megatron_offgrpo.train._log_tail import latest_checkpoint
+from megatron_offgrpo.runlog._checkpoints import latest_checkpoint
 from megatron_offgrpo.train._policy import build_policy
 from megatron_offgrpo.train._trainer_side import probe_logprobs
 from megatron_offgrpo.train.loop import train

@@ -64,6 +64,20 @@ def build_prompts(config: Config, tokenizer, records: list[QARecord]) -> list[Pr
     return prompts
 
 
+def prompt_length_error(prompts, config: Config, max_positions: int, split: str) -> str | None:
+    """The longest prompt of ``split`` plus the longest response (``rollout.max_new_tokens``, or a multi-turn
+    episode's ``env.max_tokens``) over the model's positions (the engine would cap it short silently), or None."""
+    longest = max((len(p.prompt_ids) for p in prompts), default=0)
+    env = config.env
+    key, new = (("env.max_tokens", env.episode_tokens(config.rollout.max_new_tokens)) if env.name
+                else ("rollout.max_new_tokens", config.rollout.max_new_tokens))
+    if longest + new <= max_positions:
+        return None
+    return (f"{key}={new}: the longest prompt of data split {split!r} has {longest} tokens, so a "
+            f"sequence reaches {longest + new}, over the model's max_position_embeddings={max_positions}: lower "
+            f"{key} to <= {max(max_positions - longest, 0)} (or data.max_prompt_tokens)")
+
+
 def load_prompts(config: Config, tokenizer, role: str) -> list[Prompt]:
     """The prompts of ``role`` ("train": the training stream's; "eval": the first ``train.eval_prompts`` of the
     evaluation set) of the recipe's dataset."""

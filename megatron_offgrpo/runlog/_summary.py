@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron_offgrpo.train._metrics import read_metrics
+from megatron_offgrpo.runlog._metrics import read_metrics
 
 TIME_KEYS = {"generate": "time_generate_s", "sync": "time_sync_s", "train": "time_train_s"}
 """The parts of a step's time, as the summary names them -> their metric."""
@@ -132,13 +132,10 @@ def _change(pair: tuple[float, float] | None) -> str:
     return "not logged" if pair is None else f"{pair[0]:.3f} -> {pair[1]:.3f}"
 
 
-def locations(run_dir: str | Path) -> dict[str, str | None]:
+def locations(run_dir: str | Path, checkpoint: Path | None) -> dict[str, str | None]:
     """Where a run's outputs are: the directory, its metrics, the HF policy and the newest checkpoint (None when
-    absent), and the command that draws its plots."""
-    from megatron_offgrpo.train._log_tail import latest_checkpoint
-
+    absent; ``runlog.latest_checkpoint``), and the command that draws its plots."""
     run_dir = Path(run_dir)
-    checkpoint = latest_checkpoint(run_dir)
     return {"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"),
             "hf": str(run_dir / "hf") if (run_dir / "hf" / "config.json").exists() else None,
             "checkpoint": None if checkpoint is None else str(checkpoint),
@@ -169,13 +166,21 @@ def format_summary(summary: RunSummary, where: dict[str, str | None]) -> str:
     return "\n".join(lines)
 
 
-def write_summary(run_dir: str | Path) -> tuple[RunSummary, dict[str, str | None]]:
-    """Summarise the run in ``run_dir`` from its ``metrics.jsonl`` and write ``RUN/summary.json`` (the fields,
-    ``time_share`` and ``locations``); returns the summary and the locations."""
-    summary, where = run_summary(read_metrics(run_dir)), locations(run_dir)
+def write_summary(run_dir: str | Path, checkpoint: Path | None) -> tuple[RunSummary, dict[str, str | None]]:
+    """Summarise the run in ``run_dir`` (whose newest checkpoint is ``checkpoint``) from its ``metrics.jsonl`` and
+    write ``RUN/summary.json`` (the fields, ``time_share`` and ``locations``); returns the summary and the locations."""
+    summary, where = run_summary(read_metrics(run_dir)), locations(run_dir, checkpoint)
     data = dataclasses.asdict(summary) | {"time_share": summary.time_share, "locations": where}
     path = Path(run_dir) / SUMMARY_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
     return summary, where
+
+
+def finish_summary(run_dir: str | Path) -> str:
+    """Write ``RUN/summary.json`` for the run as it ends (its newest checkpoint named) and return what the console
+    prints once."""
+    from megatron_offgrpo.runlog._checkpoints import latest_checkpoint
+
+    return format_summary(*write_summary(run_dir, latest_checkpoint(run_dir)))

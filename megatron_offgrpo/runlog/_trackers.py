@@ -1,6 +1,6 @@
 """Experiment trackers: where a run's metrics, config and sample completions go besides ``RUN/metrics.jsonl``.
 
-One class per backend behind the ``Tracker`` protocol; ``MetricsLog`` (``train._metrics``) writes the JSONL and fans
+One class per backend behind the ``Tracker`` protocol; ``MetricsLog`` (``runlog._metrics``) writes the JSONL and fans
 every record out to them. They take plain numbers (``MetricsLog`` converts tensors and bools), the config as a nested
 dict, and ``SampleRow``s. A backend's package is imported only when its tracker is
 built; ``missing_trackers`` tells the preflight which named ones cannot be.

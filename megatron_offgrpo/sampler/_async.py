@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Callable, Iterator, Sequence
 
-from megatron_offgrpo.train._sampling import RolloutBatch
+from megatron_offgrpo.sampler._sampling import RolloutBatch
 
 logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 60.0

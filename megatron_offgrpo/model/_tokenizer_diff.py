@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megatron_offgrpo.data import ASSETS
 
-BUNDLED = ASSETS / "qwen2-tokenizer"  # what ``_prompts.load_tokenizer`` reads for a directory without a tokenizer
+BUNDLED = ASSETS / "qwen2-tokenizer"  # what ``_tokenizer.load_tokenizer`` reads for a directory without a tokenizer
 
 
 def tokenizer_source(model_dir: Path) -> Path:
@@ -31,14 +31,13 @@ def tokenizer_source(model_dir: Path) -> Path:
     return model_dir.resolve() if (model_dir / "tokenizer_config.json").is_file() else BUNDLED.resolve()
 
 
-def tokenizer_difference(policy_dir: Path, teacher_dir: Path) -> str | None:
+def tokenizer_difference(policy_dir: Path, teacher_dir: Path, load: Callable[[str], Any]) -> str | None:
     """The first way the teacher's tokenizer (``teacher_dir``'s) gives the policy's (``policy_dir``'s) tokens other
-    ids or cuts text otherwise, in words ("token 'abc' is id 17 in the policy, 912 in the teacher"), or None."""
+    ids or cuts text otherwise, in words ("token 'abc' is id 17 in the policy, 912 in the teacher"), or None.
+    ``load``: ``_tokenizer.load_tokenizer`` (passed in: that module calls this one)."""
     if tokenizer_source(policy_dir) == tokenizer_source(teacher_dir):
         return None  # one tokenizer
-    from megatron_offgrpo.model import load_tokenizer  # transformers: read once per process and directory
-
-    policy, teacher = load_tokenizer(str(policy_dir)), load_tokenizer(str(teacher_dir))
+    policy, teacher = load(str(policy_dir)), load(str(teacher_dir))
     difference = _id_difference(policy, teacher.get_vocab()) or _rules_difference(policy, teacher)
     if difference is None:
         return None

@@ -39,7 +39,7 @@ def evaluate(rollouts: Callable[[Sequence[Prompt], int, SamplingParams], list[Sa
     alike, so its points compare).
 
     Args:
-        rollouts: prompts, n, sampling -> n rewarded samples per prompt (``train._generate.Rollouts``: completions
+        rollouts: prompts, n, sampling -> n rewarded samples per prompt (``sampler._generate.Rollouts``: completions
             scored by the task's reward, or multi-turn episodes rewarded by their environment).
     """
     greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)

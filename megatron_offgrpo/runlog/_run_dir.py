@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.train._log_tail import torn_fate
-from megatron_offgrpo.train._metrics import SAMPLES_FILE, cut_torn_tail, numbered_records
+from megatron_offgrpo.runlog._checkpoints import torn_fate
+from megatron_offgrpo.runlog._metrics import SAMPLES_FILE, cut_torn_tail, numbered_records
 
 LOCK_FILE = ".offgrpo.lock"
 NAME_MAX = 255  # bytes of one path component on every filesystem a run is likely to write (ext4, xfs, NFS, Lustre)
@@ -187,7 +187,7 @@ def _check_records(run_dir: Path) -> None:
 
 def _cut_torn_tails(run_dir: Path) -> None:
     """Cut a torn last line (a kill or a full disk during its write) off the records a resume continues, saying
-    so and what becomes of its step (``train._log_tail.torn_fate``). Rank 0, holding the lock."""
+    so and what becomes of its step (``runlog._checkpoints.torn_fate``). Rank 0, holding the lock."""
     for name in ("metrics.jsonl", SAMPLES_FILE):
         if (path := run_dir / name).is_file() and (line := cut_torn_tail(path)) is not None:
             records = numbered_records(path, warn_torn=False)

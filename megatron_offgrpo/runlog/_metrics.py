@@ -1,6 +1,6 @@
 """Run metrics: one JSON line per step in ``RUN/metrics.jsonl`` (always), sample completions in ``RUN/samples.jsonl``
 every ``train.samples_every`` steps, a console progress line, and the same records fanned out to the trackers of
-``train.loggers`` (``train._trackers``: TensorBoard, wandb, mlflow)."""
+``train.loggers`` (``runlog._trackers``: TensorBoard, wandb, mlflow)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.train._disk import writing
-from megatron_offgrpo.train._log_tail import merge_metrics, merge_samples, steps_text
-from megatron_offgrpo.train._trackers import SampleRow, Tracker, make_trackers
+from megatron_offgrpo.runlog._disk import writing
+from megatron_offgrpo.runlog._checkpoints import merge_metrics, merge_samples, steps_text
+from megatron_offgrpo.runlog._trackers import SampleRow, Tracker, make_trackers
 
 logger = logging.getLogger(__name__)
 SAMPLE_GROUPS = 2
@@ -66,12 +66,6 @@ def grpo_progress(values: dict[str, Any]) -> str:
             f"train {values.get('time_train_s', 0):.1f}s {values.get('tokens_per_s', 0):.0f} tok/s")
 
 
-def sft_progress(values: dict[str, Any]) -> str:
-    """The middle of a warm-up step's progress line: cross-entropy, learning rate, throughput."""
-    return (f"cross-entropy {values.get('loss', float('nan')):.4f} lr {values.get('lr', 0):.2e} "
-            f"{values.get('tokens_per_s', 0):.0f} tok/s")
-
-
 class MetricsLog:
     """Writes ``RUN/metrics.jsonl`` and ``RUN/samples.jsonl`` and feeds the trackers; only rank 0 creates one."""
 
@@ -96,7 +90,7 @@ class MetricsLog:
 
     def checkpoint_tail(self) -> dict[str, list[dict[str, Any]]]:
         """Make every record and completion row logged so far durable (fsync), and hand over those logged since the
-        previous call for the checkpoint about to be published to keep (``train._log_tail``): its records are then
+        previous call for the checkpoint about to be published to keep (``runlog._checkpoints``): its records are then
         on disk before it is, so a crash never leaves a checkpoint ahead of ``metrics.jsonl``."""
         self._file.flush()
         with writing(self.path):

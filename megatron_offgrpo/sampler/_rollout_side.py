@@ -21,13 +21,12 @@ from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
                                       UnservableModelError, make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
-from megatron_offgrpo.train._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
-from megatron_offgrpo.train._eval import EVAL_BATCH, evaluate
-from megatron_offgrpo.train._generate import Rollouts, env_factory
-from megatron_offgrpo.train._preflight import prompt_length_error
-from megatron_offgrpo.train._prompts import build_prompts, load_data, log_data, used_records
-from megatron_offgrpo.train._sampling import RolloutBatch, fill_batch, round_seed
-from megatron_offgrpo.train.builders import sampling_params, serving_dtype, verify_tolerance
+from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
+from megatron_offgrpo.sampler._builders import sampling_params, serving_dtype, verify_tolerance
+from megatron_offgrpo.sampler._eval import EVAL_BATCH, evaluate
+from megatron_offgrpo.sampler._generate import Rollouts, env_factory
+from megatron_offgrpo.sampler._prompts import build_prompts, load_data, log_data, prompt_length_error, used_records
+from megatron_offgrpo.sampler._sampling import RolloutBatch, fill_batch, round_seed
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ class RolloutSide:
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     # (step, its generation, the stream's position before it drew): a failed prefetch's prompts are drawn again
     _pending: tuple[int, concurrent.futures.Future, dict[str, int]] | None = None
-    # rollout.mode=async: the generation threads, and the gate every use of the engine passes (train._async)
+    # rollout.mode=async: the generation threads, and the gate every use of the engine passes (sampler._async)
     _async: AsyncGenerator | None = None
     gate: EngineGate = dataclasses.field(default_factory=EngineGate)
     _stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # steps draw from threads
@@ -114,7 +113,7 @@ class RolloutSide:
         """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step (per round).
 
         With ``rollout.dynamic_sampling``, groups whose rewards are all equal are discarded and further rounds refill
-        the batch from the stream (``train._sampling.fill_batch``). Samples carry the version that generated them
+        the batch from the stream (``sampler._sampling.fill_batch``). Samples carry the version that generated them
         (with ``rollout.partial_rollouts`` a refresh may come during a step: then each token carries its own).
         ``drawn()`` is called once the first round's prompts are drawn (``rollout.mode=async`` starts the next step
         then).

@@ -1,0 +1,182 @@
+"""The house's walls that are sizes and circles, read from the source with ``ast`` (nothing is imported; < 1 s):
+small doors, no room too large a share of the product, train/ a page-sized room, no circle of files, and benchmarks/
+entering the package through its doors only (issue 48). The import rules between rooms are ``test_rooms.py``'s.
+
+A file circle is a cycle of imports between modules: every import counts (top-level and inside functions), except
+those under ``if TYPE_CHECKING:``, which never run. An import of a name through a lazy door (``_EXPORTS``) is an
+import of the module the door loads it from.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+
+from tests.test_rooms import PKGS, _imported, _module_of, cycles, room_of_module
+
+REPO = Path(__file__).resolve().parents[1]  # not tests.helpers: that imports torch, and this test needs none
+PRODUCT = PKGS + ("benchmarks", "launch")  # and the repository's top-level .py files (setup.py): not tests/
+DOOR_NAMES = 15
+"""Most names a room's door exports."""
+WIDE_DOORS = {"checkpoint_tools": 37, "megatron_offgrpo.algo": 32, "megatron_offgrpo.config": 17,
+              "megatron_offgrpo.data": 29, "megatron_offgrpo.fleet": 37, "megatron_offgrpo.rollout": 24,
+              "megatron_offgrpo.transports": 35}
+"""The doors over ``DOOR_NAMES`` when the wall was built, and their sizes then: they may narrow, never widen."""
+ROOM_SHARE = 0.12
+"""Most of the product's lines one room may hold."""
+TRAIN = "megatron_offgrpo/train"
+TRAIN_FILES, TRAIN_LINES = 20, 2700
+"""train/ holds the loop, the trainer side and the step (DESIGN.md): sampling and bookkeeping have rooms of their
+own."""
+SCRIPTS = ("benchmarks",)
+"""Scripts that use the package as a user would: through the doors only."""
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def _product_files(root: Path) -> list[Path]:
+    return sorted([p for d in PRODUCT for p in (root / d).rglob("*.py")] + list(root.glob("*.py")))
+
+
+def door_names(init: Path) -> list[str]:
+    """The names a door exports: its ``__all__`` (a list, or ``sorted(_EXPORTS)`` of a lazy door's table)."""
+    tree = ast.parse(init.read_text())
+    values = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+              for target in node.targets if isinstance(target, ast.Name)}
+    names = values.get("__all__")
+    if isinstance(names, ast.Call) and names.args and isinstance(names.args[0], ast.Name):
+        names = values.get(names.args[0].id)  # __all__ = sorted(_EXPORTS)
+    if names is None:
+        return []
+    value = ast.literal_eval(names)
+    return list(value.keys() if isinstance(value, dict) else value)
+
+
+def _executed_imports(nodes):
+    """The import statements under ``nodes`` that can run: not those under ``if TYPE_CHECKING:``."""
+    for node in nodes:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _executed_imports(node.orelse)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        else:
+            yield from _executed_imports(ast.iter_child_nodes(node))
+
+
+def _lazy_table(init: Path) -> dict[str, str]:
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def file_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports (see the module docstring)."""
+    files = {_module_of(p, root): p for pkg in PKGS for p in sorted((root / pkg).rglob("*.py"))}
+    lazy = {module: _lazy_table(path) for module, path in files.items() if path.name == "__init__.py"}
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for module, path in files.items():
+        for node in _executed_imports([ast.parse(path.read_text(), filename=str(path))]):
+            for name in _imported(node, module, path.name == "__init__.py"):
+                if name in files:
+                    target = name
+                else:
+                    base, _, leaf = name.rpartition(".")
+                    if base not in files:
+                        continue
+                    target = lazy.get(base, {}).get(leaf, base)
+                if target != module:
+                    edges[module].add(target)
+    return edges
+
+
+def script_private_imports(root: Path) -> list[str]:
+    """Imports of a ``_private`` module or name of the package from ``SCRIPTS``."""
+    found = []
+    for script in SCRIPTS:
+        for path in sorted((root / script).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                for name in _imported(node, _module_of(path, root), path.name == "__init__.py"):
+                    room = room_of_module(name)
+                    tail = name[len(room):].lstrip(".").split(".") if room else []
+                    if any(t.startswith("_") and not t.startswith("__") for t in tail if t):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    return found
+
+
+def test_every_door_is_small():
+    sizes = {room_of_module(_module_of(init, REPO)): len(door_names(init))
+             for pkg in PKGS for init in sorted((REPO / pkg).rglob("__init__.py"))
+             if room_of_module(_module_of(init, REPO)) == _module_of(init, REPO)}
+    assert sizes["megatron_offgrpo.train"] > 0, "no door's names found: the scan reads the wrong thing"
+    wide = {room: f"{n} names" + (f" (was {WIDE_DOORS[room]})" if room in WIDE_DOORS else "")
+            for room, n in sizes.items() if n > WIDE_DOORS.get(room, DOOR_NAMES)}
+    assert not wide, f"doors over {DOOR_NAMES} names (or wider than they were): {wide}"
+
+
+def test_no_room_holds_more_than_its_share_of_the_product():
+    total = sum(_lines(p) for p in _product_files(REPO))
+    rooms: dict[str, int] = collections.Counter()
+    for pkg in PKGS:
+        for path in (REPO / pkg).rglob("*.py"):
+            rooms[room_of_module(_module_of(path, REPO))] += _lines(path)
+    assert total > 10_000 and len(rooms) > 10, "the product looks empty: the scan reads the wrong place"
+    over = {room: f"{n / total:.1%}" for room, n in rooms.items() if n > ROOM_SHARE * total}
+    assert not over, f"rooms over {ROOM_SHARE:.0%} of the product's {total} lines: {over}"
+
+
+def test_train_stays_a_room_of_the_loop_the_trainer_side_and_the_step():
+    files = sorted((REPO / TRAIN).glob("*.py"))
+    lines = sum(_lines(p) for p in files)
+    assert len(files) <= TRAIN_FILES and lines <= TRAIN_LINES, (
+        f"{TRAIN}/: {len(files)} files, {lines} lines (at most {TRAIN_FILES} and {TRAIN_LINES}): what does not run "
+        "on every trainer rank has a room of its own (sampler/: rank 0's sampling; runlog/: the run's records)")
+
+
+def test_no_file_circles():
+    edges = file_graph(REPO)
+    assert len(edges) > 50, "few imports found: the scan reads the wrong place"
+    found = cycles(edges)
+    assert not found, "modules that import each other (in a circle):\n  " + "\n  ".join(" -> ".join(c) for c in found)
+
+
+def test_benchmarks_enter_by_the_doors():
+    found = script_private_imports(REPO)
+    assert not found, "benchmarks import private modules or names (use a door):\n  " + "\n  ".join(found)
+
+
+@pytest.fixture
+def toy(tmp_path):
+    files = {
+        "megatron_offgrpo/__init__.py": "",
+        "megatron_offgrpo/train/__init__.py": (
+            '_EXPORTS = {"go": "megatron_offgrpo.train._b"}\n__all__ = sorted(_EXPORTS)\n'
+        ),
+        "megatron_offgrpo/train/_a.py": "def f():\n    from megatron_offgrpo.train import go\n",  # via the lazy door
+        "megatron_offgrpo/train/_b.py": "from megatron_offgrpo.train._c import x\n",
+        "megatron_offgrpo/train/_c.py": "from . import _a\n",  # relative, closes _a -> _b -> _c -> _a
+        "megatron_offgrpo/model/__init__.py": "__all__ = ['A', 'B']\nfrom megatron_offgrpo.model._d import A, B\n",
+        "megatron_offgrpo/model/_d.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_offgrpo.model import A\n"
+        ),  # never runs: no circle
+        "benchmarks/x.py": (
+            "def main():\n    from megatron_offgrpo.train._b import x\n    from megatron_offgrpo.train import go\n"
+        ),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_the_scans_see_each_kind_of_breach(toy):
+    assert door_names(toy / "megatron_offgrpo/train/__init__.py") == ["go"]
+    assert door_names(toy / "megatron_offgrpo/model/__init__.py") == ["A", "B"]
+    assert cycles(file_graph(toy)) == [["megatron_offgrpo.train._a", "megatron_offgrpo.train._b",
+                                        "megatron_offgrpo.train._c"]]
+    assert script_private_imports(toy) == ["benchmarks/x.py:2 megatron_offgrpo.train._b.x"]
