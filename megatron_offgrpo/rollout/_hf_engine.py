@@ -40,10 +40,12 @@ class TransformersEngine:
     Attributes:
         name: server name put on samples ("transformers").
         concurrent_generate: False: calls from several threads take turns (HF's ``generate`` has no shared batch).
+        partial_rollouts: False: a refresh waits for the generation in flight.
     """
 
     name = "transformers"
     concurrent_generate = False
+    partial_rollouts = False
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  record_routing: bool = False) -> None:

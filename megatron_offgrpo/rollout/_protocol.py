@@ -14,10 +14,17 @@ from megatron_offgrpo.transports import Buckets
 class RolloutEngine(Protocol):
     """Generates completions with versioned weights; the only thing the trainer knows about generation.
 
-    An engine whose ``generate`` may be called from several threads at once, their requests sharing one batch (a
-    request that ends frees its slot for any caller's next one), says so with ``concurrent_generate = True``: the
-    in-process vLLM engine and the fleet client do; ``rollout.mode=async`` then generates several steps at once.
+    Capabilities, which the trainer reads instead of probing the engine:
+        concurrent_generate: ``generate`` may be called from several threads at once, their requests sharing one
+            batch (a request that ends frees its slot for any caller's next one): the in-process vLLM engine and the
+            fleet client (but while they record routing with hooks); ``rollout.mode=async`` then generates several
+            steps at once.
+        partial_rollouts: a refresh lands between two decode steps of the requests in flight, which go on under the
+            new weights (each token keeps its version): vLLM engines built with it.
     """
+
+    concurrent_generate: bool
+    partial_rollouts: bool
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[Sample]:
         """Return ``len(prompts) * n`` samples, grouped: samples ``[i*n, (i+1)*n)`` have ``group_id == i``.

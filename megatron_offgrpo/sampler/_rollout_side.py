@@ -19,7 +19,7 @@ from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
-                                      UnservableModelError, make_engine, verify_refresh)
+                                      UnservableModelError, make_engine, specs, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
 from megatron_offgrpo.sampler._builders import sampling_params, serving_dtype, verify_tolerance
@@ -94,7 +94,7 @@ class RolloutSide:
         except ValueError as exc:  # before the engine starts
             raise ConfigError(str(exc)) from None
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
-        if config.rollout.partial_rollouts and not getattr(engine, "partial_rollouts", False):
+        if config.rollout.partial_rollouts and not engine.partial_rollouts:
             engine.close()  # rollout.engine=auto fell back (its warning says why)
             raise ConfigError(f"rollout.partial_rollouts=true needs vLLM (in-process or a fleet); the run got the "
                               f"{engine.name} engine: install vLLM, or set partial_rollouts=false")
@@ -106,7 +106,7 @@ class RolloutSide:
             side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
         if config.rollout.mode == "async":
             side._async = AsyncGenerator(side.generate, side.gate, config.rollout.staleness_bound(),
-                                         config.train.steps, getattr(engine, "concurrent_generate", False))
+                                         config.train.steps, engine.concurrent_generate)
         return side
 
     def generate(self, step: int, drawn: Callable[[], None] = lambda: None) -> RolloutBatch:
@@ -287,26 +287,28 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
         run_dir: the run directory (a disk refresh writes its versions under it; None: an engine never refreshed).
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
     """
+    try:
+        return make_engine(engine_spec(config, model_dir, run_dir, max_positions))
+    except UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
+        raise ConfigError(f"rollout.engine=vllm: {exc}: use rollout.engine=auto (falls back to the transformers "
+                          "engine) or rollout.engine=transformers") from None
+
+
+def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> specs.EngineSpec:
+    """The spec of ``rollout.engine``'s engine (``make_rollout_engine``'s arguments)."""
     r, routing = config.rollout, config.model.router_replay
     if r.engine == "fleet":
-        return make_engine("fleet", state=r.fleet_state, transport=r.transport,
-                           shared_dir=None if run_dir is None else run_dir / "weights",
-                           bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=r.shm_dir,
-                           record_routing=routing, partial_rollouts=r.partial_rollouts)
-    if r.engine in ("vllm", "auto"):
-        # explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
-        try:
-            return make_engine(r.engine, model_dir, dtype=serving_dtype(r, config.model.precision),
-                               max_model_len=generation_length(config, max_positions),
-                               max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH),
-                               record_routing=routing, partial_rollouts=r.partial_rollouts)
-        except UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
-            raise ConfigError(f"rollout.engine=vllm: {exc}: use rollout.engine=auto (falls back to the transformers "
-                              "engine) or rollout.engine=transformers") from None
-    import torch
-
-    return make_engine(r.engine, model_dir, dtype=getattr(torch, serving_dtype(r, config.model.precision)),
-                       record_routing=routing)
+        return specs.FleetClientSpec(
+            Path(r.fleet_state), r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
+            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=Path(r.shm_dir),
+            record_routing=routing, partial_rollouts=r.partial_rollouts)
+    # the dtype explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
+    dtype = serving_dtype(r, config.model.precision)
+    if r.engine == "transformers":
+        return specs.TransformersSpec(model_dir, dtype, record_routing=routing)
+    return specs.VllmSpec(model_dir, dtype, max_model_len=generation_length(config, max_positions),
+                          max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
+                          partial_rollouts=r.partial_rollouts, fall_back=r.engine == "auto")
 
 
 def generation_length(config: Config, max_positions: int) -> int:

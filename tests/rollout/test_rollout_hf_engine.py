@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import SamplingParams
-from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, make_probe_ids, verify_refresh
+from megatron_offgrpo.rollout import (RolloutEngine, TransformersEngine, make_engine, make_probe_ids, specs,
+                                      verify_refresh)
 from megatron_offgrpo.transports import version_dir, write_version_dir
 from tests.rollout import scenarios
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, load_hf_model, perturbed
@@ -84,10 +85,12 @@ def test_verification_catches_wrong_weights(engine, tiny_dir):
 def test_auto_picks_transformers_without_vllm(tiny_dir, monkeypatch):
     monkeypatch.setattr("megatron_offgrpo.rollout._factory.have_vllm", lambda: False)
     with pytest.warns(RuntimeWarning, match="vLLM is not installed"):
-        engine = make_engine("auto", tiny_dir)
-    assert isinstance(engine, TransformersEngine)
-    with pytest.raises(ValueError, match="kind='nope'"):
-        make_engine("nope", tiny_dir)
+        engine = make_engine(specs.VllmSpec(tiny_dir, fall_back=True))
+    assert isinstance(engine, TransformersEngine) and not engine.partial_rollouts and not engine.concurrent_generate
+    with pytest.raises(ModuleNotFoundError, match="the vllm engine needs vLLM"):
+        make_engine(specs.VllmSpec(tiny_dir))  # no fall-back asked for
+    with pytest.raises(TypeError, match="takes an engine spec"):
+        make_engine("auto")
 
 
 def test_tied_embeddings_refresh(tmp_path):
@@ -120,11 +123,11 @@ def test_a_head_size_vllms_cpu_attention_lacks_falls_back_or_is_refused_before_i
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after: the check comes before any setup
     with pytest.warns(RuntimeWarning, match=f"rollout.engine=auto: vLLM cannot serve .*: vLLM's CPU attention has no "
                                             f"kernel for head_dim={unsupported} .*using the transformers engine"):
-        engine = make_engine("auto", model)
+        engine = make_engine(specs.VllmSpec(model, fall_back=True))
     try:
         assert isinstance(engine, TransformersEngine)
         assert scenarios.greedy(engine, scenarios.PROMPTS[:1])[0]  # it serves
     finally:
         engine.close()
     with pytest.raises(UnservableModelError, match=f"head_dim={unsupported} \\(it supports \\[32, "):
-        make_engine("vllm", model)
+        make_engine(specs.VllmSpec(model))

@@ -1,5 +1,5 @@
 """``rollout.collective_host`` reaches the collective transport the trainer builds (config -> ``make_rollout_engine``
--> ``make_engine("fleet")`` -> ``CollectiveTransport.host``), and only dialable addresses validate; likewise
+-> ``make_engine(FleetClientSpec)`` -> ``CollectiveTransport.host``), and only dialable addresses validate; likewise
 ``rollout.shm_dir`` for the shm transport. No server is started: ``FleetEngine.from_state`` (which would connect to
 the fleet) is replaced by one returning the transport."""
 

@@ -87,11 +87,11 @@ def check_auto_fallback(model_dir: Path) -> None:
     (here: a model length past the model's positions, which vLLM refuses)."""
     import warnings
 
-    from megatron_offgrpo.rollout import TransformersEngine, make_engine
+    from megatron_offgrpo.rollout import TransformersEngine, make_engine, specs
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = make_engine("auto", model_dir, dtype="float32", max_model_len=1_000_000)
+        engine = make_engine(specs.VllmSpec(model_dir, "float32", max_model_len=1_000_000, fall_back=True))
     assert isinstance(engine, TransformersEngine), type(engine)
     lines = [str(w.message) for w in caught
              if issubclass(w.category, RuntimeWarning) and "rollout.engine=auto" in str(w.message)]
@@ -113,7 +113,7 @@ def check_routing_refused_on_dense(model_dir: Path) -> None:
 
 
 def main() -> None:
-    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids
+    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids, specs
     from megatron_offgrpo.transports import calls, write_version_dir
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
@@ -135,7 +135,7 @@ def main() -> None:
     del engine
     gc.collect()
     start = time.perf_counter()
-    engine = make_engine("auto", model_dir, dtype="float32", max_model_len=512)
+    engine = make_engine(specs.VllmSpec(model_dir, "float32", max_model_len=512, fall_back=True))
     assert isinstance(engine, VLLMEngine) and isinstance(engine, RolloutEngine) and engine.version() == 0
     assert engine._rpc(calls.Info()).sampler == "offgrpo-inverse-cdf"  # fleet._cpu_sampler is in place
     scenarios.check_groups(engine)

@@ -22,7 +22,7 @@ def main(hf_dir: Path, out: Path, kind: str) -> None:
     from checkpoint_tools import load_hf_into_stage, open_safetensors_dir
     from megatron_offgrpo.data import Prompt, SamplingParams
     from megatron_offgrpo.model import build_gpt_stage, expose_hidden_states, load_arch, transformer_config
-    from megatron_offgrpo.rollout import make_engine
+    from megatron_offgrpo.rollout import make_engine, specs
     from megatron_offgrpo.train._batch import build_microbatches
     from megatron_offgrpo.train._step import token_logprobs
 
@@ -33,9 +33,9 @@ def main(hf_dir: Path, out: Path, kind: str) -> None:
     sampled = {}
     for dtype in ("bfloat16", "float32"):  # every engine closed before megatron starts: vLLM's shutdown tears down
         if kind == "vllm":                 # torch.distributed's default group
-            engine = make_engine("vllm", hf_dir, dtype=dtype, max_model_len=64, max_num_seqs=16, record_routing=True)
+            engine = make_engine(specs.VllmSpec(hf_dir, dtype, max_model_len=64, max_num_seqs=16, record_routing=True))
         else:
-            engine = make_engine("transformers", hf_dir, dtype=getattr(torch, dtype), record_routing=True)
+            engine = make_engine(specs.TransformersSpec(hf_dir, dtype, record_routing=True))
         sampled[dtype] = engine.generate(prompts, 4, SamplingParams(max_tokens=16, temperature=1.0, seed=1))
         engine.close()
     ctx = init_parallel(1, 1)
