@@ -12,6 +12,9 @@ from typing import Any
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
 
+PID_MAX = 2**31 - 1
+"""The largest pid_t: a larger number overflows os.killpg instead of naming no process."""
+
 
 @dataclasses.dataclass
 class ServerRecord:
@@ -68,8 +71,8 @@ class FleetState:
             raise ValueError("servers: empty (a fleet has at least one server)")
         for i, server in enumerate(state.servers):
             # a pid of 0 or below addresses our own process group (killpg(0)): never from a file
-            if server.pid is not None and server.pid < 1:
-                raise ValueError(f"servers[{i}].pid: {server.pid} is not a process id (>= 1)")
+            if server.pid is not None and not 1 <= server.pid <= PID_MAX:
+                raise ValueError(f"servers[{i}].pid: {server.pid} is not a process id (1..{PID_MAX})")
             if server.port is not None and not 1 <= server.port <= 65535:
                 raise ValueError(f"servers[{i}].port: {server.port} is not a port (1..65535)")
         return state

@@ -209,7 +209,8 @@ def test_status_and_stop_name_a_corrupt_state_file(action, text, tmp_path, capsy
 FIELD_CASES = [  # (a change to a started fleet's record, the field the one line names and what is wrong with it)
     ({"pid": "123"}, 'servers[0].pid: "123" is not an integer'),  # was: a TypeError traceback from os.killpg
     ({"pid": True}, "servers[0].pid: true is not an integer"),
-    ({"pid": 0}, "servers[0].pid: 0 is not a process id (>= 1)"),  # killpg(0): this very process group
+    ({"pid": 0}, "servers[0].pid: 0 is not a process id (1..2147483647)"),  # killpg(0): this very process group
+    ({"pid": 2**40}, "servers[0].pid: 1099511627776 is not a process id (1..2147483647)"),  # an OverflowError
     ({"port": 70000}, "servers[0].port: 70000 is not a port (1..65535)"),
     ({"cores": [0, "1"]}, 'servers[0].cores[1]: "1" is not an integer'),
     ({"name": None}, "servers[0].name: null is not a string"),
@@ -217,7 +218,7 @@ FIELD_CASES = [  # (a change to a started fleet's record, the field the one line
 ]
 
 
-@pytest.mark.parametrize("action", ["status", "stop"])
+@pytest.mark.parametrize("action", ["status", "stop", "start"])
 @pytest.mark.parametrize("change, line", FIELD_CASES, ids=[str(c[0]) for c in FIELD_CASES])
 def test_a_bad_field_of_fleet_json_is_named_in_one_line(action, change, line, tiny_dir, tmp_path, capsys):
     server = {"name": "s0@127.0.0.1:8100", "url": "http://127.0.0.1:8100", "port": 8100, "pid": 999_999_999}
