@@ -23,7 +23,7 @@ from pathlib import Path
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
 from megatron_offgrpo.fleet._claim import claim_state_dir
-from megatron_offgrpo.fleet._processes import pid_runs_server, server_healthy, stop_fleet
+from megatron_offgrpo.fleet._processes import StopIncomplete, pid_runs_server, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord
 from megatron_offgrpo.fleet._server_size import (
     ServerSize,
@@ -362,8 +362,11 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         if wait:
             try:
                 wait_healthy(state, timeout_s)
-            except BaseException:
-                stop_fleet(state_dir / "fleet.json")
+            except BaseException as exc:
+                try:
+                    stop_fleet(state_dir / "fleet.json")
+                except StopIncomplete as stuck:  # both said: why the start failed, and what still runs
+                    raise RuntimeError(f"{exc}\nand stopping its fleet: {stuck}") from exc
                 raise
     return state
 
