@@ -21,7 +21,7 @@ from pathlib import Path
 
 from megatron_offgrpo.fleet import TOKEN_ENV
 from megatron_offgrpo.fleet import FleetSpec, start_fleet
-from megatron_offgrpo.fleet import fleet_status, stop_fleet
+from megatron_offgrpo.fleet import StopIncomplete, check_state_dir, fleet_status, stop_fleet
 from megatron_offgrpo.fleet import merge_states
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
@@ -182,6 +182,9 @@ def _start(args: argparse.Namespace) -> int:
         python=args.python,
     )
     spec.validate(gpus)  # before the size line: a model without config.json fails here, naming it
+    note = check_state_dir(args.state_dir)  # a fleet running there: refused before anything is printed or written
+    if note:
+        print(f"offgrpo fleet: {note}", file=sys.stderr)
     print(f"{num} server(s): {spec.size().describe()}", flush=True)
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
     for server in state.servers:
@@ -226,12 +229,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{server.name}  {server.url}")
             return 0
         if args.action == "stop":
-            stopped = stop_fleet(args.state_dir)
+            stopped = stop_fleet(args.state_dir)  # returns once every process is verified gone
             print(f"stopped {len(stopped)} server(s): {', '.join(stopped) or '-'}")
             return 0
         rows = fleet_status(args.state_dir)
         print(json.dumps(rows, indent=1))
         return 0 if rows and all(r["healthy"] for r in rows) else 1
+    except StopIncomplete as exc:  # not bad input: the processes did not go (exit 1, as status's unhealthy fleet)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import os
 import secrets
 import socket
@@ -21,7 +22,8 @@ import time
 from pathlib import Path
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
-from megatron_offgrpo.fleet._processes import pid_runs_server, server_healthy, stop_fleet
+from megatron_offgrpo.fleet._claim import claim_state_dir
+from megatron_offgrpo.fleet._processes import StopIncomplete, pid_runs_server, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord
 from megatron_offgrpo.fleet._server_size import (
     ServerSize,
@@ -34,6 +36,7 @@ from megatron_offgrpo.fleet._server_size import (
 from megatron_offgrpo.runtime import tune_cpu_memory
 from megatron_offgrpo.transports import WORKER_EXTENSION
 
+logger = logging.getLogger(__name__)
 EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
 MIDDLEWARE = "megatron_offgrpo.fleet.ControlTokenMiddleware"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -341,13 +344,35 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
     """Start the servers, record them in ``<state_dir>/fleet.json`` and (with ``wait``) wait until all are healthy.
 
     A server that fails to start stops the whole fleet (no half-started fleet is left behind).
+
+    Raises:
+        FleetRunning: ``state_dir``'s recorded fleet still runs, or another start is filling it (nothing written:
+            overwriting the record would orphan that fleet, its token and its processes).
     """
     if not spec.token:  # closed by default: any local user could otherwise install weights or pause generation
         spec = dataclasses.replace(spec, token=secrets.token_urlsafe(32))
     gpus = gpu_count()
     spec.validate(gpus)
     state_dir = Path(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    with claim_state_dir(state_dir) as note:  # held until the record is written and the servers answer
+        if note:
+            logger.info(note)
+        state = _spawn_fleet(spec, state_dir, gpus)
+        state.write(state_dir)
+        if wait:
+            try:
+                wait_healthy(state, timeout_s)
+            except BaseException as exc:
+                try:
+                    stop_fleet(state_dir / "fleet.json")
+                except StopIncomplete as stuck:  # both said: why the start failed, and what still runs
+                    raise RuntimeError(f"{exc}\nand stopping its fleet: {stuck}") from exc
+                raise
+    return state
+
+
+def _spawn_fleet(spec: FleetSpec, state_dir: Path, gpus: int) -> FleetState:
+    """Write the token, start every server; returns the record (not yet written)."""
     token_file = write_token(state_dir / "token", spec.token)
     state = FleetState(
         model_dir=str(Path(spec.model_dir).resolve()),
@@ -362,21 +387,6 @@ def start_fleet(spec: FleetSpec, state_dir: str | Path, wait: bool = True, timeo
         log = state_dir / f"server{index}.log"
         proc = _spawn(argv, env, cores, log)
         url = server_url(spec.host, port)
-        state.servers.append(
-            ServerRecord(
-                name=f"s{index}@{url.removeprefix('http://')}",
-                url=url,
-                port=port,
-                log=str(log),
-                pid=proc.pid,
-                cores=cores,
-            )
-        )
-    state.write(state_dir)
-    if wait:
-        try:
-            wait_healthy(state, timeout_s)
-        except BaseException:
-            stop_fleet(state_dir / "fleet.json")
-            raise
+        name = f"s{index}@{url.removeprefix('http://')}"
+        state.servers.append(ServerRecord(name=name, url=url, port=port, log=str(log), pid=proc.pid, cores=cores))
     return state

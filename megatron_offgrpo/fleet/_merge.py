@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._claim import claim_state_dir
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, load_state
 
 
@@ -18,6 +19,7 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> Fleet
 
     Raises:
         ValueError: no sources, or fleets that differ in model, served name or token, or share a server name/URL.
+        FleetRunning: ``target_dir`` holds a fleet that still runs (or one being started).
         FileNotFoundError: a source has no fleet state.
     """
     if not sources:
@@ -50,5 +52,6 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> Fleet
         servers=servers,
         merged_from=[str(Path(source).resolve()) for source in sources],
     )
-    merged.write(target_dir)  # readers (the trainer, status) never see a half-written file
+    with claim_state_dir(target_dir):  # a fleet started there runs on: its record is never replaced by a view
+        merged.write(target_dir)  # readers (the trainer, status) never see a half-written file
     return merged

@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
+
+PID_MAX = 2**31 - 1
+"""The largest pid_t: a larger number overflows os.killpg instead of naming no process."""
 
 
 @dataclasses.dataclass
@@ -54,18 +59,23 @@ class FleetState:
         return {k: v for k, v in out.items() if v is not None or k == "token_file"}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "FleetState":
-        """Read a ``fleet.json`` object (unknown keys are ignored: a newer writer may add some)."""
-        fields = {f.name for f in dataclasses.fields(ServerRecord)}
-        servers = [ServerRecord(**{k: v for k, v in s.items() if k in fields}) for s in data.get("servers", [])]
-        return cls(
-            model_dir=data["model_dir"],
-            served_model_name=data["served_model_name"],
-            token_file=data.get("token_file"),
-            servers=servers,
-            size=data.get("size"),
-            merged_from=data.get("merged_from"),
-        )
+    def from_json(cls, data: Any) -> "FleetState":
+        """Read a ``fleet.json`` object, every field checked against its type once (unknown keys are ignored: a newer
+        writer may add some).
+
+        Raises:
+            ValueError: one line naming the first bad field (``servers[1].pid: 'abc' is not an integer``).
+        """
+        state = _record(cls, data, "")
+        if not state.servers:
+            raise ValueError("servers: empty (a fleet has at least one server)")
+        for i, server in enumerate(state.servers):
+            # a pid of 0 or below addresses our own process group (killpg(0)): never from a file
+            if server.pid is not None and not 1 <= server.pid <= PID_MAX:
+                raise ValueError(f"servers[{i}].pid: {server.pid} is not a process id (1..{PID_MAX})")
+            if server.port is not None and not 1 <= server.port <= 65535:
+                raise ValueError(f"servers[{i}].port: {server.port} is not a port (1..65535)")
+        return state
 
     def write(self, state_dir: str | Path) -> Path:
         """Write ``<state_dir>/fleet.json`` atomically (readers never see a half-written file); returns its path."""
@@ -86,11 +96,55 @@ def load_state(state_file: str | Path) -> FleetState:
         raise FileNotFoundError(f"{path}: no fleet state: start one with `offgrpo fleet start --state-dir {state_dir}`")
     try:
         return FleetState.from_json(json.loads(path.read_text()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
-        # a torn write of an older version, a hand edit: name the file, not a JSON parser's position alone
-        what = f"missing key {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
-        raise ValueError(f"{path}: not a fleet state ({what}): stop its servers by hand if any run, then start the "
-                         f"fleet again (`offgrpo fleet start --state-dir {state_dir}`)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        # a torn write of an older version, a hand edit: name the file and the field, not a parser's position alone
+        what = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{path}: not a fleet state ({what}): stop its servers by hand if any run, then remove it "
+                         f"and start the fleet again (`offgrpo fleet start --state-dir {state_dir}`)") from None
+
+
+def _record(cls: type, data: Any, where: str) -> Any:
+    """The dataclass ``cls`` built from the JSON object ``data``, each field checked by ``_typed`` (``where``: the
+    path of ``data`` in the file, for the message)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'the file'}: {_shown(data)} is not a JSON object")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        key = f"{where}.{field.name}" if where else field.name
+        if field.name in data:
+            values[field.name] = _typed(data[field.name], hints[field.name], key)
+        elif field.default is dataclasses.MISSING:
+            if not _optional(hints[field.name]):
+                raise ValueError(f"{key}: missing")
+            values[field.name] = None  # an optional field left out (an older writer, a hand-written state)
+    return cls(**values)
+
+
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against ``hint``: a dataclass, ``list[X]``, ``dict[str, Any]``, ``X | None``, str, int."""
+    if _optional(hint):
+        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return None if value is None else _typed(value, inner[0], where)
+    if dataclasses.is_dataclass(hint):
+        return _record(hint, value, where)
+    origin = typing.get_origin(hint) or hint
+    expected = {list: (list, "a list"), dict: (dict, "a JSON object"), str: (str, "a string"), int: (int, "an integer")}
+    kind, name = expected[origin]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):  # JSON true is no pid
+        raise ValueError(f"{where}: {_shown(value)} is not {name}")
+    if origin is list:
+        return [_typed(item, typing.get_args(hint)[0], f"{where}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def _optional(hint: Any) -> bool:
+    return typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in typing.get_args(hint)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def fleet_token(state: FleetState) -> str | None:

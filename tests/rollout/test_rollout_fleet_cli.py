@@ -48,6 +48,7 @@ def test_fleet_start_serves_the_tiny_default_at_its_length_and_dtype(tmp_path):
         log = open(server.log).read()
         assert "dtype=torch.float32" in log and "max_seq_len=512" in log, log[-3000:]
         check_closed_by_default(state, server)
+        check_second_start_refused(state, model)
         engine = FleetEngine.from_state(state, DiskTransport(tmp_path / "shared"))  # reads the token file
         scenarios.check_groups(engine)
         # fp32 serving: each sampled token's log-prob is the fp32 HF forward's within 1e-3 (bf16 is off by ~1e-2)
@@ -58,6 +59,17 @@ def test_fleet_start_serves_the_tiny_default_at_its_length_and_dtype(tmp_path):
             stop_fleet(state)  # a no-op after the CLI's stop; the safety net when it failed
             assert stopped.returncode == 0 and "stopped 1 server(s)" in stopped.stdout, stopped.stdout + stopped.stderr
     assert [row["running"] for row in fleet_status(state)] == [False]  # the recorded pid no longer runs the server
+
+
+def check_second_start_refused(state, model) -> None:
+    """A second start on the running fleet's state dir is refused in one line, before anything is written (was:
+    accepted, fleet.json and the token overwritten, the running server orphaned with a token no file held)."""
+    before = {p.name: p.read_bytes() for p in state.iterdir() if p.suffix != ".log" and p.name != "fleet.lock"}
+    proc = offgrpo("fleet", "start", "--model", str(model), "--num-servers", "1", "--state-dir", str(state),
+                   "--python", "/bin/false", timeout=120)  # were it let through: no second vLLM left running
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"error: {state}: a fleet runs there (s0@127.0.0.1:") and proc.stderr.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in state.iterdir() if p.name in before} == before
 
 
 CONTROL_PATHS = ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache", "/sleep",

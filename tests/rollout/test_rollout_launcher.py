@@ -206,6 +206,34 @@ def test_status_and_stop_name_a_corrupt_state_file(action, text, tmp_path, capsy
     assert (tmp_path / "fleet.json").read_bytes() == text.encode("latin-1")  # left as it was, for a look
 
 
+FIELD_CASES = [  # (a change to a started fleet's record, the field the one line names and what is wrong with it)
+    ({"pid": "123"}, 'servers[0].pid: "123" is not an integer'),  # was: a TypeError traceback from os.killpg
+    ({"pid": True}, "servers[0].pid: true is not an integer"),
+    ({"pid": 0}, "servers[0].pid: 0 is not a process id (1..2147483647)"),  # killpg(0): this very process group
+    ({"pid": 2**40}, "servers[0].pid: 1099511627776 is not a process id (1..2147483647)"),  # an OverflowError
+    ({"port": 70000}, "servers[0].port: 70000 is not a port (1..65535)"),
+    ({"cores": [0, "1"]}, 'servers[0].cores[1]: "1" is not an integer'),
+    ({"name": None}, "servers[0].name: null is not a string"),
+    ({"url": ["http://x"]}, 'servers[0].url: ["http://x"] is not a string'),
+]
+
+
+@pytest.mark.parametrize("action", ["status", "stop", "start"])
+@pytest.mark.parametrize("change, line", FIELD_CASES, ids=[str(c[0]) for c in FIELD_CASES])
+def test_a_bad_field_of_fleet_json_is_named_in_one_line(action, change, line, tiny_dir, tmp_path, capsys):
+    server = {"name": "s0@127.0.0.1:8100", "url": "http://127.0.0.1:8100", "port": 8100, "pid": 999_999_999}
+    state = {"model_dir": "m", "served_model_name": "policy", "token_file": None, "servers": [{**server, **change}]}
+    text = json.dumps(state)
+    (tmp_path / "fleet.json").write_text(text)
+    # start: a record it cannot read may name running servers, so it is never overwritten (and no vLLM ever starts)
+    extra = ["--model", str(tiny_dir), "--python", "/bin/false"] if action == "start" else []
+    assert fleet_main([action, *extra, "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'fleet.json'}: not a fleet state ({line}): stop its servers by hand "
+                          "if any run, then remove it") and err.count("\n") == 1, err
+    assert (tmp_path / "fleet.json").read_text() == text and not (tmp_path / "token").exists()
+
+
 def test_the_token_comes_from_a_file_the_environment_or_chance(tmp_path, monkeypatch):
     from megatron_offgrpo.cli.fleet import build_parser, start_token
 
