@@ -64,6 +64,11 @@ CASES = [  # (overrides, what the message must name)
      "distill.teacher_fleet=/nonexistent/fleet: /nonexistent/fleet/fleet.json: no fleet state"),
     (["env.max_turns=0"], "env.max_turns=0, env.max_tokens=None: must be >= 1"),
     (["env.name=chess"], "env.name='chess': expected one of ['feedback', 'python_tool']"),
+    (["env.name=os:system"], "env.name='os:system' cannot be called with no arguments (it takes command)"),
+    (["env.name=os:getcwd"], "env.name='os:getcwd' made str, not an Environment"),  # probed before the run dir
+    (["env.max_turns=6"], "env.max_turns=6 does nothing without env.name (single-turn completions)"),
+    (["env.name=feedback", "env.tool_wall_s=3"], "env.tool_wall_s=3.0 applies to env.name=python_tool only"),
+    (["env.name=feedback", "env.step_timeout_s=0"], "env.step_timeout_s=0.0: must be > 0"),
 ]
 
 
@@ -82,6 +87,17 @@ def test_bad_value_is_one_line_and_exit_2(command, overrides, message, tmp_path,
     assert "Traceback" not in err and err.startswith("error: ")
     assert all(line.startswith(("error: ", "  ")) for line in err.splitlines())  # one line per error, indented
     assert not out.exists()  # nothing written: the check ran before any run directory
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=nosuch"], "env.name='nosuch': expected one of ['feedback', 'python_tool'] or 'package.module:Factory'"),
+    (["env.name=os:system"], "env.name='os:system' cannot be called with no arguments"),
+    (["env.step_timeout_s=5"], "env.step_timeout_s=5.0 does nothing without env.name"),
+])
+def test_config_refuses_the_environments_train_refuses(overrides, message, capsys):
+    """``offgrpo config`` runs the same validation as train and eval: one line, exit 2."""
+    code, err = _run(["config", "--config", TINY, *overrides], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
 
 
 def test_every_error_is_reported_at_once(tmp_path, capsys):

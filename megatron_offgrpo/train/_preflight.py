@@ -262,13 +262,31 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     return []
 
 
+def environment_errors(config: Config) -> list[str]:
+    """A custom ``env.name``'s factory, made and closed once: what it makes can only be told by calling it, and a
+    refusal must come before the run directory is written (the config's validation checked the name itself)."""
+    from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.envs import SHIPPED, EnvironmentTimeout
+    from megatron_offgrpo.train._generate import env_factory
+
+    if not config.env.name or config.env.name in SHIPPED:
+        return []
+    try:
+        env_factory(config, get_reward(config.data.reward))
+    except (ValueError, EnvironmentTimeout) as exc:
+        return [str(exc)]
+    return []
+
+
 def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None,
                    tracking: bool = False) -> Config:
     """The validated config of a command line, or (bad recipe, key, value or model; with ``tracking``, a tracker of
-    ``train.loggers`` that is not installed; then bad data: ``data_errors``) its errors on stderr and exit 2."""
+    ``train.loggers`` that is not installed; a custom environment that makes none: ``environment_errors``; then bad
+    data: ``data_errors``) its errors on stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
-        errors = model_errors(config, model_dir) + layout_errors(config) + (tracker_errors(config) if tracking else [])
+        errors = model_errors(config, model_dir) + layout_errors(config) + environment_errors(config) + (
+            tracker_errors(config) if tracking else [])
         if errors:
             raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
