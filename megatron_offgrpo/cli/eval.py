@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = get_reward(config.data.reward)
     try:
         make_env = env_factory(config, reward_fn)  # env.name: episodes, checked before the engine starts
-    except (ValueError, EnvironmentTimeout) as exc:
+    except (ValueError, EnvironmentContractError, EnvironmentTimeout) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     tune_cpu_memory()  # as in training: every decode step's logits reuse pages, not fault fresh ones

@@ -7,7 +7,7 @@ from typing import Callable
 
 from megatron_offgrpo.data import import_dotted
 from megatron_offgrpo.envs._feedback import FeedbackEnv
-from megatron_offgrpo.envs._guard import EnvironmentCall, bounded_calls
+from megatron_offgrpo.envs._guard import EnvironmentCall, EnvironmentContractError, bounded_calls
 from megatron_offgrpo.envs._protocol import Environment, ToolSpec
 from megatron_offgrpo.envs._python_tool import PythonToolEnv
 from megatron_offgrpo.envs._sandbox import SandboxLimits
@@ -28,9 +28,10 @@ def environment_factory(name: str, reward_fn: Callable[[str, str | None], float]
         timeout_s: how long the probe's calls (the factory, ``close``) may take (``env.step_timeout_s``).
 
     Raises:
-        ValueError: an unknown name, a path that does not import, or a factory whose product is not an
-            ``Environment`` (checked on one instance, made and closed here: before any engine starts).
-        EnvironmentTimeout: the probe's factory or close did not return within ``timeout_s``.
+        ValueError: an unknown name, a path that does not import (``environment_name_error``).
+        EnvironmentContractError: the factory's product is not an ``Environment`` (checked on one instance, made and
+            closed here: before any engine starts). EnvironmentTimeout: the probe's factory or close did not return
+            within ``timeout_s``. The factory's own exceptions as they are (their traceback is the user's).
     """
     if name == "python_tool":
         return lambda: PythonToolEnv(reward_fn, limits)
@@ -40,14 +41,13 @@ def environment_factory(name: str, reward_fn: Callable[[str, str | None], float]
     if error is not None:
         raise ValueError(error)
     factory = _imported(name)
-    try:
-        probe = bounded_calls([EnvironmentCall(f"factory {name}", factory)], timeout_s)[0]
-    except TypeError as exc:
-        raise ValueError(f"env.name={name!r}: calling it with no arguments failed ({exc}): name a class or "
-                         "function that makes an environment from nothing") from None
+    # no arguments is checked on the signature (``environment_name_error``): an exception here is the factory's own,
+    # and keeps its traceback
+    probe = bounded_calls([EnvironmentCall(f"factory {name}", factory)], timeout_s)[0]
     if not isinstance(probe, Environment):
-        raise ValueError(f"env.name={name!r} made {type(probe).__name__}, not an Environment (reset(prompt), "
-                         "step(turn) -> Observation, close() and a tools tuple): see megatron_offgrpo.envs.Environment")
+        raise EnvironmentContractError(f"env.name={name!r} made {type(probe).__name__}, not an Environment "
+                                       "(reset(prompt), step(turn) -> Observation, close() and a tools tuple): see "
+                                       "megatron_offgrpo.envs.Environment")
     bounded_calls([EnvironmentCall(f"{type(probe).__name__}.close", probe.close)], timeout_s)
     return factory
 

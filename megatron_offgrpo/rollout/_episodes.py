@@ -12,7 +12,8 @@ the version of the turn before them, never trained).
 A GRPO group is G episodes of one prompt: turn 1 asks the engine for G completions of the prompt (one request),
 later turns one completion of each live episode. The live episodes' turns of a round are one ``generate`` call, so
 an engine batches them, and the environments' steps of a round run in threads beside each other (a sandboxed tool
-call is a process of its own).
+call is a process of its own). Every call of an environment's code is bounded (``EpisodeLimits.call_timeout_s``,
+``envs.bounded_calls``) and what ``step`` returns is checked (``envs.checked_observation``).
 """
 
 from __future__ import annotations

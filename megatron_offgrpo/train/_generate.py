@@ -17,7 +17,8 @@ def env_factory(config: Config, reward_fn: Callable[[str, str | None], float]) -
 
     Raises:
         ValueError: an ``env.name`` that is not shipped, does not import, or does not make an ``Environment``.
-        EnvironmentTimeout: its factory (or the probe's close) ran past ``env.step_timeout_s``.
+        EnvironmentContractError: its factory does not make an ``Environment``. EnvironmentTimeout: its factory (or
+            the probe's close) ran past ``env.step_timeout_s``.
     """
     env = config.env
     if not env.name:

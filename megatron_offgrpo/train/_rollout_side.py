@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
+from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
                                       make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
@@ -88,7 +89,7 @@ class RolloutSide:
         reward_fn = get_reward(config.data.reward)
         try:
             make_env = env_factory(config, reward_fn)
-        except ValueError as exc:  # before the engine starts
+        except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
             raise ConfigError(str(exc)) from None
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
         if config.rollout.partial_rollouts and not getattr(engine, "partial_rollouts", False):

@@ -94,10 +94,11 @@ def test_registry():
     assert isinstance(make(), FeedbackEnv) and make() is not make()
     for name, error in [("chess", "expected one of"), ("nowhere.module:Env", "cannot import"),
                         ("megatron_offgrpo.data:SamplingParams", "has no reset, step, close"),
-                        ("os:getcwd", "made str, not an Environment"),  # a zero-argument function: probed
                         ("os:sep", "is a str, not a class or function")]:
         with pytest.raises(ValueError, match=error):
             environment_factory(name, REWARD)
+    with pytest.raises(EnvironmentContractError, match="made str, not an Environment"):
+        environment_factory("os:getcwd", REWARD)  # a zero-argument function: what it makes is probed
     with pytest.raises(ValueError, match="with no arguments"):
         environment_factory("megatron_offgrpo.envs:FeedbackEnv", REWARD)  # needs its reward: not a factory
     custom = environment_factory("tests.envs.test_environments:EchoEnv", REWARD)
