@@ -70,6 +70,11 @@ CASES = [  # (overrides, what the message must name)
      "distill.teacher_fleet=/nonexistent/fleet: /nonexistent/fleet/fleet.json: no fleet state"),
     (["env.max_turns=0"], "env.max_turns=0, env.max_tokens=None: must be >= 1"),
     (["env.name=chess"], "env.name='chess': expected one of ['feedback', 'python_tool']"),
+    (["env.name=os:system"], "env.name='os:system' cannot be called with no arguments (it takes command)"),
+    (["env.name=os:getcwd"], "env.name='os:getcwd' made str, not an Environment"),  # probed before the run dir
+    (["env.max_turns=6"], "env.max_turns=6 does nothing without env.name (single-turn completions)"),
+    (["env.name=feedback", "env.tool_wall_s=3"], "env.tool_wall_s=3.0 applies to env.name=python_tool only"),
+    (["env.name=feedback", "env.step_timeout_s=0"], "env.step_timeout_s=0.0: must be > 0"),
 ]
 
 
@@ -108,6 +113,17 @@ def test_a_distill_error_names_only_the_broken_rule_with_its_values(overrides, l
     except ValueError as exc:
         errors = str(exc).splitlines()[1:]
     assert len(errors) == len(lines) and all(e.strip().startswith(line) for e, line in zip(errors, lines)), errors
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.name=nosuch"], "env.name='nosuch': expected one of ['feedback', 'python_tool'] or 'package.module:Factory'"),
+    (["env.name=os:system"], "env.name='os:system' cannot be called with no arguments"),
+    (["env.step_timeout_s=5"], "env.step_timeout_s=5.0 does nothing without env.name"),
+])
+def test_config_refuses_the_environments_train_refuses(overrides, message, capsys):
+    """``offgrpo config`` runs the same validation as train and eval: one line, exit 2."""
+    code, err = _run(["config", "--config", TINY, *overrides], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, err
 
 
 def test_every_error_is_reported_at_once(tmp_path, capsys):
@@ -424,14 +440,15 @@ def test_a_teachers_tokenizer_is_compared_token_by_token(edit, difference, tmp_p
 def test_a_teacher_with_another_tokenizer_is_one_line(where, tmp_path, tiny_model, capsys):
     """``distill.teacher_path``, or the model directory a teacher's fleet serves (its recorded state): a teacher whose
     tokenizer lacks one of the policy's tokens is refused before anything runs, naming the token."""
-    from megatron_offgrpo.fleet import FleetState
+    from megatron_offgrpo.fleet import FleetState, ServerRecord
 
     teacher = tmp_path / "teacher"
     shutil.copytree(tiny_model, teacher)
     _tokenizer_copy(teacher, added={"<|file_sep|>": None})
     value, key = teacher, f"distill.teacher_path={teacher}"
     if where == "teacher_fleet":  # the record `offgrpo fleet start` writes; preflight reads it, asks no server
-        value = FleetState(str(teacher), "teacher", None, []).write(tmp_path / "fleet").parent
+        server = ServerRecord("s0@127.0.0.1:8100", "http://127.0.0.1:8100", 8100)  # recorded, never started
+        value = FleetState(str(teacher), "teacher", None, [server]).write(tmp_path / "fleet").parent
         key = f"distill.teacher_fleet={value} (serving {teacher})"
     out = tmp_path / "run"
     code, err = _run(["train", "--config", TINY, f"train.out_dir={out}", f"model.hf_path={tiny_model}",

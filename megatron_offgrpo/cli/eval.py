@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from megatron_offgrpo.config import ConfigError
     from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
     from megatron_offgrpo.model import resolve_model_dir
     from megatron_offgrpo.runtime import tune_cpu_memory
     from megatron_offgrpo.sampler import Rollouts, env_factory, evaluate
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = get_reward(config.data.reward)
     try:
         make_env = env_factory(config, reward_fn)  # env.name: episodes, checked before the engine starts
-    except ValueError as exc:
+    except (ValueError, EnvironmentContractError, EnvironmentTimeout) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     tune_cpu_memory()  # as in training: every decode step's logits reuse pages, not fault fresh ones
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env)
         result = evaluate(rollouts, prompts, config.rollout.max_new_tokens, samples=config.train.eval_samples,
                           temperature=config.rollout.temperature, seed=config.parallel.seed)
+    except (EnvironmentTimeout, EnvironmentContractError) as exc:  # the environment's: one line (its own: a traceback)
+        sys.exit(f"error: {exc}")
     finally:
         engine.close()
     result.update(model=str(model), split=config.data.eval_split, dataset=config.data.name,

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state",
          "rollout.shm_dir", "distill.teacher_path", "distill.teacher_fleet"]
-"""The keys that name files or directories (``train.out_dir``: the run directory's own check, ``train._run_dir``)."""
+"""The keys that name files or directories (``train.out_dir``: the run directory's own check, ``runlog._run_dir``)."""
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
             "train.steps", "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
@@ -203,15 +203,39 @@ def _default(field: dataclasses.Field) -> object:
 
 
 def _env_errors(env: EnvConfig) -> list[str]:
-    """Multi-turn episodes' limits; the environment itself is checked when it is built (it may need imports)."""
+    """Multi-turn episodes' limits and environment name (imported here, so ``offgrpo config`` refuses what ``train``
+    would: ``envs.environment_name_error``, which runs none of the user's code), and keys set for nothing."""
     errors = []
     if env.max_turns < 1 or (env.max_tokens is not None and env.max_tokens < 1):
         errors.append(f"env.max_turns={env.max_turns}, env.max_tokens={env.max_tokens}: must be >= 1")
     if min(env.tool_cpu_s, env.tool_wall_s) <= 0 or min(env.tool_memory_mib, env.tool_output_bytes) < 1:
         errors.append("env.tool_cpu_s, env.tool_wall_s, env.tool_memory_mib, env.tool_output_bytes: must be > 0")
+    if env.step_timeout_s <= 0:
+        errors.append(f"env.step_timeout_s={env.step_timeout_s}: must be > 0 (seconds one call of the environment "
+                      "may take)")
     if env.name is not None and not env.name.strip():
         errors.append("env.name is empty: null for single-turn, or an environment's name")
-    return errors
+    elif env.name is not None:
+        from megatron_offgrpo.envs import environment_name_error  # stdlib and data only: no cycle back to config
+
+        errors.extend([error] if (error := environment_name_error(env.name)) else [])
+    return errors + _idle_env_keys(env)
+
+
+def _idle_env_keys(env: EnvConfig) -> list[str]:
+    """env.* keys changed from their defaults that do nothing: every one without env.name (single-turn), the
+    sandbox's (tool_*) with an environment other than python_tool. Silently ignored, a typo'd recipe would train
+    something else than its author meant."""
+    defaults = type(env)()
+    changed = [f.name for f in dataclasses.fields(env)
+               if f.name != "name" and getattr(env, f.name) != getattr(defaults, f.name)]
+    if env.name is None:
+        return [f"env.{key}={getattr(env, key)} does nothing without env.name (single-turn completions): set "
+                "env.name for multi-turn episodes, or drop the key" for key in changed]
+    if env.name != "python_tool":
+        return [f"env.{key}={getattr(env, key)} applies to env.name=python_tool only (its sandbox), not "
+                f"env.name={env.name!r}: drop the key" for key in changed if key.startswith("tool_")]
+    return []
 
 
 def _choice_errors(config: Config) -> list[str]:

@@ -22,6 +22,10 @@ class EnvConfig:
     max_tokens: int | None = None
     """Response tokens per episode, the model's and the environment's together (null: rollout.max_new_tokens x
     max_turns); prompt + this must fit the model's context. Overlong shaping measures an episode against it."""
+    step_timeout_s: float = 300.0
+    """Seconds one call of the environment's code (its factory, reset, step, close) may take; then the run stops with
+    a line naming the class and the method (the call is abandoned: a thread cannot be killed). It bounds how long a
+    SIGTERM waits on a stuck environment: keep it under a preemption's grace period."""
     tool_cpu_s: float = 5.0
     """python_tool: CPU seconds of one tool run (then it is killed and the model reads the error)."""
     tool_wall_s: float = 10.0

@@ -12,14 +12,13 @@ weight wire format comes from ``transports``.
 """
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV, ControlTokenMiddleware
-from megatron_offgrpo.fleet._claim import FleetRunning, check_state_dir, claim_state_dir
+from megatron_offgrpo.fleet._claim import check_state_dir
 from megatron_offgrpo.fleet._cpu_sampler import install as install_cpu_sampler
 from megatron_offgrpo.fleet._cpu_sampler import sample_from_logprobs
 from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 from megatron_offgrpo.fleet._launcher import (
     EXTENSION,
-    MIDDLEWARE,
     TOKENIZER_FILES,
     FleetSpec,
     gpu_count,
@@ -40,13 +39,12 @@ from megatron_offgrpo.fleet._processes import (
     server_healthy,
     stop_fleet,
 )
-from megatron_offgrpo.fleet._server_size import ServerSize, cpu_prefill_limits, read_hf_config, size_server
+from megatron_offgrpo.fleet._server_size import cpu_prefill_limits, size_server
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
 from megatron_offgrpo.fleet._worker_ext import OffgrpoWorkerExtension
 
 __all__ = [
     "EXTENSION",
-    "MIDDLEWARE",
     "TOKENIZER_FILES",
     "TOKEN_ENV",
     "ControlTokenMiddleware",
@@ -54,7 +52,6 @@ __all__ = [
     "gpu_count",
     "install_cpu_sampler",
     "sample_from_logprobs",
-    "FleetRunning",
     "FleetState",
     "MoeLayoutError",
     "OffgrpoWorkerExtension",
@@ -62,12 +59,10 @@ __all__ = [
     "RoutingAnswer",
     "ServerDown",
     "ServerRecord",
-    "ServerSize",
     "StopIncomplete",
     "call_json",
     "check_server_health",
     "check_state_dir",
-    "claim_state_dir",
     "cpu_prefill_limits",
     "fleet_status",
     "fleet_token",
@@ -77,7 +72,6 @@ __all__ = [
     "load_state",
     "merge_states",
     "repack_after_reload",
-    "read_hf_config",
     "routing_key",
     "server_command",
     "server_healthy",

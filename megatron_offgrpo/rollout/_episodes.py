@@ -12,20 +12,23 @@ the version of the turn before them, never trained).
 A GRPO group is G episodes of one prompt: turn 1 asks the engine for G completions of the prompt (one request),
 later turns one completion of each live episode. The live episodes' turns of a round are one ``generate`` call, so
 an engine batches them, and the environments' steps of a round run in threads beside each other (a sandboxed tool
-call is a process of its own).
+call is a process of its own). Every call of an environment's code is bounded (``EpisodeLimits.call_timeout_s``,
+``envs.bounded_calls``) and what ``step`` returns is checked (``envs.checked_observation``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
+import logging
 import time
 from typing import Callable, Sequence
 
 from megatron_offgrpo.data import (PLAIN, Prompt, Sample, SamplingParams, TurnWrapping, observation_ids,
                                    turn_wrapping)
-from megatron_offgrpo.envs import Environment
+from megatron_offgrpo.envs import Environment, EnvironmentCall, bounded_calls, checked_observation
 from megatron_offgrpo.rollout._protocol import RolloutEngine
+
+logger = logging.getLogger(__name__)
 
 _TURN_SEED_STRIDE = 1_000_003  # turn k's requests sample with seed + k * stride (a prime): no turn repeats another's
 
@@ -38,15 +41,19 @@ class EpisodeLimits:
         max_turns: model turns per episode (>= 1).
         max_tokens: response tokens per episode, the model's and the environment's together (what the context must
             hold after the prompt); a turn is capped to what is left, and an observation that does not fit ends the
-            episode as truncated ("length").
+            episode as truncated ("length"); the first turn too.
+        call_timeout_s: seconds one call of the environment's code (make, reset, step, close) may take
+            (``env.step_timeout_s``): then ``EnvironmentTimeout``, and the call is abandoned (``envs._guard``).
     """
 
     max_turns: int
     max_tokens: int
+    call_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_tokens < 1:
-            raise ValueError(f"episode limits: max_turns={self.max_turns}, max_tokens={self.max_tokens}: both >= 1")
+        if self.max_turns < 1 or self.max_tokens < 1 or not self.call_timeout_s > 0:
+            raise ValueError(f"episode limits: max_turns={self.max_turns}, max_tokens={self.max_tokens}: both >= 1; "
+                             f"call_timeout_s={self.call_timeout_s}: > 0")
 
 
 @dataclasses.dataclass
@@ -81,6 +88,15 @@ class _Episode:
     reward: float = 0.0
     finish_reason: str = "stop"
     last: Sample | None = None  # the latest turn as the engine returned it
+    busy: bool = False  # a call of the environment is running (an abandoned one: it is never closed under it)
+
+    def call(self, method: str, *args):
+        """``env.<method>(*args)``, marked busy while it runs (on a worker thread)."""
+        self.busy = True
+        try:
+            return getattr(self.env, method)(*args)
+        finally:
+            self.busy = False
 
     def add_turn(self, turn: Sample) -> None:
         self.ids += turn.response_ids
@@ -97,9 +113,7 @@ class _Episode:
 
     def request(self, room: int) -> Prompt:
         """The next turn's request: everything so far as its prompt, capped to ``room`` new tokens."""
-        cap = room if self.prompt.max_new_tokens is None else min(room, self.prompt.max_new_tokens)
-        return Prompt(self.prompt.prompt_id, self.prompt.prompt_ids + tuple(self.ids), self.prompt.text,
-                      self.prompt.answer, cap)
+        return _capped(self.prompt, self.ids, room)
 
     def sample(self) -> Sample:
         last = self.last
@@ -108,6 +122,13 @@ class _Episode:
                       min(self.versions), self.finish_reason, reward=self.reward, server=last.server,
                       routed_experts=last.routed_experts, token_versions=self.versions if mixed else None,
                       attempts=last.attempts, trainable=self.trainable, turns=self.turns)
+
+
+def _capped(prompt: Prompt, ids: list[int], room: int) -> Prompt:
+    """A turn's request: ``prompt`` and the episode's ``ids`` so far, at most ``room`` new tokens (and at most the
+    prompt's own cap)."""
+    cap = room if prompt.max_new_tokens is None else min(room, prompt.max_new_tokens)
+    return Prompt(prompt.prompt_id, prompt.prompt_ids + tuple(ids), prompt.text, prompt.answer, cap)
 
 
 class EpisodeRunner:
@@ -134,45 +155,79 @@ class EpisodeRunner:
     def run(self, prompts: Sequence[Prompt], group_size: int, params: SamplingParams,
             stats: EpisodeStats | None = None) -> list[Sample]:
         """``len(prompts) * group_size`` episodes, group-major (sample ``i`` is of prompt ``i // group_size``),
-        each rewarded by its environment (the sum of its steps' rewards)."""
+        each rewarded by its environment (the sum of its steps' rewards).
+
+        Raises:
+            EnvironmentTimeout: a call of an environment's code ran past ``limits.call_timeout_s``.
+            EnvironmentContractError: an environment returned what its protocol does not allow.
+        """
         stats = stats if stats is not None else EpisodeStats()
         episodes: list[_Episode] = []
         try:
-            for i, prompt in enumerate(prompts):
-                for _ in range(group_size):
-                    episode = _Episode(prompt, i, self.make_env())
-                    episodes.append(episode)
-                    episode.env.reset(prompt)
-            turns = self.engine.generate(list(prompts), group_size, params)
+            self._start(prompts, group_size, episodes)
+            # the first turn is capped by the episode's budget too, as every later one (``_Episode.request``)
+            first = [_capped(prompt, [], self.limits.max_tokens) for prompt in prompts]
+            turns = self.engine.generate(first, group_size, params)
             if len(turns) != len(episodes):
                 raise RuntimeError(f"engine returned {len(turns)} samples for {len(prompts)} prompts x G={group_size}")
             live, round_ = episodes, 1
-            with concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="offgrpo-env") as pool:
-                while live:
-                    for episode, turn in zip(live, turns):
-                        episode.add_turn(turn)
-                    live = self._answer(live, pool, stats)
-                    if live:
-                        seed = None if params.seed is None else params.seed + round_ * _TURN_SEED_STRIDE
-                        requests = [e.request(self.limits.max_tokens - len(e.ids)) for e in live]
-                        turns = self.engine.generate(requests, 1, dataclasses.replace(params, seed=seed))
-                        round_ += 1
-        finally:
-            for episode in episodes:
-                episode.env.close()
+            while live:
+                for episode, turn in zip(live, turns):
+                    episode.add_turn(turn)
+                live = self._answer(live, stats)
+                if live:
+                    seed = None if params.seed is None else params.seed + round_ * _TURN_SEED_STRIDE
+                    requests = [e.request(self.limits.max_tokens - len(e.ids)) for e in live]
+                    turns = self.engine.generate(requests, 1, dataclasses.replace(params, seed=seed))
+                    round_ += 1
+        except BaseException:
+            self._close(episodes, failing=True)  # the error in flight is the one to read, not a close's
+            raise
+        self._close(episodes)
         stats.episodes += len(episodes)
         stats.turns += sum(e.turns for e in episodes)
         stats.truncated += sum(e.finish_reason == "length" for e in episodes)
         return [e.sample() for e in episodes]
 
-    def _answer(self, live: list[_Episode], pool: concurrent.futures.Executor, stats: EpisodeStats) -> list[_Episode]:
+    def _start(self, prompts: Sequence[Prompt], group_size: int, episodes: list[_Episode]) -> None:
+        """A fresh environment per episode, reset on its prompt, one after the other (as the factory's probe ran),
+        each call bounded; ``episodes`` holds every one made, for the caller to close whatever happens."""
+        timeout, factory = self.limits.call_timeout_s, getattr(self.make_env, "__qualname__", repr(self.make_env))
+        for i, prompt in enumerate(prompts):
+            for _ in range(group_size):
+                env = bounded_calls([EnvironmentCall(f"factory {factory}()", self.make_env)], timeout)[0]
+                episode = _Episode(prompt, i, env)
+                episodes.append(episode)
+                bounded_calls([EnvironmentCall(f"{type(env).__name__}.reset", lambda e=episode: e.call("reset",
+                                                                                                      e.prompt))],
+                              timeout)
+
+    def _close(self, episodes: list[_Episode], failing: bool = False) -> None:
+        """Close every environment at once, bounded; one whose call is still running (abandoned at its deadline) is
+        left alone: the protocol never has two calls on an instance at once. With ``failing``, a close's own error
+        is logged, not raised (it would hide the error that ended the episodes)."""
+        idle = [e for e in episodes if not e.busy]
+        if len(idle) < len(episodes):
+            logger.warning("%d environment(s) not closed: a call of theirs is still running", len(episodes) - len(idle))
+        calls = [EnvironmentCall(f"{type(e.env).__name__}.close", lambda e=e: e.call("close")) for e in idle]
+        try:
+            bounded_calls(calls, self.limits.call_timeout_s, threads=max(len(calls), 1))
+        except Exception as exc:
+            if not failing:
+                raise
+            logger.warning("closing the environments after a failure: %s", exc)
+
+    def _answer(self, live: list[_Episode], stats: EpisodeStats) -> list[_Episode]:
         """Each live episode's environment answers its latest turn; returns the episodes that go on (their
         observations appended)."""
         # A turn cut at its token cap has no end-of-turn token to continue after: the episode ends there.
         asking = [e for e in live if e.finish_reason == "stop"]
         start = time.perf_counter()
         texts = [self.tokenizer.decode(e.last.response_ids, skip_special_tokens=True) for e in asking]
-        observations = list(pool.map(lambda pair: pair[0].env.step(pair[1]), zip(asking, texts)))
+        calls = [EnvironmentCall(f"{type(e.env).__name__}.step", lambda e=e, t=t: e.call("step", t))
+                 for e, t in zip(asking, texts)]
+        answers = bounded_calls(calls, self.limits.call_timeout_s, self.threads)
+        observations = [checked_observation(c.what, obs) for c, obs in zip(calls, answers)]
         stats.env_seconds += time.perf_counter() - start
         going_on = []
         for episode, obs in zip(asking, observations):

@@ -17,13 +17,15 @@ def env_factory(config: Config, reward_fn: Callable[[str, str | None], float]) -
 
     Raises:
         ValueError: an ``env.name`` that is not shipped, does not import, or does not make an ``Environment``.
+        EnvironmentContractError: its factory does not make an ``Environment``. EnvironmentTimeout: its factory (or
+            the probe's close) ran past ``env.step_timeout_s``.
     """
     env = config.env
     if not env.name:
         return None
     limits = SandboxLimits(cpu_seconds=env.tool_cpu_s, wall_seconds=env.tool_wall_s,
                            memory_bytes=env.tool_memory_mib * 2**20, output_bytes=env.tool_output_bytes)
-    return environment_factory(env.name, reward_fn, limits)
+    return environment_factory(env.name, reward_fn, limits, env.step_timeout_s)
 
 
 @dataclasses.dataclass
@@ -46,7 +48,8 @@ class Rollouts:
         starts, so a bad ``env.name`` stops the run before it)."""
         runner = None
         if make_env is not None:
-            limits = EpisodeLimits(config.env.max_turns, config.env.episode_tokens(config.rollout.max_new_tokens))
+            limits = EpisodeLimits(config.env.max_turns, config.env.episode_tokens(config.rollout.max_new_tokens),
+                                   config.env.step_timeout_s)
             runner = EpisodeRunner(engine, make_env, tokenizer, limits, plain=config.data.prompt_format == "plain")
         return cls(engine, tokenizer, reward_fn, runner)
 

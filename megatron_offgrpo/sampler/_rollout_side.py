@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
+from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
                                       UnservableModelError, make_engine, specs, verify_refresh)
@@ -91,7 +92,7 @@ class RolloutSide:
         reward_fn = get_reward(config.data.reward)
         try:
             make_env = env_factory(config, reward_fn)
-        except ValueError as exc:  # before the engine starts
+        except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
             raise ConfigError(str(exc)) from None
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
         if config.rollout.partial_rollouts and not engine.partial_rollouts:
@@ -253,7 +254,7 @@ class RolloutSide:
     def close(self) -> None:
         """Every exit path (the end, a stop, an error): start no more generation, close the engine (a generation
         still in flight, started ahead or by the step that failed, ends with it), then join the generation threads,
-        each wait bounded and named (``train._async.JOIN_TIMEOUT_S``). Idempotent."""
+        each wait bounded and named (``sampler._async.JOIN_TIMEOUT_S``). Idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -266,12 +266,32 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     return []
 
 
+def environment_errors(config: Config) -> list[str]:
+    """A custom ``env.name``'s factory, made and closed once: what it makes can only be told by calling it, and a
+    refusal must come before the run directory is written (the config's validation checked the name itself)."""
+    from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.envs import SHIPPED, EnvironmentContractError, EnvironmentTimeout
+    from megatron_offgrpo.sampler import env_factory
+
+    if not config.env.name or config.env.name in SHIPPED:
+        return []
+    try:
+        reward_fn = get_reward(config.data.reward)
+    except ValueError as exc:
+        return [str(exc)]
+    try:  # the name was checked by the config's validation; the factory's own exceptions keep their traceback
+        env_factory(config, reward_fn)
+    except (EnvironmentContractError, EnvironmentTimeout) as exc:
+        return [str(exc)]
+    return []
+
+
 def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | None = None,
                    tracking: bool = False, relaunch: list[str] | None = None) -> Config:
     """The validated config of a command line, or (bad recipe, key, value or model; with ``tracking``, a tracker of
     ``train.loggers`` that is not installed; with ``relaunch`` (``-m MODULE ARGS...``: a command that builds the
-    megatron model), a layout this job's process count cannot hold; then bad data: ``data_errors``) its errors on
-    stderr and exit 2."""
+    megatron model), a layout this job's process count cannot hold; a custom environment that makes none:
+    ``environment_errors``; then bad data: ``data_errors``) its errors on stderr and exit 2."""
     try:
         config = load_config(recipe, overrides)
         errors = model_errors(config, model_dir) + layout_errors(config) + (tracker_errors(config) if tracking else [])
@@ -281,7 +301,7 @@ def config_or_exit(recipe: str | None, overrides: list[str], model_dir: str | No
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    errors = data_errors(config, model_dir)
+    errors = environment_errors(config) or data_errors(config, model_dir)  # outside the try: the user's exceptions
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     if errors:

@@ -11,19 +11,24 @@ from typing import Callable
 import torch.distributed as dist
 
 from megatron_offgrpo.data import Sample
+from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
 from megatron_offgrpo.rollout import EngineDiedError, make_probe_ids
 from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
+# what ends a generation on rank 0 and is raised on every rank at the same point (one line each; a stop pending then
+# still checkpoints: ``loop``)
+GENERATION_FAILURES = (EngineDiedError, EnvironmentTimeout, EnvironmentContractError)
 
 
-def share_samples(samples: list[Sample] | EngineDiedError | None) -> list[Sample]:
+def share_samples(samples: list[Sample] | Exception | None) -> list[Sample]:
     """Rank 0's samples on every rank (every rank needs them: all stages build the same micro-batches). Rank 0 sends
-    an ``EngineDiedError`` instead when its engine died generating them: every rank raises it (they wait here)."""
+    one of ``GENERATION_FAILURES`` instead when generating them failed so (a dead engine, a stuck or broken
+    environment): every rank raises it (they wait here)."""
     box = [samples]
     dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], EngineDiedError):
+    if isinstance(box[0], GENERATION_FAILURES):
         raise box[0]
     return box[0]
 

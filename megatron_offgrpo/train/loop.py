@@ -17,13 +17,13 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config, TrainConfig
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.rollout import EngineDiedError
+from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
 from megatron_offgrpo.runlog import MetricsLog, checkpoints, finish_summary
 from megatron_offgrpo.sampler import RolloutSide, sample_metrics
 from megatron_offgrpo.train._checkpoint import changed_keys, load_rollout_state
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
-from megatron_offgrpo.train._sync import on_rank0_shared, refresh, share_samples, verify
+from megatron_offgrpo.train._sync import GENERATION_FAILURES, on_rank0_shared, refresh, share_samples, verify
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,13 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
         if signum := stop.agreed(trainer.ctx.device):  # the boundary after step - 1: every rank agrees
             raise _stopped(trainer, rollout, log, signum, step, version, start)
         times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
-        samples, version, sampling = _rollout(trainer, rollout, step, version, times)
+        try:
+            samples, version, sampling = _rollout(trainer, rollout, step, version, times)
+        except (EnvironmentTimeout, EnvironmentContractError) as exc:  # raised on every rank, before this step learns
+            if signum := stop.agreed(trainer.ctx.device):  # a stop waited on it: still checkpoint the steps done
+                logger.error("%s", exc)
+                raise _stopped(trainer, rollout, log, signum, step, version, start) from None
+            raise
         metrics = sample_metrics(samples, step, config.rollout.staleness_bound()) | sampling  # raises on stale ones
         learn_start = time.perf_counter()
         metrics |= trainer.learn(samples)
@@ -171,7 +177,7 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
         start = time.perf_counter()
         try:
             batch = rollout.batch(step)  # with overlap: only the wait is on the critical path
-        except EngineDiedError as exc:
+        except GENERATION_FAILURES as exc:
             share_samples(exc)  # the other ranks wait for the samples: they raise it too
             raise
         times["time_generate_s"] = time.perf_counter() - start

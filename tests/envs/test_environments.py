@@ -3,20 +3,33 @@
 from __future__ import annotations
 
 import json
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
 
+import numpy as np
 import pytest
 
 from megatron_offgrpo.data import Prompt, get_reward
 from megatron_offgrpo.envs import (
     Environment,
-    FeedbackEnv,
+    EnvironmentCall,
+    EnvironmentContractError,
+    EnvironmentTimeout,
     Observation,
-    PythonToolEnv,
     SandboxLimits,
+    bounded_calls,
+    checked_observation,
     environment_factory,
+    environment_name_error,
     environment_tools,
-    parse_tool_call,
 )
+from megatron_offgrpo.envs._feedback import FeedbackEnv
+from megatron_offgrpo.envs._python_tool import PythonToolEnv, parse_tool_call
 
 REWARD = get_reward("math_exact")
 PROMPT = Prompt("q0", (1, 2, 3), "What is 17 * 23?", "391")
@@ -79,11 +92,14 @@ def test_registry():
     make = environment_factory("feedback", REWARD)
     assert isinstance(make(), FeedbackEnv) and make() is not make()
     for name, error in [("chess", "expected one of"), ("nowhere.module:Env", "cannot import"),
-                        ("megatron_offgrpo.data:SamplingParams", "does not make an Environment")]:
+                        ("megatron_offgrpo.data:SamplingParams", "has no reset, step, close"),
+                        ("os:sep", "is a str, not a class or function")]:
         with pytest.raises(ValueError, match=error):
             environment_factory(name, REWARD)
+    with pytest.raises(EnvironmentContractError, match="made str, not an Environment"):
+        environment_factory("os:getcwd", REWARD)  # a zero-argument function: what it makes is probed
     with pytest.raises(ValueError, match="with no arguments"):
-        environment_factory("megatron_offgrpo.envs:FeedbackEnv", REWARD)  # needs its reward: not a factory
+        environment_factory("megatron_offgrpo.envs._feedback:FeedbackEnv", REWARD)  # needs its reward: not a factory
     custom = environment_factory("tests.envs.test_environments:EchoEnv", REWARD)
     assert custom is EchoEnv and environment_tools("tests.envs.test_environments:EchoEnv") == ()
 
@@ -120,3 +136,114 @@ def test_hostile_tool_code_is_a_tool_error_and_the_episode_goes_on(code):
     assert len(hostile.text) < 1024  # the model reads a bounded answer
     after = env.step(_call('{"name": "python", "arguments": {"code": "print(6 * 7)"}}'))
     assert after.text.strip() == "42" and not after.tool_error
+
+
+def _hang(release: threading.Event):
+    release.wait()  # a user's call stuck on something that never comes (here: until the test releases it)
+
+
+def test_a_stuck_call_is_abandoned_at_its_deadline_and_named():
+    """Four calls on two threads, one stuck: the wait ends at the stuck call's deadline with its name and the key;
+    the calls not yet started never start; the stuck thread is a daemon (it cannot keep the process alive)."""
+    release, ran = threading.Event(), []
+    calls = [EnvironmentCall("Fine.step", lambda: ran.append(0) or "a"),
+             EnvironmentCall("Stuck.step", lambda: _hang(release)),
+             EnvironmentCall("Slow.step", lambda: time.sleep(0.05) or ran.append(2)),
+             EnvironmentCall("Later.step", lambda: ran.append(3))]
+    start = time.monotonic()
+    with pytest.raises(EnvironmentTimeout, match=r"environment Stuck\.step did not return within 0\.4 s "
+                                                 r"\(env\.step_timeout_s\)"):
+        bounded_calls(calls, timeout_s=0.4, threads=2)
+    assert 0.4 <= time.monotonic() - start < 2.0
+    stuck = [t for t in threading.enumerate() if t.name.startswith("offgrpo-env") and t.is_alive()]
+    assert stuck and all(t.daemon for t in stuck)
+    with pytest.raises(EnvironmentTimeout, match="Stuck.step"):  # one thread: the call behind it never starts
+        bounded_calls([calls[1], EnvironmentCall("Behind.step", lambda: ran.append("behind"))], 0.2, threads=1)
+    release.set()
+    assert bounded_calls(calls[:1] + calls[2:], timeout_s=5, threads=3) == ["a", None, None]  # slow is not stuck
+    time.sleep(0.05)
+    assert "behind" not in ran
+
+
+def test_the_users_own_exception_keeps_its_traceback():
+    def step():
+        raise KeyError("the environment's own bug")
+
+    with pytest.raises(KeyError) as info:
+        bounded_calls([EnvironmentCall("Buggy.step", lambda: 1), EnvironmentCall("Buggy.step", step)], 5, threads=2)
+    assert "in step" in "".join(traceback.format_tb(info.value.__traceback__))  # the user's frame is there
+
+
+def test_a_signal_is_handled_while_a_call_is_stuck():
+    """SIGTERM only sets a flag (train._stop): the bounded wait must let the handler run at once, not after it."""
+    heard, release = [], threading.Event()
+    previous = signal.signal(signal.SIGALRM, lambda *_: heard.append(time.monotonic()))
+    try:
+        start = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(EnvironmentTimeout):
+            bounded_calls([EnvironmentCall("Stuck.step", lambda: _hang(release))], timeout_s=0.6)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+    assert heard and heard[0] - start < 0.5
+
+
+def test_a_process_with_a_stuck_environment_still_exits():
+    """The run ends with the named line and the process exits although the stuck call never returns."""
+    code = ("import threading\nfrom megatron_offgrpo.envs import EnvironmentCall, bounded_calls\n"
+            "bounded_calls([EnvironmentCall('Stuck.step', threading.Event().wait)], timeout_s=0.3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "EnvironmentTimeout: environment Stuck.step did not return" in proc.stderr
+
+
+@pytest.mark.parametrize(("returned", "named"), [
+    ({"text": "hi", "reward": 1.0}, r"returned \{'text': 'hi', 'reward': 1\.0\} \(dict\): expected a "
+                                    r"megatron_offgrpo\.envs\.Observation"),
+    ("too low", r"returned 'too low' \(str\)"),
+    (None, r"returned None \(NoneType\)"),
+    (Observation("x", reward="1"), r"reward='1' \(str\): expected a finite number"),
+    (Observation("x", reward=math.nan), r"reward=nan \(float\)"),
+    (Observation("x", reward=-math.inf), r"reward=-inf \(float\)"),
+    (Observation("x", reward=True), r"reward=True \(bool\)"),
+    (Observation(None), r"text=None \(NoneType\): expected a str"),
+    (Observation("x", done="yes"), r"done='yes' \(str\): expected True or False"),
+])
+def test_a_broken_contract_is_one_line_naming_class_method_and_value(returned, named):
+    with pytest.raises(EnvironmentContractError, match=r"^environment MyEnv\.step (returned an Observation with )?"
+                                                       + named):
+        checked_observation("MyEnv.step", returned)
+    assert checked_observation("MyEnv.step", Observation("ok", reward=2)) == Observation("ok", reward=2.0)
+    numpy_typed = checked_observation("MyEnv.step", Observation("ok", reward=np.float32(0.5), done=np.bool_(True)))
+    assert numpy_typed == Observation("ok", reward=0.5, done=True) and type(numpy_typed.reward) is float
+
+
+@pytest.mark.parametrize(("name", "error"), [
+    ("nosuch", "expected one of ['feedback', 'python_tool'] or 'package.module:Factory'"),
+    ("os:system", "env.name='os:system' cannot be called with no arguments (it takes command)"),
+    ("tests.envs.test_environments:needs_a_seed", "cannot be called with no arguments (it takes seed)"),
+    ("tests.envs.test_environments:NoStep", "the class NoStep has no step"),
+    ("tests.envs.test_environments:nowhere", "cannot import 'nowhere'"),
+    ("tests.envs.test_environments:EchoEnv", None),
+    ("tests.envs.test_environments:echo_factory", None),
+])
+def test_the_name_is_checked_without_running_the_users_code(name, error):
+    assert environment_name_error(name) == error or error in environment_name_error(name)
+
+
+def needs_a_seed(seed):
+    return EchoEnv()
+
+
+def echo_factory(seed: int = 0):
+    return EchoEnv()
+
+
+class NoStep:
+    tools = ()
+
+    def reset(self, prompt):
+        pass
+
+    def close(self):
+        pass

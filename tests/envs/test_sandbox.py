@@ -21,7 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_offgrpo.envs import SandboxLimits, SandboxResult, _sandbox, _sandbox_boot, run_python
+from megatron_offgrpo.envs import SandboxLimits, _sandbox, _sandbox_boot
+from megatron_offgrpo.envs._sandbox import SandboxResult, run_python
 
 FAST = SandboxLimits(cpu_seconds=2, wall_seconds=5)
 SID = "import os\nprint('sid', os.getsid(0), flush=True)\n"  # the run's session id, to look for survivors

@@ -10,13 +10,15 @@ tokens trained on are the tokens sampled, in the context they were sampled in).
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_offgrpo.data import ASSETS, Prompt, SamplingParams, observation_ids, turn_wrapping
-from megatron_offgrpo.envs import Observation
+from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout, Observation
 from megatron_offgrpo.rollout import EpisodeLimits, EpisodeRunner, EpisodeStats, TransformersEngine
 from tests.helpers import qwen3_tokenizer_dir, turn_ending_model
 
@@ -149,3 +151,65 @@ def test_max_turns_and_environment_failures(engine, tokenizer):
     with pytest.raises(RuntimeError, match="environment bug"):
         broken.run(_prompts(tokenizer), 2, dataclasses.replace(SamplingParams(max_tokens=8), seed=1))
     assert len(made) == 4 and all(getattr(e, "closed", False) for e in made)
+
+
+def test_the_first_turn_is_capped_by_the_episode_budget(engine, tokenizer):
+    """A budget under one turn (env.max_tokens=3, turns of ~5 tokens, sampling's cap 24): the first turn is cut at
+    the budget as every later one, so no episode is over it and the truncated count is the episodes cut."""
+    ScriptedEnv.log.clear()
+    stats = EpisodeStats()
+    runner = EpisodeRunner(engine, ScriptedEnv, tokenizer, EpisodeLimits(max_turns=3, max_tokens=3))
+    samples = runner.run(_prompts(tokenizer), 2, SamplingParams(max_tokens=24, temperature=1.0, seed=7), stats)
+    assert all(len(s.response_ids) <= 3 and s.turns == 1 for s in samples)
+    assert stats.truncated == sum(s.finish_reason == "length" for s in samples) == len(samples)  # nothing fits
+
+
+def test_a_stuck_or_broken_environment_ends_the_call_named(engine, tokenizer):
+    """A step that never returns ends the call at env.step_timeout_s naming the class and the method; the other
+    environments are closed, the stuck one is not (its step is still running); a reset is bounded alike; a step
+    that returns a dict or a NaN reward is one line naming what it returned."""
+    release, made = threading.Event(), []
+
+    class Stuck(ScriptedEnv):
+        def step(self, turn: str) -> Observation:
+            if self is made[1]:
+                release.wait()
+            return super().step(turn)
+
+    def make(cls):
+        def factory():
+            made.append(cls())
+            return made[-1]
+        return factory
+
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2)
+    try:
+        runner = EpisodeRunner(engine, make(Stuck), tokenizer, EpisodeLimits(2, 64, call_timeout_s=0.5))
+        with pytest.raises(EnvironmentTimeout, match=r"environment Stuck\.step did not return within 0\.5 s"):
+            runner.run(_prompts(tokenizer)[:1], 3, params)
+        assert [getattr(e, "closed", False) for e in made] == [True, False, True]
+
+        class StuckReset(ScriptedEnv):
+            def reset(self, prompt: Prompt) -> None:
+                release.wait()
+
+        made.clear()
+        runner = EpisodeRunner(engine, make(StuckReset), tokenizer, EpisodeLimits(2, 64, call_timeout_s=0.3))
+        with pytest.raises(EnvironmentTimeout, match=r"environment StuckReset\.reset did not return"):
+            runner.run(_prompts(tokenizer)[:1], 2, params)
+        assert len(made) == 1  # the second episode's environment was never made
+    finally:
+        release.set()
+    for answer, named in [({"text": "too low"}, r"DictEnv\.step returned \{'text': 'too low'\} \(dict\)"),
+                          (Observation("x", reward=math.nan),
+                           r"DictEnv\.step returned an Observation with reward=nan")]:
+
+        class DictEnv(ScriptedEnv):
+            def step(self, turn: str, answer=answer):
+                return answer
+
+        made.clear()
+        runner = EpisodeRunner(engine, make(DictEnv), tokenizer, EpisodeLimits(2, 64))
+        with pytest.raises(EnvironmentContractError, match=named):
+            runner.run(_prompts(tokenizer)[:1], 2, params)
+        assert all(e.closed for e in made)

@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from megatron_offgrpo.cli.fleet import main as fleet_main
-from megatron_offgrpo.fleet import FleetState, ServerRecord, claim_state_dir, load_state, stop_fleet, write_token
+from megatron_offgrpo.fleet import FleetState, ServerRecord, load_state, stop_fleet, write_token
+from megatron_offgrpo.fleet._claim import claim_state_dir
 from megatron_offgrpo.fleet._processes import _wait_gone, group_members
 
 # the leader optionally ignores SIGTERM and starts a child in its process group (as a tp > 1 server's workers),

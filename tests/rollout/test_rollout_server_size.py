@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from megatron_offgrpo.fleet import FleetSpec, kv_cache_bytes, read_hf_config, server_command, size_server
+from megatron_offgrpo.fleet import FleetSpec, kv_cache_bytes, server_command, size_server
+from megatron_offgrpo.fleet._server_size import read_hf_config
 from megatron_offgrpo.fleet import _launcher
 from megatron_offgrpo.fleet._server_size import GIB
 from tests.helpers import REPO
