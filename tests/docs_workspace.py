@@ -183,6 +183,8 @@ class DocsWorkspace:
 
     def config_problems(self, argv: list[str]) -> list[str]:
         recipe, overrides = flag_value(argv, "--config"), [a for a in argv if OVERRIDE.match(a)]
+        if recipe is None and overrides and any(a.startswith("benchmarks/") for a in argv[:2]):
+            recipe = "configs/tiny-cpu.yaml"  # a benchmark's `--set KEY=VALUE` overrides its runs' tiny recipe
         if recipe is not None and not recipe.endswith((".yaml", ".yml")):  # a benchmark's HF config directory
             return [] if (REPO / recipe).is_dir() else [f"--config {recipe}: no such directory in the repository"]
         if recipe is None and not overrides:

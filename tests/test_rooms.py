@@ -1,8 +1,8 @@
-"""The house rules of DESIGN.md on imports, read from the source with ``ast`` (nothing is imported; < 1 s).
+"""The house rules of docs/design.md on imports, read from the source with ``ast`` (nothing is imported; < 1 s).
 
 A room is a top-level package (``checkpoint_tools``), a direct sub-package of ``megatron_offgrpo``
 (``megatron_offgrpo/rollout``) or a top-level module of it (``megatron_offgrpo/config.py``), as in
-``../shared/tools/rooms.py``. A room is entered only through its ``__init__.py``: no import of another room's
+docs/design.md ("Rooms and arrows"). A room is entered only through its ``__init__.py``: no import of another room's
 ``_private`` module or name, no cycle between rooms; and the fleet side speaks HF names only: rollout/ (and fleet/)
 never import model/. Every import counts: top-level, inside functions, under ``TYPE_CHECKING``.
 """

@@ -190,7 +190,7 @@ def _addmm_wider(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: floa
     16-bit write and an add that reads both and writes acc again (about 1.4 GB of traffic, against the 1.1 GB of
     the GEMM reading and writing acc itself), and rounds every chunk's contribution to 16 bits before it is summed.
     The same call as ``runtime``'s weight-gradient fallback (``TorchWgradAccumulation``). On an H100 the fused loss at
-    N = 16,384 bf16 took 49.5 ms against 51.8 (README "GPU validation").
+    N = 16,384 bf16 took 49.5 ms against 51.8 (docs/benchmarks.md, "GPU validation").
     """
     if acc.is_cuda and _WIDER_OUT[0]:
         try:

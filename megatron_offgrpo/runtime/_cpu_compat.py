@@ -1,6 +1,6 @@
 """The CPU compatibility layer for megatron-core 0.16.x: the only place that patches megatron for CPU.
 
-megatron-core assumes CUDA in a handful of places (measured in ``shared/notes/megatron-on-cpu.md``). Each fix
+megatron-core assumes CUDA in a handful of places (listed in docs/design.md, "Patch sites"). Each fix
 below names the failure it prevents. All fixes are narrow: none wraps the transformer forward/backward hot path
 (a global cuda->cpu torch-function mode measured ~25% slower on tiny steps). ``apply_cpu_compat()`` is explicit,
 idempotent, logged, and a no-op when CUDA is available: nothing happens at import time.
@@ -158,7 +158,7 @@ def _gloo_uneven_collectives(mappings: types.ModuleType) -> None:
 
 
 def _patch_moe() -> None:
-    """The CUDA (and NCCL) assumptions of megatron-core 0.16's MoE layer (``shared/notes/moe-on-cpu.md``)."""
+    """The CUDA (and NCCL) assumptions of megatron-core 0.16's MoE layer (docs/design.md, "Patch sites")."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     # 8. The alltoall dispatcher creates a class-wide `torch.cuda.Stream()` for its device-to-host split copies

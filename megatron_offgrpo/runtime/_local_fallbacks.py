@@ -17,7 +17,7 @@ And apex's ``fused_weight_gradient_mlp_cuda``, which megatron's parallel linears
 gradient that megatron's DDP hook then adds to the fp32 ``main_grad``, one more kernel per weight and micro-batch
 (21 ms of a Qwen2.5-0.5B step's 262 ms of kernels on an H200). ``TorchWgradAccumulation`` does apex's job with one
 GEMM that accumulates into ``main_grad`` in fp32 (``torch.addmm`` with an fp32 output on CUDA); measured, it saves
-little of that (README "GPU validation"), so ``model.grad_accum_fusion`` leaves it off by default.
+little of that (docs/benchmarks.md, "GPU validation"), so ``model.grad_accum_fusion`` leaves it off by default.
 """
 
 from __future__ import annotations

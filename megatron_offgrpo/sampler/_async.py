@@ -13,10 +13,10 @@ engine's continuous batching gives a slot freed by a short answer to a waiting r
 step's longest answer ends. Which request: the oldest step's. Step s's requests carry priority s
 (``SamplingParams.priority``; the engines run vLLM's priority scheduling), since the trainer takes the batches in
 step order: with training the slow side, a step after a refresh that shared the batch evenly with the three after it
-would end with them, and the trainer would wait for it (README "Rollout modes", separate cores). Where the batch has
-room for every step's requests, all decode at once whatever their priority. Steps draw their first prompts in step
-order (a step starts only after the one before it drew), so without dynamic sampling the batches are the lockstep
-run's; refill rounds of dynamic sampling draw when they are needed (with their step's priority).
+would end with them, and the trainer would wait for it (docs/benchmarks.md, "Rollout modes", separate cores). Where
+the batch has room for every step's requests, all decode at once whatever their priority. Steps draw their first
+prompts in step order (a step starts only after the one before it drew), so without dynamic sampling the batches are
+the lockstep run's; refill rounds of dynamic sampling draw when they are needed (with their step's priority).
 
 The engine is one resource (``EngineGate``): generations share it; installing weights, verifying them, evaluating
 and checkpointing take it alone, after the steps in flight end and before any new one starts. A checkpoint then

@@ -49,9 +49,9 @@ def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
 def grad_accum_fusion(model_cfg: ModelConfig) -> bool:
     """``model.grad_accum_fusion`` resolved. None: on with Transformer Engine's layers (their weight-gradient GEMM
     accumulates into main_grad, megatron's own default), off on the local spec: its torch stand-in for apex's kernel
-    measured no faster on an H200 (README "GPU validation": the fp32-output GEMM costs what the add it saves did), and
-    under ``model.compile`` it writes the weight's main_grad inside autograd, which breaks each compiled layer's
-    graph at every linear (2.4x slower)."""
+    measured no faster on an H200 (docs/benchmarks.md, "GPU validation": the fp32-output GEMM costs what the add it
+    saves did), and under ``model.compile`` it writes the weight's main_grad inside autograd, which breaks each
+    compiled layer's graph at every linear (2.4x slower)."""
     if model_cfg.grad_accum_fusion is not None:
         return model_cfg.grad_accum_fusion
     return have_te() and not model_cfg.compile

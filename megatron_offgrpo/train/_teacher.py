@@ -5,8 +5,8 @@ Where it runs, one of two places (``distill``):
 - ``teacher_path``: on the trainer's ranks at the student's TP/PP layout, in the same megatron schedule as the
   reference model's forward (``token_logprobs``), over the step's own micro-batches: the tokens are already where the
   loss is computed, and its forward (at the loss's positions only) cost a third of a training step on the CPU task
-  (README "On-policy distillation": 0.27-0.46 s against 1.0-1.5 s). It takes trainer memory and time, and the
-  teacher must split at the student's layout.
+  (docs/benchmarks.md, "On-policy distillation": 0.27-0.46 s against 1.0-1.5 s). It takes trainer memory and time,
+  and the teacher must split at the student's layout.
 - ``teacher_fleet``: on a fleet of its own (``rollout.TeacherFleet``), any size and layout, scored when the samples
   are generated (beside the training in ``rollout.mode=async``); the samples bring the log-probs
   (``Sample.teacher_logprobs`` -> ``MicroBatch.teacher_logp``). It costs a second served model and the sequences'

@@ -20,7 +20,11 @@ COMMAND = re.compile(r"(?:offgrpo fleet|launch/fleet\.sh) start +(--[^#`\n]*)")
 def documented_starts() -> list[tuple[str, str]]:
     found = []
     for path in SOURCES:
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines, 1):
+            following = iter(lines[number:])
+            while line.endswith("\\"):  # a shell line continued on the next: its flags count too
+                line = line[:-1] + " " + next(following, "").strip()
             found += [(f"{path.relative_to(REPO)}:{number}", m.group(1)) for m in COMMAND.finditer(line)]
     return found
 
