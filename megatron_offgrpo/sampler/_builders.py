@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from megatron_offgrpo.config import RolloutConfig
+from pathlib import Path
+
+from megatron_offgrpo.config import Config, RolloutConfig
 from megatron_offgrpo.data import SamplingParams
+from megatron_offgrpo.rollout import specs
+from megatron_offgrpo.sampler._eval import EVAL_BATCH
 
 
 def sampling_params(rollout: RolloutConfig, seed: int | None = None, step: int = 0) -> SamplingParams:
@@ -32,3 +36,43 @@ def verify_tolerance(rollout: RolloutConfig, precision: str, derived: float | No
     if derived is not None and serving_dtype(rollout, precision) == "float32":
         return derived
     return probe_atol(serving_dtype(rollout, precision))
+
+
+def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> specs.EngineSpec:
+    """The spec of ``rollout.engine``'s engine (``make_rollout_engine``'s arguments)."""
+    r, routing = config.rollout, config.model.router_replay
+    if r.engine == "fleet":
+        return specs.FleetClientSpec(
+            Path(r.fleet_state), r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
+            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=Path(r.shm_dir),
+            record_routing=routing, partial_rollouts=r.partial_rollouts)
+    # the dtype explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
+    dtype = serving_dtype(r, config.model.precision)
+    if r.engine == "transformers":
+        return specs.TransformersSpec(model_dir, dtype, record_routing=routing)
+    return specs.VllmSpec(model_dir, dtype, max_model_len=generation_length(config, max_positions),
+                          max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
+                          partial_rollouts=r.partial_rollouts, fall_back=r.engine == "auto")
+
+
+def generation_length(config: Config, max_positions: int) -> int:
+    """The longest sequence a run generates (prompt + completion, or a multi-turn episode), capped by the model's
+    positions."""
+    r = config.rollout
+    response = config.env.episode_tokens(r.max_new_tokens) if config.env.name else r.max_new_tokens
+    return min(max_positions, config.data.max_prompt_tokens + response)
+
+
+def _collective_host(r) -> str | None:
+    """Where the fleet's workers reach this process (rank 0) for a collective refresh: ``rollout.collective_host``,
+    else loopback when every server is on this machine, else this node's name. Rank 0's node is only known at run
+    time (c10d rendezvous picks it), so a multi-node launcher cannot write it into the recipe."""
+    if r.collective_host is not None or r.transport != "collective":
+        return r.collective_host
+    import socket
+    from urllib.parse import urlparse
+
+    from megatron_offgrpo.fleet import is_loopback, load_state
+
+    hosts = {urlparse(s.url).hostname for s in load_state(r.fleet_state).servers}
+    return None if all(is_loopback(host) for host in hosts) else socket.getfqdn()

@@ -20,11 +20,11 @@ from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
-                                      UnservableModelError, make_engine, specs, verify_refresh)
+                                      UnservableModelError, make_engine, verify_refresh)
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
-from megatron_offgrpo.sampler._builders import sampling_params, serving_dtype, verify_tolerance
-from megatron_offgrpo.sampler._eval import EVAL_BATCH, evaluate
+from megatron_offgrpo.sampler._builders import engine_spec, sampling_params, verify_tolerance
+from megatron_offgrpo.sampler._eval import evaluate
 from megatron_offgrpo.sampler._generate import Rollouts, env_factory
 from megatron_offgrpo.sampler._prompts import build_prompts, load_data, log_data, prompt_length_error, used_records
 from megatron_offgrpo.sampler._sampling import RolloutBatch, fill_batch, round_seed
@@ -293,46 +293,6 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
     except UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
         raise ConfigError(f"rollout.engine=vllm: {exc}: use rollout.engine=auto (falls back to the transformers "
                           "engine) or rollout.engine=transformers") from None
-
-
-def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> specs.EngineSpec:
-    """The spec of ``rollout.engine``'s engine (``make_rollout_engine``'s arguments)."""
-    r, routing = config.rollout, config.model.router_replay
-    if r.engine == "fleet":
-        return specs.FleetClientSpec(
-            Path(r.fleet_state), r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
-            bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=Path(r.shm_dir),
-            record_routing=routing, partial_rollouts=r.partial_rollouts)
-    # the dtype explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
-    dtype = serving_dtype(r, config.model.precision)
-    if r.engine == "transformers":
-        return specs.TransformersSpec(model_dir, dtype, record_routing=routing)
-    return specs.VllmSpec(model_dir, dtype, max_model_len=generation_length(config, max_positions),
-                          max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
-                          partial_rollouts=r.partial_rollouts, fall_back=r.engine == "auto")
-
-
-def generation_length(config: Config, max_positions: int) -> int:
-    """The longest sequence a run generates (prompt + completion, or a multi-turn episode), capped by the model's
-    positions."""
-    r = config.rollout
-    response = config.env.episode_tokens(r.max_new_tokens) if config.env.name else r.max_new_tokens
-    return min(max_positions, config.data.max_prompt_tokens + response)
-
-
-def _collective_host(r) -> str | None:
-    """Where the fleet's workers reach this process (rank 0) for a collective refresh: ``rollout.collective_host``,
-    else loopback when every server is on this machine, else this node's name. Rank 0's node is only known at run
-    time (c10d rendezvous picks it), so a multi-node launcher cannot write it into the recipe."""
-    if r.collective_host is not None or r.transport != "collective":
-        return r.collective_host
-    import socket
-    from urllib.parse import urlparse
-
-    from megatron_offgrpo.fleet import is_loopback, load_state
-
-    hosts = {urlparse(s.url).hostname for s in load_state(r.fleet_state).servers}
-    return None if all(is_loopback(host) for host in hosts) else socket.getfqdn()
 
 
 def length_metrics(lengths: Sequence[int]) -> dict[str, float]:
