@@ -12,6 +12,7 @@ by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -86,10 +87,44 @@ def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_state: dict[str, Any], keep: int = 2, *,
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """What ``trainer_state.json`` holds, written last (its presence marks a complete checkpoint).
+
+    Attributes:
+        step: optimizer steps done. version: the weight version the engine served at the checkpoint.
+        scheduler: megatron's learning-rate scheduler state (its own ``state_dict``).
+        config: the run's config as a nested dict (None: a checkpoint from before it was kept).
+        stream: the prompt stream's position, kept by checkpoints from before ``rollout_state.pt`` (None since).
+    """
+
+    step: int
+    version: int
+    scheduler: dict[str, Any]
+    config: dict[str, Any] | None = None
+    stream: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None}, indent=1)
+
+    @classmethod
+    def read(cls, path: Path) -> TrainerState:
+        """The state of checkpoint ``path`` (``path/trainer_state.json``), naming the file and field when it is not
+        one (a key this version does not know is ignored: a newer writer's)."""
+        file = path / checkpoints.STATE
+        data = json.loads(file.read_text())
+        try:
+            return cls(step=int(data["step"]), version=int(data.get("version", 0)), scheduler=dict(data["scheduler"]),
+                       config=data.get("config"), stream=data.get("stream"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{file}: not a trainer state ({type(exc).__name__}: {exc}): resume from another "
+                             "checkpoint (remove this step_N)") from None
+
+
+def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: TrainerState, keep: int = 2, *,
                     card: DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None,
                     log_tail: dict[str, list] | None = None) -> Path:
-    """Save step ``step`` (collective: every rank calls it). Keeps the newest ``keep`` checkpoints.
+    """Save the checkpoint of ``trainer_state.step`` (collective: every rank calls it). Keeps the newest ``keep``.
 
     Args:
         card: the model's description (``_weights.model_card``). extra_dirs: tokenizer / generation config sources.
@@ -104,7 +139,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
 
     use_in_process_save_queue()  # megatron's own spawns a server that imports torch: 3 s on the first save
     root = Path(run_dir) / "checkpoints"
-    final = _step_dir(root, step)
+    final = _step_dir(root, trainer_state.step)
     tmp = final.with_name(final.name + ".tmp")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,7 +156,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
                 torch.save(rollout_state, tmp / ROLLOUT_STATE)
             if log_tail is not None:
                 (tmp / checkpoints.TAIL_FILE).write_text(json.dumps(log_tail, default=float))
-            (tmp / checkpoints.STATE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+            (tmp / checkpoints.STATE).write_text(trainer_state.to_json())
             fd = os.open(tmp, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
@@ -135,12 +170,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, trainer_st
     return final
 
 
-def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, model, optimizer) -> TrainerState:
     """Restore model, optimizer and this rank's RNG states from ``path``; returns the trainer state."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    state = json.loads((path / checkpoints.STATE).read_text())
+    state = TrainerState.read(path)
     loaded = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(loaded[DIST_MODEL_KEY])
     with torch.no_grad():  # fp32 params are their own main params: the optimizer copies into views of leaves
@@ -149,7 +184,7 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict[str, Any]:
     if not rng_file.exists():
         raise ValueError(f"{rng_file} missing: resume with the same number of processes and layout as the run")
     _set_rng_state(torch.load(rng_file, weights_only=False))
-    logger.info("resumed from %s (step %d)", path, state["step"])
+    logger.info("resumed from %s (step %d)", path, state.step)
     return state
 
 
@@ -181,7 +216,7 @@ def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]
             and f"{section}.{key}" not in UNCOMPARED_KEYS]
 
 
-def load_rollout_state(path: str | Path, trainer_state: dict[str, Any]):
+def load_rollout_state(path: str | Path, trainer_state: TrainerState):
     """The rollout side's ``RolloutState`` of checkpoint ``path`` (rank 0). A checkpoint written before it had one
     keeps only the prompt stream's position in its JSON state."""
     from megatron_offgrpo.sampler import RolloutState
@@ -189,4 +224,4 @@ def load_rollout_state(path: str | Path, trainer_state: dict[str, Any]):
     file = Path(path) / ROLLOUT_STATE
     if file.exists():
         return torch.load(file, weights_only=False)  # our own file: batches of samples, not just tensors
-    return RolloutState(trainer_state["stream"])
+    return RolloutState(trainer_state.stream)

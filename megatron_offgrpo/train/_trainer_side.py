@@ -27,7 +27,7 @@ from megatron_offgrpo.train._batch import (
 )
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
-from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule, save_checkpoint
+from megatron_offgrpo.train._checkpoint import TrainerState, load_checkpoint, resume_schedule, save_checkpoint
 from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
 from megatron_offgrpo.train._router_load import RouterLoad
 from megatron_offgrpo.train._step import policy_step, sequence_shard, token_logprobs
@@ -141,19 +141,19 @@ class TrainerSide:
         returns it)."""
         return export_hf_dir(self.policy.model, self.arch, self.ctx, out, Path(self.config.model.hf_path))
 
-    def save(self, step: int, state: dict, rollout_state: object = None, log_tail: dict | None = None) -> None:
-        """Checkpoint after ``step`` steps with the driver's ``state``, the rollout side's ``rollout_state`` and the
-        metrics log's ``log_tail`` (collective; rank 0's are written)."""
+    def save(self, step: int, version: int, rollout_state: object = None, log_tail: dict | None = None) -> None:
+        """Checkpoint after ``step`` steps, the engine serving ``version``, with the rollout side's ``rollout_state``
+        and the metrics log's ``log_tail`` (collective; rank 0's are written)."""
         source = Path(self.config.model.hf_path)
-        save_checkpoint(self.config.train.out_dir, step, self.policy.model, self.policy.optimizer,
-                        {**state, "scheduler": self.policy.scheduler.state_dict(), "config": self.config.to_dict()},
+        state = TrainerState(step, version, self.policy.scheduler.state_dict(), self.config.to_dict())
+        save_checkpoint(self.config.train.out_dir, self.policy.model, self.policy.optimizer, state,
                         card=model_card(self.policy.model, self.arch, self.ctx, source),
                         extra_dirs=hf_extra_dirs(source), rollout_state=rollout_state, log_tail=log_tail)
 
-    def restore(self, checkpoint: Path) -> dict:
+    def restore(self, checkpoint: Path) -> TrainerState:
         """Model, optimizer, RNG and LR schedule from ``checkpoint``; returns its saved state (collective)."""
         state = load_checkpoint(checkpoint, self.policy.model, self.policy.optimizer)
-        resume_schedule(self.policy.scheduler, state["scheduler"])
+        resume_schedule(self.policy.scheduler, state.scheduler)
         return state
 
 

@@ -144,9 +144,9 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
     state = trainer.restore(checkpoint)
     if rollout is not None:
         rollout.load_resume_state(load_rollout_state(checkpoint, state))
-    if changed := changed_keys(state.get("config"), cfg.to_dict()):
+    if changed := changed_keys(state.config, cfg.to_dict()):
         logger.warning("resume: keys changed since the checkpoint: %s", ", ".join(changed))
-    step = state["step"]
+    step = state.step
     if step % cfg.rollout.refresh_every:
         logger.warning("resuming at step %d, not a multiple of refresh_every=%d: the engine gets the current weights "
                        "now (save_every a multiple of v keeps a resumed run identical)", step,
@@ -235,7 +235,7 @@ def _save_due(cfg: TrainConfig, done: int) -> bool:
 def _save(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, done: int, version: int) -> None:
     """The checkpoint after ``done`` steps, published after the records of its steps are durable (``log_tail``)."""
     tail = None if log is None else log.checkpoint_tail()
-    trainer.save(done, {"version": version}, None if rollout is None else rollout.resume_state(), tail)
+    trainer.save(done, version, None if rollout is None else rollout.resume_state(), tail)
 
 
 def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | None, signum: int, done: int,

@@ -440,3 +440,19 @@ def test_under_torchrun_a_locked_run_dir_is_refused_on_every_rank(tmp_path):
     assert proc.returncode != 0 and proc.stderr.count(line) == 2, proc.stderr[-4000:]
     assert "megatron_offgrpo/" not in proc.stderr  # no traceback of ours (torchrun prints its own summary)
     assert [p.name for p in run.iterdir()] == [LOCK_FILE]
+
+
+def test_the_trainer_state_is_typed_and_a_bad_one_is_named(tmp_path):
+    """``trainer_state.json`` round-trips as ``TrainerState`` (a newer writer's extra key ignored, an older
+    checkpoint's missing version read as 0), and a state without its step or scheduler is named with its file."""
+    from megatron_offgrpo.train._checkpoint import TrainerState
+
+    state = TrainerState(step=8, version=8, scheduler={"num_steps": 8, "max_lr": 1e-3}, config={"train": {"steps": 9}})
+    (tmp_path / "trainer_state.json").write_text(state.to_json())
+    assert TrainerState.read(tmp_path) == state and "stream" not in json.loads(state.to_json())
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 4, "scheduler": {}, "stream": {"epoch": 1},
+                                                             "from_the_future": 1}))
+    assert TrainerState.read(tmp_path) == TrainerState(4, 0, {}, None, {"epoch": 1})
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": "x", "scheduler": {}}))
+    with pytest.raises(ValueError, match="trainer_state.json: not a trainer state .*remove this step_N"):
+        TrainerState.read(tmp_path)
