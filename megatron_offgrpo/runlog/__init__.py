@@ -6,6 +6,8 @@ The door the trainer (``megatron_offgrpo.train``) and the commands enter by. Nam
 --help`` must not import torch (``run_info`` does), and logging is set up before it is imported.
 """
 
+from megatron_offgrpo._lazy import lazy_door
+
 _EXPORTS = {
     "claim_run_dir": "megatron_offgrpo.runlog._run_dir",
     "RunLock": "megatron_offgrpo.runlog._run_dir",
@@ -25,12 +27,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(name)
-    import importlib
-
-    module = importlib.import_module(_EXPORTS[name])
-    # a module exported whole under its own name (``checkpoints``: checkpoints.latest_checkpoint(run_dir))
-    return module if _EXPORTS[name].endswith(f"._{name}") else getattr(module, name)
+__getattr__ = lazy_door(_EXPORTS)

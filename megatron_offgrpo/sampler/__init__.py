@@ -5,6 +5,8 @@ The door the trainer (``megatron_offgrpo.train``) and the commands enter by. Nam
 --help`` must not import torch or vLLM, and logging is set up before they are imported.
 """
 
+from megatron_offgrpo._lazy import lazy_door
+
 _EXPORTS = {
     "RolloutSide": "megatron_offgrpo.sampler._rollout_side",
     "RolloutState": "megatron_offgrpo.sampler._rollout_side",
@@ -22,10 +24,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(name)
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_door(_EXPORTS)

@@ -5,6 +5,8 @@ The door the commands (``megatron_offgrpo.cli``) and the benchmarks enter by. Na
 --help`` must not import megatron-core (5-7 s), and logging is set up before it is imported.
 """
 
+from megatron_offgrpo._lazy import lazy_door
+
 _EXPORTS = {
     "train": "megatron_offgrpo.train.loop",
     "sft": "megatron_offgrpo.train._sft",
@@ -24,10 +26,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(name)
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_door(_EXPORTS)
