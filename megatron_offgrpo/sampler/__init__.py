@@ -7,7 +7,7 @@ The door the trainer (``megatron_offgrpo.train``) and the commands enter by. Nam
 
 _EXPORTS = {
     "RolloutSide": "megatron_offgrpo.sampler._rollout_side",
-    "RolloutState": "megatron_offgrpo.sampler._rollout_side",
+    "RolloutState": "megatron_offgrpo.sampler._sources",
     "make_rollout_engine": "megatron_offgrpo.sampler._rollout_side",
     "sample_metrics": "megatron_offgrpo.sampler._rollout_side",
     "NoLearningSignalError": "megatron_offgrpo.sampler._sampling",
