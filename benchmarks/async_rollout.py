@@ -1,6 +1,6 @@
 """Benchmark: the rollout modes (lockstep, overlap, async, async with partial rollouts) on CPU, in one table.
 
-Lockstep, ``rollout.overlap``, ``rollout.mode=async`` and async with ``rollout.partial_rollouts``, one run each.
+``rollout.mode`` lockstep, overlap, async and async_partial (the variant ``async+partial``), one run each.
 
 Two workloads (``--lengths``):
 - ``demo``: one warm-up (``configs/tiny-cpu-sft.yaml``), then ``configs/tiny-cpu.yaml`` from it: short answers of
@@ -51,8 +51,8 @@ from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E
 from benchmarks._tables import markdown  # noqa: E402
 from megatron_offgrpo.config import load_config  # noqa: E402
 
-VARIANTS = {"lockstep": [], "overlap": ["rollout.overlap=true"], "async": ["rollout.mode=async"],
-            "async+partial": ["rollout.mode=async", "rollout.partial_rollouts=true"]}
+VARIANTS = {"lockstep": [], "overlap": ["rollout.mode=overlap"], "async": ["rollout.mode=async"],
+            "async+partial": ["rollout.mode=async_partial"]}
 BOUNDS = {"lockstep": lambda v: v - 1, "overlap": lambda v: v, "async": lambda v: v, "async+partial": lambda v: v}
 """Each mode's staleness bound at refresh interval v (async: ``rollout.max_staleness``'s default)."""
 COLUMNS = ["variant", "staleness bound", "tokens/s", "vs lockstep", "trainer busy", "generation busy",

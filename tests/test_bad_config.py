@@ -37,9 +37,14 @@ CASES = [  # (overrides, what the message must name)
      "parallel.sequence_parallel=false with parallel.tp=2: megatron trains mixture-of-experts layers with tp > 1 "
      "only under sequence parallelism"),
     (["rollout.top_p=0.9"], "rollout.top_p=0.9: the trainer scores tokens under the whole softmax"),
-    (["rollout.partial_rollouts=true"], "rollout.partial_rollouts=true with rollout.mode='lockstep'"),
-    (["rollout.partial_rollouts=true", "rollout.mode=async", "rollout.engine=transformers"],
-     "it needs mode='async' and vLLM (engine=vllm, auto or fleet)"),
+    # the keys folded into rollout.mode: refused, with the new spelling
+    (["rollout.partial_rollouts=true"], "rollout.partial_rollouts is now rollout.mode=async_partial"),
+    (["rollout.overlap=false"], "rollout.overlap is now rollout.mode=overlap (overlap=false: the default"),
+    (["rollout.mode=async_partial", "rollout.engine=transformers"],
+     "partial rollouts need vLLM (engine=vllm, auto or fleet), without router replay"),
+    (["rollout.mode=overlap", "rollout.behavior_logprobs=recompute"],
+     "rollout.behavior_logprobs='recompute' with rollout.mode='overlap': the snapshot holds the weights last pushed"),
+    (["rollout.mode=lockstep", "rollout.max_staleness=2"], "it bounds async generation (mode='async' or"),
     (["rollout.mode=async", "rollout.max_staleness=1000000000"],
      "rollout.max_staleness=1000000000: the async staleness bound must be <= 64; every step it allows generates"),
     (["rollout.mode=async", "rollout.refresh_every=65"],  # the bound's default, v, is held to the same limit

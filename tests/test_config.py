@@ -69,6 +69,18 @@ def test_type_and_key_errors_name_the_key(override, message):
         load_config(REPO / "configs" / "tiny-cpu.yaml", [override])
 
 
+@pytest.mark.parametrize("old, value, new", [("overlap", "true", "rollout.mode=overlap"),
+                                             ("partial_rollouts", "true", "rollout.mode=async_partial")])
+def test_a_key_folded_into_rollout_mode_is_refused_with_its_new_spelling(old, value, new, tmp_path):
+    """In an override or a recipe: one line naming the new spelling, not the list of valid keys."""
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"rollout:\n  mode: async\n  {old}: {value}\n")
+    for path, overrides in ((None, [f"rollout.{old}={value}"]), (recipe, [])):
+        with pytest.raises(ConfigError) as refused:
+            load_config(path, overrides)
+        assert str(refused.value).startswith(f"rollout.{old} is now {new} (") and "\n" not in str(refused.value)
+
+
 def test_all_cross_field_errors_are_reported_together():
     with pytest.raises(ValueError) as err:
         load_config(None, ["rollout.group_size=1", "rollout.engine=fleet", "algo.objective=gpg", "algo.dual_clip=2",

@@ -152,9 +152,9 @@ def mismatch_curves(records: list[dict], window: int) -> list[Curve]:
 
 def utilisation_curves(records: list[dict], window: int) -> list[Curve]:
     """Per step, the share of its wall time (between consecutive ``wall_s``) that the trainer trained
-    (``time_train_s``) and that generation ran (``generate_s``: beside the trainer with ``rollout.overlap`` or
-    ``mode=async``, so both can be near 1), and ``buffer_depth`` (async: batches ready behind the step's) on the
-    second axis."""
+    (``time_train_s``) and that generation ran (``generate_s``: beside the trainer in ``rollout.mode`` overlap,
+    async or async_partial, so both can be near 1), and ``buffer_depth`` (async: batches ready behind the step's) on
+    the second axis."""
     shares = []
     for before, row in zip(records, records[1:]):
         seconds = row.get("wall_s", 0) - before.get("wall_s", 0)

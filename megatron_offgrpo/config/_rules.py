@@ -83,19 +83,17 @@ def _rollout_mode_errors(config: Config) -> list[str]:
     if r.transport in ("collective", "shm") and r.engine != "fleet":
         errors.append(f"rollout.transport={r.transport!r} needs rollout.engine='fleet' (got {r.engine!r})")
     errors.extend(_collective_host_errors(r.collective_host))
-    if r.mode == "async" and (r.overlap or r.behavior_logprobs == "recompute"):
-        errors.append(f"rollout.mode='async' with rollout.overlap={r.overlap}, behavior_logprobs="
-                      f"{r.behavior_logprobs!r}: async generation runs ahead on its own (no overlap), and its "
-                      "samples come from older versions than the trainer's snapshot; use overlap=false, "
-                      "behavior_logprobs='fleet'")
-    if r.partial_rollouts and (r.mode != "async" or r.engine == "transformers" or m.router_replay):
-        errors.append(f"rollout.partial_rollouts=true with rollout.mode={r.mode!r}, engine={r.engine!r}, "
-                      f"model.router_replay={m.router_replay}: it needs mode='async' and vLLM (engine=vllm, auto or "
-                      "fleet), without router replay")
+    # what is left of the four rules between mode, overlap, partial_rollouts, max_staleness and behavior_logprobs once
+    # the first three are one choice (rollout.mode): the conflicts between independent keys
+    if r.behavior_logprobs == "recompute" and r.mode != "lockstep":
+        errors.append(f"rollout.behavior_logprobs='recompute' with rollout.mode={r.mode!r}: the snapshot holds the "
+                      "weights last pushed, and this mode trains samples generated before them (overlap: a version "
+                      "behind; async: up to max_staleness); use behavior_logprobs='fleet' or mode='lockstep'")
+    if r.mode == "async_partial" and (r.engine == "transformers" or m.router_replay):
+        errors.append(f"rollout.mode='async_partial' with rollout.engine={r.engine!r}, model.router_replay="
+                      f"{m.router_replay}: partial rollouts need vLLM (engine=vllm, auto or fleet), without router "
+                      "replay; or mode='async'")
     errors.extend(_staleness_errors(r))
-    if r.overlap and r.behavior_logprobs == "recompute":
-        errors.append("rollout.overlap=true with rollout.behavior_logprobs='recompute': the snapshot would be a "
-                      "version ahead of the prefetched samples; use behavior_logprobs='fleet' or overlap=false")
     return errors
 
 
@@ -148,11 +146,11 @@ old has a ratio the clipped objective mostly masks (async RL systems run at 1 to
 
 
 def _staleness_errors(r: RolloutConfig) -> list[str]:
-    if r.max_staleness is not None and (r.mode != "async" or r.max_staleness < r.refresh_every - 1):
+    if r.max_staleness is not None and (not r.asynchronous() or r.max_staleness < r.refresh_every - 1):
         return [f"rollout.max_staleness={r.max_staleness} with rollout.mode={r.mode!r}, refresh_every="
-                f"{r.refresh_every}: it bounds async generation (mode='async') and must be >= refresh_every - 1 "
-                "(a smaller bound would wait for a version the trainer only pushes after that batch)"]
-    if r.mode == "async" and r.staleness_bound() > MAX_STALENESS:
+                f"{r.refresh_every}: it bounds async generation (mode='async' or 'async_partial') and must be >= "
+                "refresh_every - 1 (a smaller bound would wait for a version the trainer only pushes after that batch)"]
+    if r.asynchronous() and r.staleness_bound() > MAX_STALENESS:
         key = ("rollout.max_staleness" if r.max_staleness is not None
                else "rollout.refresh_every (the bound when rollout.max_staleness is null)")
         return [f"{key}={r.staleness_bound()}: the async staleness bound must be <= {MAX_STALENESS}; every step it "

@@ -152,21 +152,21 @@ class RolloutConfig:
     every server is on this machine, else rank 0's host name."""
     behavior_logprobs: BehaviorLogprobs = "fleet"
     """"fleet": the engine's log-probs; "recompute": recomputed from a snapshot of the pushed weights (exact)."""
-    overlap: bool = False
-    """Generate step k+1 while training step k: staleness bound becomes v instead of v - 1 (enforced)."""
     mode: RolloutMode = "lockstep"
-    """"lockstep": each step generates its batch (or prefetches one: ``overlap``), then learns. "async": the next
-    steps generate while the trainer learns, as far ahead as ``max_staleness`` allows (then it pauses, nothing is
-    discarded), at once on vLLM and the fleet; trained in draw order; checkpoints keep the untrained batches."""
-    partial_rollouts: bool = False
-    """mode=async, vLLM (in-process or fleet): a refresh comes between two decode steps of the steps in flight, which
-    go on under the new weights, their KV recomputed (AReaL); each token keeps its version and behavior log-prob (the
-    ratio's), the bound holds on a sample's oldest token. Not with router replay (docs/guide.md)."""
+    """How generation and training take turns: one choice (it was three keys: mode, overlap, partial_rollouts).
+    "lockstep": each step generates its batch, then learns (staleness <= v - 1). "overlap": step k+1's batch generates
+    while step k learns (staleness <= v, enforced). "async": the next steps generate while the trainer learns, as far
+    ahead as ``max_staleness`` allows (then it pauses, nothing is discarded), at once on vLLM and the fleet; trained in
+    draw order; checkpoints keep the untrained batches. "async_partial": async on vLLM (in-process or fleet) where a
+    refresh comes between two decode steps of the steps in flight, which go on under the new weights, their KV
+    recomputed (AReaL); each token keeps its version and behavior log-prob (the ratio's), the bound holds on a
+    sample's oldest token. Not with router replay (docs/guide.md)."""
     max_staleness: int | None = None
-    """mode=async: the oldest a trained sample may be, in optimizer steps (v - 1 to 64; null: v, which is then held
-    to 64 too). Generation of step s waits until the engine's version w has s - w <= max_staleness. At most 64 since
-    every step the bound allows generates at once: B + 1 steps' requests, and their finished batches in memory and in
-    each checkpoint (and a sample that stale barely moves the clipped objective)."""
+    """The async modes: the oldest a trained sample may be, in optimizer steps (v - 1 to 64; null: v, which is then
+    held to 64 too). Generation of step s waits until the engine's version w has s - w <= max_staleness. At most 64
+    since every step the bound allows generates at once: B + 1 steps' requests, and their finished batches in memory
+    and in each checkpoint (and a sample that stale barely moves the clipped objective). A number, not a mode: it is
+    the one async setting with a range."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups with equal rewards (algo's zero-variance criterion) are discarded and the step
     refills from the prompt stream up to prompts_per_step groups with variance (changes the batch, not the loss)."""
@@ -188,11 +188,15 @@ class RolloutConfig:
     a fleet started with --dtype bfloat16 under an fp32 trainer needs 5e-2 here."""
 
     def staleness_bound(self) -> int:
-        """The oldest a trained sample may be, in steps (enforced every step): v - 1 in lockstep, v with ``overlap``
-        (the batch is generated during the previous step), ``max_staleness`` (default v) in async mode."""
-        if self.mode == "async":
+        """The oldest a trained sample may be, in steps (enforced every step): v - 1 in lockstep, v with overlap (the
+        batch is generated during the previous step), ``max_staleness`` (default v) in the async modes."""
+        if self.asynchronous():
             return self.refresh_every if self.max_staleness is None else self.max_staleness
-        return self.refresh_every - 1 + int(self.overlap)
+        return self.refresh_every - 1 + int(self.mode == "overlap")
+
+    def asynchronous(self) -> bool:
+        """Generation runs ahead of the trainer on its own, under ``max_staleness`` (mode async or async_partial)."""
+        return self.mode in ("async", "async_partial")
 
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences

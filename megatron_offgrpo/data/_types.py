@@ -71,7 +71,7 @@ class Sample:
         policy_version: the trainer step whose weights generated every token of this sample; with
             ``token_versions``, the oldest of them (the staleness bound holds on it).
         token_versions: [T_resp] the version that sampled each response token, when a refresh came while the
-            sample was being generated (``rollout.partial_rollouts``); None when one version made them all.
+            sample was being generated (``rollout.mode=async_partial``); None when one version made them all.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_tokens).
         server: which engine/server produced it (for logs and failover checks).
         attempts: the requests its group took: 1, or more when a server failed with the group in flight and it was

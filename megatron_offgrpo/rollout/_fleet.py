@@ -50,7 +50,7 @@ class FleetEngine:
         on GPUs, recorded by their workers on CPU.
 
         ``partial_rollouts``: a refresh comes between two decode steps of the requests in flight instead of after
-        them (``rollout.partial_rollouts``): the servers freeze them (``/pause?mode=keep``), install, and drop
+        them (``rollout.mode=async_partial``): the servers freeze them (``/pause?mode=keep``), install, and drop
         their KV cache, so that each resumes by recomputing its prompt and tokens so far with the new weights: every
         token is sampled by one version's weights alone and carries that version (``Sample.token_versions``).
 

@@ -89,7 +89,7 @@ def parse_version(spans: list[dict[str, Any]] | None, where: str) -> int:
 
 
 def parse_token_versions(spans: list[dict[str, Any]], tokens: int, where: str) -> tuple[int, list[int] | None]:
-    """A completion's version and, when a refresh came while it was generated (``rollout.partial_rollouts``),
+    """A completion's version and, when a refresh came while it was generated (``rollout.mode=async_partial``),
     the version of each of its ``tokens`` tokens: (the oldest version, per-token versions or None for one version).
 
     Raises:

@@ -1,8 +1,8 @@
 """What an engine is built from: one typed spec per engine kind, the argument of ``make_engine``.
 
 A spec holds every setting its engine takes, named and typed, so that a caller cannot pass a setting that kind
-ignores, and nothing set on the way (``rollout.partial_rollouts``, router replay) is lost between the config and the
-engine. The engine says back what it can do through the protocol's capabilities (``concurrent_generate``,
+ignores, and nothing set on the way (``rollout.mode=async_partial``, router replay) is lost between the config and
+the engine. The engine says back what it can do through the protocol's capabilities (``concurrent_generate``,
 ``partial_rollouts``), never through ``getattr``.
 """
 

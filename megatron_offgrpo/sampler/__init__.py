@@ -9,7 +9,7 @@ from megatron_offgrpo._lazy import lazy_door
 
 _EXPORTS = {
     "RolloutSide": "megatron_offgrpo.sampler._rollout_side",
-    "RolloutState": "megatron_offgrpo.sampler._rollout_side",
+    "RolloutState": "megatron_offgrpo.sampler._sources",
     "make_rollout_engine": "megatron_offgrpo.sampler._rollout_side",
     "sample_metrics": "megatron_offgrpo.sampler._rollout_side",
     "NoLearningSignalError": "megatron_offgrpo.sampler._sampling",

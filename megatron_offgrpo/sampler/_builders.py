@@ -14,7 +14,7 @@ def sampling_params(rollout: RolloutConfig, seed: int | None = None, step: int =
     """How the engine samples step ``step``'s requests. In async mode several steps generate at once: their
     requests are admitted oldest step first (``SamplingParams.priority``), since the trainer takes them in order."""
     return SamplingParams(max_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
-                          seed=seed, priority=step if rollout.mode == "async" else 0)
+                          seed=seed, priority=step if rollout.asynchronous() else 0)
 
 
 def serving_dtype(rollout: RolloutConfig, precision: str) -> str:
@@ -45,14 +45,14 @@ def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_posit
         return specs.FleetClientSpec(
             Path(r.fleet_state), r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
             bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=Path(r.shm_dir),
-            record_routing=routing, partial_rollouts=r.partial_rollouts)
+            record_routing=routing, partial_rollouts=r.mode == "async_partial")
     # the dtype explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
     dtype = serving_dtype(r, config.model.precision)
     if r.engine == "transformers":
         return specs.TransformersSpec(model_dir, dtype, record_routing=routing)
     return specs.VllmSpec(model_dir, dtype, max_model_len=generation_length(config, max_positions),
                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
-                          partial_rollouts=r.partial_rollouts, fall_back=r.engine == "auto")
+                          partial_rollouts=r.mode == "async_partial", fall_back=r.engine == "auto")
 
 
 def generation_length(config: Config, max_positions: int) -> int:

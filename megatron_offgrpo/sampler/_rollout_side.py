@@ -4,30 +4,29 @@ how they were sampled) out and takes weight buckets in; it never sees the policy
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import math
-import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
-from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
 from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.model import load_tokenizer
-from megatron_offgrpo.rollout import (EpisodeStats, RefreshError, RefreshReport, RolloutEngine, TeacherFleet,
-                                      UnservableModelError, make_engine, verify_refresh)
-from megatron_offgrpo.runtime import release_free_memory
-from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S, AsyncGenerator, EngineGate
-from megatron_offgrpo.sampler._builders import engine_spec, sampling_params, verify_tolerance
+from megatron_offgrpo.rollout import (RefreshError, RefreshReport, RolloutEngine, TeacherFleet, UnservableModelError,
+                                      make_engine, verify_refresh)
+from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S
+from megatron_offgrpo.sampler._builders import engine_spec, verify_tolerance
 from megatron_offgrpo.sampler._eval import evaluate
 from megatron_offgrpo.sampler._generate import Rollouts, env_factory
+from megatron_offgrpo.sampler._maker import BatchMaker
 from megatron_offgrpo.sampler._prompts import build_prompts, load_data, log_data, prompt_length_error, used_records
-from megatron_offgrpo.sampler._sampling import RolloutBatch, fill_batch, round_seed
+from megatron_offgrpo.sampler._sampling import RolloutBatch
+# RolloutState is defined with the sources; checkpoints written before pickled it under this module's name, which
+# must keep resolving (train._checkpoint.load_rollout_state unpickles rollout_state.pt)
+from megatron_offgrpo.sampler._sources import BatchSource, RolloutState, make_source
 from megatron_offgrpo.transports import Buckets
 
 logger = logging.getLogger(__name__)
@@ -36,40 +35,16 @@ STALENESS_KEYS = 8
 
 
 @dataclasses.dataclass
-class RolloutState:
-    """What a checkpoint keeps of the rollout side (``rollout_state.pt`` in the checkpoint).
-
-    Attributes:
-        stream: the prompt stream's position, right after the last prompt drawn for a batch in ``ready``.
-        ready: step -> its batch, generated and scored but not trained yet (``rollout.overlap``'s prefetch,
-            ``rollout.mode=async``'s buffer): a resumed run trains them as the uninterrupted one would, and draws
-            its next prompts after them, so every prompt of the stream is trained exactly once.
-    """
-
-    stream: dict[str, int]
-    ready: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
 class RolloutSide:
-    """What generates and scores samples (global rank 0 only)."""
+    """What generates and scores samples (global rank 0 only). ``rollout.mode`` is read once, in ``build``: it picks
+    the batch source; nothing here branches on it after."""
 
     config: Config
     engine: RolloutEngine
-    stream: PromptStream
-    rollouts: Rollouts  # prompts -> rewarded samples (completions, or multi-turn episodes)
+    maker: BatchMaker  # a step's batch, generated now: the prompt stream, the rollouts, the teacher
+    source: BatchSource  # rollout.mode's: which batch a step trains, generated when (sampler._sources)
     eval_prompts: list[Prompt]
     data_report: dict[str, int | str]  # both set sizes, where evaluation reads from, their overlap (run_info.json)
-    teacher: TeacherFleet | None = None  # distill.teacher_fleet: scores every sample of a step once generated
-    # rollout.overlap: the next step's batch generates in this thread while the trainer learns from this one
-    _executor: concurrent.futures.ThreadPoolExecutor | None = None
-    # (step, its generation, the stream's position before it drew): a failed prefetch's prompts are drawn again
-    _pending: tuple[int, concurrent.futures.Future, dict[str, int]] | None = None
-    # rollout.mode=async: the generation threads, and the gate every use of the engine passes (sampler._async)
-    _async: AsyncGenerator | None = None
-    gate: EngineGate = dataclasses.field(default_factory=EngineGate)
-    _stream_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # steps draw from threads
-    _restored: dict[int, RolloutBatch] = dataclasses.field(default_factory=dict)  # a checkpoint's ready batches
     _closed: bool = False
 
     @classmethod
@@ -95,92 +70,23 @@ class RolloutSide:
         except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
             raise ConfigError(str(exc)) from None
         engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
-        if config.rollout.partial_rollouts and not engine.partial_rollouts:
+        if config.rollout.mode == "async_partial" and not engine.partial_rollouts:
             engine.close()  # rollout.engine=auto fell back (its warning says why)
-            raise ConfigError(f"rollout.partial_rollouts=true needs vLLM (in-process or a fleet); the run got the "
-                              f"{engine.name} engine: install vLLM, or set partial_rollouts=false")
-        rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env)
-        side = cls(config, engine, stream, rollouts, eval_prompts, log_data(config, data))
-        if config.distill.teacher_fleet:
-            side.teacher = TeacherFleet.from_state(config.distill.teacher_fleet)
-        if config.rollout.overlap:
-            side._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offgrpo-rollout")
-        if config.rollout.mode == "async":
-            side._async = AsyncGenerator(side.generate, side.gate, config.rollout.staleness_bound(),
-                                         config.train.steps, engine.concurrent_generate)
-        return side
-
-    def generate(self, step: int, drawn: Callable[[], None] = lambda: None) -> RolloutBatch:
-        """The next prompts, G samples each, scored; with a fresh reproducible sampling seed per step (per round).
-
-        With ``rollout.dynamic_sampling``, groups whose rewards are all equal are discarded and further rounds refill
-        the batch from the stream (``sampler._sampling.fill_batch``). Samples carry the version that generated them
-        (with ``rollout.partial_rollouts`` a refresh may come during a step: then each token carries its own).
-        ``drawn()`` is called once the first round's prompts are drawn (``rollout.mode=async`` starts the next step
-        then).
-        """
-        start, episodes = time.perf_counter(), EpisodeStats()
-        batch = self._fill(step, drawn, episodes)
-        batch.timing["generate_s"] = time.perf_counter() - start
-        if self.teacher is not None:  # the trained samples only (not the groups dynamic sampling left out)
-            start = time.perf_counter()
-            self.teacher.score(batch.samples)
-            batch.timing["teacher_s"] = time.perf_counter() - start
-        batch.episodes = episodes.metrics()
-        return batch
-
-    def _fill(self, step: int, drawn: Callable[[], None], episodes: EpisodeStats) -> RolloutBatch:
-        r = self.config.rollout
-        if not r.dynamic_sampling:
-            return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn, episodes))
-        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn, episodes),
-                           r.prompts_per_step, r.group_size, r.max_sampling_rounds, r.oversample,
-                           self.config.algo.advantage_params(), step)
-        if batch.stats.degenerate_kept:
-            logger.info("step %d: %d of %d groups without reward variance after %d sampling rounds (masked; "
-                        "rollout.max_sampling_rounds)", step, batch.stats.degenerate_kept, r.prompts_per_step,
-                        batch.stats.rounds)
-        return batch
-
-    def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None],
-              episodes: EpisodeStats) -> list[Sample]:
-        """The next ``count`` prompts of the stream, G scored samples each, group-major."""
-        cfg = self.config
-        params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_), step=step)
-        with self._stream_lock:
-            prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
-        drawn()
-        samples = self.rollouts(prompts, group_size, params, episodes)
-        release_free_memory()  # the decode steps' logits: not kept beside the optimizer step's buffers
-        if len(samples) != len(prompts) * group_size:
-            raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")
-        if cfg.rollout.overlong_buffer:  # against the longest response allowed: a completion's, or an episode's
-            limit = cfg.env.episode_tokens(cfg.rollout.max_new_tokens) if cfg.env.name else cfg.rollout.max_new_tokens
-            for sample in samples:
-                sample.shaping = overlong_penalty(len(sample.response_ids), limit, cfg.rollout.overlong_buffer,
-                                                  cfg.rollout.overlong_penalty)
-                sample.reward += sample.shaping
-        return samples
+            raise ConfigError(f"rollout.mode=async_partial needs vLLM (in-process or a fleet); the run got the "
+                              f"{engine.name} engine: install vLLM, or set rollout.mode=async")
+        teacher = TeacherFleet.from_state(config.distill.teacher_fleet) if config.distill.teacher_fleet else None
+        maker = BatchMaker(config, stream, Rollouts.build(config, engine, tokenizer, reward_fn, make_env), teacher)
+        source = make_source(config.rollout, maker, config.train.steps, engine.concurrent_generate)
+        return cls(config, engine, maker, source, eval_prompts, log_data(config, data))
 
     def batch(self, step: int) -> RolloutBatch:
-        """Step ``step``'s samples: a checkpoint's ready batch, the async buffer's, the batch ``prefetch`` started
-        during the previous step, else generated now."""
-        if step in self._restored:
-            return self._restored.pop(step)
-        if self._async is not None:
-            return self._async.take(step)
-        if self._pending is None:
-            return self.generate(step)
-        (due, future, _), self._pending = self._pending, None
-        if due != step:
-            raise RuntimeError(f"the prefetched batch is step {due}'s, asked for step {step}'s")
-        return future.result()
+        """Step ``step``'s samples, from the mode's source (``sampler._sources``)."""
+        return self.source.next_batch(step)
 
-    def prefetch(self, step: int) -> None:
-        """With ``rollout.overlap``: start generating step ``step``'s batch (none past the last step)."""
-        if self._executor is not None and step < self.config.train.steps:
-            before = self.stream.state_dict()
-            self._pending = (step, self._executor.submit(self.generate, step), before)
+    def start(self, step: int) -> None:
+        """The current step's refresh is done: a source that generates ahead (overlap) starts step ``step``'s
+        batch (none past the last step)."""
+        self.source.start(step)
 
     def install(self, buckets: Buckets, version: int) -> RefreshReport | None:
         """``engine.update_weights``, tolerating servers that failed when the others installed the version
@@ -191,7 +97,7 @@ class RolloutSide:
         stops the run.
         """
         try:
-            with self._refresh_access():
+            with self.source.refresh_access():
                 return self.engine.update_weights(buckets, version)
         except RefreshError as exc:
             if self.engine.version() != version:
@@ -203,15 +109,9 @@ class RolloutSide:
         """Raise ``RefreshVerificationError`` unless every server reports ``version`` and scores ``probe_ids`` as
         ``expected`` (the trainer's log-probs) within the run's tolerance (``bound``: the model's derived one)."""
         atol = verify_tolerance(self.config.rollout, self.config.model.precision, bound)
-        with self._refresh_access():
+        with self.source.refresh_access():  # async: waits for the steps in flight, unless async_partial
             verify_refresh(self.engine, probe_ids, expected, version, atol)
-        if self._async is not None:  # generation may now run up to version + the staleness bound
-            self._async.set_version(version)
-
-    def _refresh_access(self):
-        """Async: a refresh waits for the steps in flight and holds new ones back, unless ``partial_rollouts``
-        lets it come between two of their decode steps."""
-        return contextlib.nullcontext() if self.config.rollout.partial_rollouts else self.gate.exclusive()
+        self.source.verified(version)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy of the engine's weights on the eval prompts, and pass@k / avg@n with
@@ -219,37 +119,23 @@ class RolloutSide:
         cfg = self.config
         if not cfg.train.eval_every:
             return {}
-        with self.gate.exclusive():
-            return evaluate(self.rollouts, self.eval_prompts, cfg.rollout.max_new_tokens,
+        with self.source.exclusive():
+            return evaluate(self.maker.rollouts, self.eval_prompts, cfg.rollout.max_new_tokens,
                             samples=cfg.train.eval_samples,
                             temperature=cfg.rollout.temperature, seed=cfg.parallel.seed)
 
     def resume_state(self) -> RolloutState:
         """What a checkpoint keeps of this side: the batches generated but not trained, and the stream after them.
 
-        Batches in flight (``rollout.overlap``'s prefetch, the async steps' generation) are waited for, so that they
-        are kept, and the stream's position is past them.
+        Batches in flight (overlap's prefetch, the async steps' generation) are waited for, so that they are kept,
+        and the stream's position is past them.
         """
-        ready, rewind = dict(self._restored), None
-        if self._pending is not None:
-            due, future, before = self._pending
-            concurrent.futures.wait([future])
-            if future.exception() is None:
-                ready[due] = future.result()
-            else:  # its error is raised by batch(); a resume draws its prompts again
-                rewind = before
-        with self.gate.exclusive():
-            if self._async is not None:
-                ready |= self._async.ready_batches()
-            return RolloutState(rewind or self.stream.state_dict(), ready)
+        return self.source.resume_state()
 
     def load_resume_state(self, state: RolloutState) -> None:
         """A checkpoint's ``resume_state`` (before the first step)."""
-        self.stream.load_state_dict(state.stream)
-        if self._async is not None:
-            self._async.restore(state.ready)
-        else:
-            self._restored = dict(state.ready)
+        self.maker.stream.load_state_dict(state.stream)
+        self.source.restore(state.ready)
 
     def close(self) -> None:
         """Every exit path (the end, a stop, an error): start no more generation, close the engine (a generation
@@ -258,27 +144,13 @@ class RolloutSide:
         if self._closed:
             return
         self._closed = True
-        if self._async is not None:
-            self._async.stop()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        self.source.stop()
         try:
             self.engine.close()
         finally:  # the threads are joined even when the engine fails to close
-            self._join_threads()
-
-    def _join_threads(self) -> None:
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        if self._async is not None:
-            self._async.close(max(0.0, deadline - time.monotonic()))
-        pending = None if self._pending is None else self._pending[1]  # rollout.overlap's prefetch
-        if pending is not None and not concurrent.futures.wait([pending], max(0.0, deadline - time.monotonic())).done:
-            logger.warning("closing the rollout side: the prefetch of step %d still running when its wait ran out "
-                           "(JOIN_TIMEOUT_S): left behind", self._pending[0])
-        elif self._executor is not None:
-            self._executor.shutdown(wait=True)  # nothing runs in it now: its idle thread ends at once
-        if self.teacher is not None:
-            self.teacher.close()
+            self.source.join(time.monotonic() + JOIN_TIMEOUT_S)
+            if self.maker.teacher is not None:
+                self.maker.teacher.close()
 
 
 def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> RolloutEngine:

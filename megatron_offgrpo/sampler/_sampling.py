@@ -55,11 +55,11 @@ class RolloutBatch:
     Attributes:
         samples: [B*G] sample g of group b at ``b * G + g``.
         stats: the dynamic-sampling counts; None without ``rollout.dynamic_sampling`` (one round of B groups).
-        timing: ``generate_s``, the seconds its generation and scoring took (in any mode: with ``rollout.overlap``
-            or ``mode=async`` it ran beside the trainer); in ``mode=async`` (``sampler._async``) also ``buffer_depth``
-            (batches ready behind it when it was taken), ``steps_in_flight`` (steps generating then) and
-            ``fleet_paused_s`` (seconds since the previous step's batch was taken that no step was generating, held
-            by the staleness bound).
+        timing: ``generate_s``, the seconds its generation and scoring took (in any mode: in ``rollout.mode``
+            overlap and the async modes it ran beside the trainer); in the async modes (``sampler._async``) also
+            ``buffer_depth`` (batches ready behind it when it was taken), ``steps_in_flight`` (steps generating then)
+            and ``fleet_paused_s`` (seconds since the previous step's batch was taken that no step was generating,
+            held by the staleness bound).
         episodes: multi-turn episodes' counts (``rollout.EpisodeStats.metrics``: turns, tool errors, environment
             seconds); empty for single-turn samples.
     """

@@ -39,7 +39,7 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
         logger.info("run %s: %s, tp=%d pp=%d dp=%d, engine %s, v=%d, %s", run_dir, trainer.arch.model_type,
                     ctx.tp_size, ctx.pp_size, ctx.dp_size, type(rollout.engine).__name__,
                     config.rollout.refresh_every, config.algo.objective)
-        return trainer, rollout, open_metrics_log(config, rollout.rollouts.tokenizer)
+        return trainer, rollout, open_metrics_log(config, rollout.maker.rollouts.tokenizer)
     except BaseException:  # the engine's threads end before the error does (a full disk, a tracker refused)
         rollout.close()
         raise

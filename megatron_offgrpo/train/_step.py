@@ -51,6 +51,19 @@ class StepResult:
     skipped: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class Learned:
+    """What ``TrainerSide.learn`` hands the loop for one step.
+
+    Attributes:
+        metrics: the step's metrics, as logged (``skipped`` among them, 0/1 in the records).
+        skipped: the loss was not finite: no update (``train.max_nonfinite_steps`` in a row stop the run).
+    """
+
+    metrics: dict[str, float]
+    skipped: bool
+
+
 def _selected(mb: MicroBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Hidden rows and per-token fields of the positions that enter the loss (one masked row if none do)."""
     h = hidden.reshape(-1, hidden.shape[-1])

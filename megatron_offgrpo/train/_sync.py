@@ -4,12 +4,14 @@ rollout side on global rank 0 and None elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
 
 import torch.distributed as dist
 
+from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
 from megatron_offgrpo.rollout import EngineDiedError, make_probe_ids
@@ -31,6 +33,33 @@ def share_samples(samples: list[Sample] | Exception | None) -> list[Sample]:
     if isinstance(box[0], GENERATION_FAILURES):
         raise box[0]
     return box[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRefresh:
+    """Where a step installs the trainer's weights in the engine (``refresh``). Every rank takes part, so every rank
+    decides it, from the config alone (``step_refresh``).
+
+    Attributes:
+        before_batch: v steps have passed since the served version, and the step's batch is taken after the refresh
+            (lockstep: generated from the new version; async: the generator may run up to the new bound).
+        after_batch: v steps have passed, with overlap: the step's batch was generated during the previous step,
+            from the old version; the refresh comes once it is collected, before the next batch starts.
+        before_eval: the last step, evaluated: the trained policy itself is evaluated, not the engine's last version.
+    """
+
+    before_batch: bool
+    after_batch: bool
+    before_eval: bool
+
+
+def step_refresh(config: Config, step: int, version: int) -> StepRefresh:
+    """The one decision of which refreshes step ``step`` makes, the engine serving ``version``. (A resumed run also
+    refreshes once before its first step, whatever the step: the engine starts from the exported initial weights.)"""
+    due = step - version >= config.rollout.refresh_every
+    overlap = config.rollout.mode == "overlap"  # the one mode whose batch is generated before its step's refresh
+    return StepRefresh(due and not overlap, due and overlap,
+                       step + 1 == config.train.steps and bool(config.train.eval_every))
 
 
 def refresh(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> float:

@@ -30,7 +30,7 @@ from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatch
 from megatron_offgrpo.train._checkpoint import TrainerState, load_checkpoint, resume_schedule, save_checkpoint
 from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
 from megatron_offgrpo.train._router_load import RouterLoad
-from megatron_offgrpo.train._step import policy_step, sequence_shard, token_logprobs
+from megatron_offgrpo.train._step import Learned, policy_step, sequence_shard, token_logprobs
 from megatron_offgrpo.train._teacher import Teacher
 from megatron_offgrpo.train._weights import export_buckets, export_hf_dir, hf_extra_dirs, model_card
 
@@ -79,9 +79,9 @@ class TrainerSide:
             side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
         return side
 
-    def learn(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def learn(self, samples: Sequence[Sample]) -> Learned:
         """One optimizer step on a step's samples (every rank holds them all): group advantages, this DP rank's
-        micro-batches, behavior and reference log-probs, the clipped objective. Returns the step's metrics."""
+        micro-batches, behavior and reference log-probs, the clipped objective. Returns its metrics and skip."""
         cfg, ctx = self.config, self.ctx
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         adv = compute_group_advantages(rewards, cfg.rollout.group_size, self.advantage)
@@ -104,9 +104,9 @@ class TrainerSide:
             self.policy.scheduler.step(increment=1)
         release_free_memory()  # the step's loss chunks and grads: not kept beside the next generation's buffers
         routing = self.router_load.metrics(ctx, len(microbatches)) if self.router_load else {}
-        return {"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
-                "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics, **routing,
-                **distill}
+        return Learned({"loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
+                        "lr": self.policy.optimizer.param_groups[0]["lr"], **adv.metrics(), **result.metrics,
+                        **routing, **distill}, result.skipped)
 
     def fill_logprobs(self, microbatches: Sequence[MicroBatch]) -> None:
         """Exact behavior log-probs (from the snapshot of the pushed weights) and reference log-probs, in place."""

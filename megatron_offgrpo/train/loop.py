@@ -23,7 +23,8 @@ from megatron_offgrpo.sampler import RolloutSide, sample_metrics
 from megatron_offgrpo.train._checkpoint import changed_keys, load_rollout_state
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
-from megatron_offgrpo.train._sync import GENERATION_FAILURES, on_rank0_shared, refresh, share_samples, verify
+from megatron_offgrpo.train._sync import (GENERATION_FAILURES, StepRefresh, on_rank0_shared, refresh, share_samples,
+                                          step_refresh, verify)
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,22 @@ class TrainResult:
 
     run_dir: Path
     summary: str | None
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Where a step's seconds went, on the critical path (the ``time_*_s`` metrics; ``tokens_per_s`` is over their
+    sum). Generation beside the trainer (overlap, async) counts only as the wait for its batch."""
+
+    sync_s: float = 0.0  # installing and verifying the weights (0 without a refresh before the batch or after it)
+    generate_s: float = 0.0  # rank 0: generating the batch, or waiting for it; 0 on the other ranks
+    train_s: float = 0.0  # the optimizer step (trainer.learn)
+
+    def metrics(self) -> dict[str, float]:
+        return {"time_sync_s": self.sync_s, "time_generate_s": self.generate_s, "time_train_s": self.train_s}
+
+    def total_s(self) -> float:
+        return self.sync_s + self.generate_s + self.train_s
 
 
 def train(config: Config) -> TrainResult:
@@ -88,9 +105,9 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
         stop.step = step
         if signum := stop.agreed(trainer.ctx.device):  # the boundary after step - 1: every rank agrees
             raise _stopped(trainer, rollout, log, signum, step, version, start)
-        times = {"time_sync_s": 0.0, "time_generate_s": 0.0}
+        times, refreshes = StepTimes(), step_refresh(config, step, version)
         try:
-            samples, version, sampling = _rollout(trainer, rollout, step, version, times)
+            samples, version, sampling = _rollout(trainer, rollout, step, version, refreshes, times)
         except (EnvironmentTimeout, EnvironmentContractError) as exc:  # raised on every rank, before this step learns
             if signum := stop.agreed(trainer.ctx.device):  # a stop waited on it: still checkpoint the steps done
                 logger.error("%s", exc)
@@ -98,18 +115,19 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
             raise
         metrics = sample_metrics(samples, step, config.rollout.staleness_bound()) | sampling  # raises on stale ones
         learn_start = time.perf_counter()
-        metrics |= trainer.learn(samples)
-        times["time_train_s"] = time.perf_counter() - learn_start
+        learned = trainer.learn(samples)
+        times.train_s = time.perf_counter() - learn_start
         tokens = sum(s.trained_tokens() for s in samples)  # the model's: an episode's observations are not generated
-        metrics |= times | {"policy_version": version, "tokens_per_s": tokens / max(sum(times.values()), 1e-9)}
+        metrics |= learned.metrics | times.metrics() | {"policy_version": version,
+                                                         "tokens_per_s": tokens / max(times.total_s(), 1e-9)}
         if step == start:
             metrics |= first_eval
+        if refreshes.before_eval:  # the trained policy itself, not the engine's last version
+            refresh(trainer, rollout, step + 1)
+            version = step + 1
         if _eval_due(config, step + 1):
-            if step + 1 == steps:  # the trained policy itself, not the engine's last version
-                refresh(trainer, rollout, step + 1)
-                version = step + 1
             metrics |= _evaluate(rollout, version)
-        nonfinite = nonfinite + 1 if metrics["skipped"] else 0
+        nonfinite = nonfinite + 1 if learned.skipped else 0
         if log is not None:
             log.log(step, metrics, samples)
         if nonfinite >= config.train.max_nonfinite_steps:
@@ -158,20 +176,17 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
     return step, step
 
 
-def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, version: int,
-             times: dict[str, float]) -> tuple[list[Sample], int, dict[str, float]]:
-    """This step's samples on every rank, the engine's version, refreshed when v steps have passed, and rank 0's
-    sampling metrics (``rollout.dynamic_sampling``'s group counts; {} elsewhere).
+def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, version: int, refreshes: StepRefresh,
+             times: StepTimes) -> tuple[list[Sample], int, dict[str, float]]:
+    """This step's samples on every rank, the engine's version after ``refreshes``, and rank 0's sampling metrics
+    (``rollout.dynamic_sampling``'s group counts; {} elsewhere).
 
-    Without ``rollout.overlap`` the refresh comes first and the batch is generated now (async: taken from the
-    generation thread's buffer, ``sampler._async``). With it, the batch generated during the previous step is
-    collected first, then the refresh, then the next batch starts generating (from the new version) while the
-    trainer learns from this one.
+    The batch comes from the mode's source (``sampler._sources``): generated now (lockstep), taken from the async
+    generator's buffer, or, with overlap, the batch generated during the previous step; overlap's refresh comes after
+    it is collected, and then the next batch starts generating (from the new version) while the trainer learns.
     """
-    overlap = trainer.config.rollout.overlap
-    due = step - version >= trainer.config.rollout.refresh_every
-    if due and not overlap:
-        times["time_sync_s"], version = refresh(trainer, rollout, step), step
+    if refreshes.before_batch:
+        times.sync_s, version = refresh(trainer, rollout, step), step
     batch = None
     if rollout is not None:
         start = time.perf_counter()
@@ -180,11 +195,11 @@ def _rollout(trainer: TrainerSide, rollout: RolloutSide | None, step: int, versi
         except GENERATION_FAILURES as exc:
             share_samples(exc)  # the other ranks wait for the samples: they raise it too
             raise
-        times["time_generate_s"] = time.perf_counter() - start
-    if due and overlap:
-        times["time_sync_s"], version = refresh(trainer, rollout, step), step
+        times.generate_s = time.perf_counter() - start
+    if refreshes.after_batch:
+        times.sync_s, version = refresh(trainer, rollout, step), step
     if rollout is not None:
-        rollout.prefetch(step + 1)
+        rollout.start(step + 1)
     return share_samples(None if batch is None else batch.samples), version, {} if batch is None else batch.metrics()
 
 

@@ -480,7 +480,7 @@ def test_routed_experts_from_the_answer_are_decoded():
 
 
 def test_token_versions_of_a_completion_a_refresh_came_in_the_middle_of():
-    """One version: (it, None). Several (``rollout.partial_rollouts``): the oldest and one version per token; spans
+    """One version: (it, None). Several (``rollout.mode=async_partial``): the oldest and one version per token; spans
     that do not tile the tokens in order are refused."""
     assert parse_token_versions([{"version": "3", "start": 0, "end": 4}], 4, "w") == (3, None)
     spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]

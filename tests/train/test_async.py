@@ -190,16 +190,16 @@ def test_an_error_while_the_async_producer_generates_joins_every_thread(tiny_hf_
     config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", "rollout.mode=async", "train.steps=4",
                                 "rollout.max_new_tokens=64"])
     side = RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
-    side._async.set_version(0)  # what verify() does once the engine serves the weights
+    side.source.verified(0)  # what verify() does once the engine serves the weights
     side.batch(0)
-    _wait_for(lambda: 1 in side._async._in_flight)  # step 1 generates (the bound is v = 1)
+    _wait_for(lambda: 1 in side.source._generator._in_flight)  # step 1 generates (the bound is v = 1)
     _close_after_error(side, None)
     assert _offgrpo_threads() == []
     _close_after_error(side, None)  # every exit path closes: a second close is a no-op
 
 
 
-@pytest.mark.parametrize("mode, priority", [("async", 7), ("lockstep", 0)])
+@pytest.mark.parametrize("mode, priority", [("async", 7), ("async_partial", 7), ("lockstep", 0), ("overlap", 0)])
 def test_async_steps_ask_the_engine_for_the_oldest_step_first(mode, priority):
     """Step s's requests carry priority s in async mode (several steps share the engine's batch: the one the trainer
     takes next is admitted first), 0 otherwise (any vLLM server takes it, with or without priority scheduling)."""
@@ -289,7 +289,7 @@ def test_an_async_run_with_partial_rollouts_refreshes_between_decode_steps(tmp_p
     stop), whose decode steps take longer than training on them, so each refresh comes while the next step
     generates, which goes on under the new weights. Every step trains, the bound holds on each sample's oldest
     token, and the tokens after a refresh are fresher than the sample (``token_staleness_mean``)."""
-    train_proc(1, tmp_path, "rollout.mode=async", "rollout.partial_rollouts=true", "rollout.engine=vllm",
+    train_proc(1, tmp_path, "rollout.mode=async_partial", "rollout.engine=vllm",
                "rollout.refresh_every=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
                "rollout.max_new_tokens=400", "train.steps=4")
     records = metrics(tmp_path)

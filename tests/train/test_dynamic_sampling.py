@@ -117,7 +117,7 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_pat
     side = _side(tiny_hf_dir, tmp_path, ODD_ZERO, "rollout.max_sampling_rounds=8")
     try:
         B, G = 4, 4
-        batch = side.generate(0)
+        batch = side.maker.generate(0)
         samples, stats = batch.samples, batch.stats
         assert len(samples) == B * G and [s.group_id for s in samples] == [b for b in range(B) for _ in range(G)]
         assert all(len({s.prompt_id for s in samples[b * G:(b + 1) * G]}) == 1 for b in range(B))
@@ -125,9 +125,9 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_pat
         assert bool(adv.group_valid.all())  # every kept group has variance
         assert {s.policy_version for s in samples} == {side.engine.version()} == {0}  # the engine's version
         # the prompts it took: the stream's next `generated`, in order (a fresh stream of the same seed replays them)
-        prompts = load_prompts(side.config, side.rollouts.tokenizer, side.config.data.split)
+        prompts = load_prompts(side.config, side.maker.rollouts.tokenizer, side.config.data.split)
         taken = PromptStream(prompts, side.config.parallel.seed).next_batch(stats.generated)
-        assert side.stream.state_dict()["position"] == stats.generated
+        assert side.maker.stream.state_dict()["position"] == stats.generated
         odd = [p.prompt_id for p in taken if answer_value(p.answer) % 2]
         kept = [samples[b * G].prompt_id for b in range(B)]
         # the reward's design: an odd answer's group is all 0 (always dropped); kept ones are even-answer prompts
@@ -138,9 +138,9 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_pat
 
         # resume: the stream position of a checkpoint replays the same refills
         state = side.resume_state()
-        first = side.generate(1)
+        first = side.maker.generate(1)
         side.load_resume_state(state)
-        again = side.generate(1)
+        again = side.maker.generate(1)
         assert first.stats == again.stats
         assert [(s.prompt_id, s.response_ids, s.reward) for s in first.samples] == [
             (s.prompt_id, s.response_ids, s.reward) for s in again.samples]
@@ -149,23 +149,23 @@ def test_the_rollout_side_refills_to_b_groups_with_variance(tiny_hf_dir, tmp_pat
 
 
 def test_a_checkpoint_keeps_the_overlap_prefetch_or_draws_a_failed_ones_prompts_again(tiny_hf_dir, tmp_path):
-    """rollout.overlap: a finished prefetch is kept in the checkpoint (its prompts are not drawn twice); a failed one
-    leaves the stream where it was before it drew (its prompts are not skipped)."""
-    side = _side(tiny_hf_dir, tmp_path, "rollout.overlap=true", "rollout.dynamic_sampling=false")
+    """rollout.mode=overlap: a finished prefetch is kept in the checkpoint (its prompts are not drawn twice); a failed
+    one leaves the stream where it was before it drew (its prompts are not skipped)."""
+    side = _side(tiny_hf_dir, tmp_path, "rollout.mode=overlap", "rollout.dynamic_sampling=false")
     try:
-        side.prefetch(0)
+        side.start(0)
         state = side.resume_state()
         assert list(state.ready) == [0] and state.stream["position"] == 4  # B = 4 prompts drawn, batch kept
         assert side.batch(0) is state.ready[0]
 
         def engine_died(step, round_, count, drawn, episodes):
-            side.stream.next_batch(count)  # the prompts are drawn, then the engine fails
+            side.maker.stream.next_batch(count)  # the prompts are drawn, then the engine fails
             raise RuntimeError("the engine died")
 
-        side._draw = engine_died
-        side.prefetch(1)
+        side.maker._draw = engine_died
+        side.start(1)
         state = side.resume_state()
-        assert state.ready == {} and state.stream["position"] == 4 and side.stream.state_dict()["position"] == 8
+        assert state.ready == {} and state.stream["position"] == 4 and side.maker.stream.state_dict()["position"] == 8
         with pytest.raises(RuntimeError, match="the engine died"):
             side.batch(1)
     finally:
@@ -176,8 +176,8 @@ def test_one_round_keeps_the_shape_and_says_how_many_groups_are_degenerate(tiny_
     # even_length, one round: the batch is the first round's 4 groups, whatever their variance (no refill)
     side = _side(tiny_hf_dir, tmp_path, "rollout.max_sampling_rounds=1")
     try:
-        with caplog.at_level("INFO", logger="megatron_offgrpo.sampler._rollout_side"):
-            batch = side.generate(0)
+        with caplog.at_level("INFO", logger="megatron_offgrpo.sampler._maker"):
+            batch = side.maker.generate(0)
         stats, G = batch.stats, 4
         equal = [len({s.reward for s in batch.samples[b * G:(b + 1) * G]}) == 1 for b in range(4)]
         # the tiny model's step-0 round has a group whose completions all decode to an odd length (all 0.0)
@@ -196,7 +196,7 @@ def test_the_rollout_side_stops_when_no_group_has_variance(tiny_hf_dir, tmp_path
     try:
         with pytest.raises(NoLearningSignalError, match=r"^step 3: .* of 8 groups of G=4, 8 all 0\.0; the task is "
                                                         r"too hard for the policy"):
-            side.generate(3)
+            side.maker.generate(3)
     finally:
         side.close()
 
@@ -204,9 +204,9 @@ def test_the_rollout_side_stops_when_no_group_has_variance(tiny_hf_dir, tmp_path
 def test_without_dynamic_sampling_the_batch_is_one_round_and_has_no_counts(tiny_hf_dir, tmp_path):
     side = _side(tiny_hf_dir, tmp_path, ODD_ZERO, "rollout.dynamic_sampling=false")
     try:
-        batch = side.generate(0)
+        batch = side.maker.generate(0)
         assert batch.stats is None and list(batch.metrics()) == ["generate_s"] and len(batch.samples) == 16
-        assert side.stream.state_dict()["position"] == 4
+        assert side.maker.stream.state_dict()["position"] == 4
     finally:
         side.close()
 
@@ -216,7 +216,7 @@ def test_without_dynamic_sampling_the_batch_is_one_round_and_has_no_counts(tiny_
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [(2, ["parallel.tp=2"]), (1, ["rollout.overlap=true"])],
+@pytest.mark.parametrize("nproc, extra", [(2, ["parallel.tp=2"]), (1, ["rollout.mode=overlap"])],
                          ids=["tp2", "overlap"])
 def test_a_run_with_dynamic_sampling_logs_its_counts(tmp_path, nproc, extra):
     records = run_train(nproc, tmp_path, *DYNAMIC, ODD_ZERO, "rollout.max_sampling_rounds=8", "train.steps=3",
@@ -229,7 +229,7 @@ def test_a_run_with_dynamic_sampling_logs_its_counts(tmp_path, nproc, extra):
         assert 1 <= r["sampling_rounds"] <= 8 and r["groups_dropped"] >= 1  # odd answers are always dropped
         # the effective batch changed, the objective did not: only a degenerate fill is masked
         assert r["masked_group_fraction"] == r["groups_degenerate_kept"] / 4
-        assert r["staleness_max"] <= int("rollout.overlap=true" in extra)
+        assert r["staleness_max"] <= int("rollout.mode=overlap" in extra)
 
 
 @pytest.mark.multiproc

@@ -42,7 +42,7 @@ def test_training_runs_with_versions_and_bounded_staleness(tmp_path, turn_ending
     multi = [f"model.hf_path={turn_ending_dir}", "model.init=hf", "env.name=feedback", "env.max_turns=3",
              "env.max_tokens=64", engine, "optim.packing=true"] if episodes else []
     proc = train_proc(tp * pp * ep, tmp_path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"rollout.refresh_every={v}",
-                      f"train.steps={steps}", f"rollout.overlap={str(overlap).lower()}", *moe, *multi)
+                      f"train.steps={steps}", f"rollout.mode={'overlap' if overlap else 'lockstep'}", *moe, *multi)
     records = metrics(tmp_path)
     if episodes:  # several turns per episode, the trainer's token count the model's tokens only
         assert max(r["episode_turns_mean"] for r in records) > 1.2

@@ -35,7 +35,7 @@ def fleet(tmp_path_factory, request):
     multi-turn episodes); the lockstep run's is tied, unlike the asset: the fleet's reload of a tied output layer
     (the shared-kernel path) stays under test."""
     root = tmp_path_factory.mktemp("fleet_run")
-    if request.node.callspec.params["mode"] == "async":
+    if request.node.callspec.params["mode"] == "async_partial":
         model_dir = turn_ending_model(root / "model", seed=3)
     else:
         config = dict(json.loads((ASSETS / "tiny-qwen2" / "config.json").read_text()), tie_word_embeddings=True)
@@ -50,15 +50,14 @@ def fleet(tmp_path_factory, request):
 
 # lockstep on disk; asynchronous with partial rollouts on shm: the kill then meets generations in flight, whose
 # groups go to the survivor, and refreshes that land between their decode steps
-@pytest.mark.parametrize("transport,mode", [("disk", "lockstep"), ("shm", "async")])
+@pytest.mark.parametrize("transport,mode", [("disk", "lockstep"), ("shm", "async_partial")])
 def test_training_survives_a_fleet_server_killed_mid_run(fleet, tmp_path, transport, mode):
     state = load_state(fleet)
     out = tmp_path / "run"
     cmd = train_cmd(1, out, f"model.hf_path={state.model_dir}", "model.init=hf", "rollout.engine=fleet",
                     f"rollout.fleet_state={fleet}", f"rollout.transport={transport}", f"rollout.shm_dir={tmp_path}",
                     "rollout.refresh_every=1", f"train.steps={STEPS}", f"rollout.mode={mode}",
-                    f"rollout.partial_rollouts={mode == 'async'}",
-                    *(["env.name=feedback", "env.max_turns=3", "env.max_tokens=64"] if mode == "async" else []))
+                    *(["env.name=feedback", "env.max_turns=3", "env.max_tokens=64"] if mode == "async_partial" else []))
     proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -19,7 +19,7 @@ def _batch(tiny_hf_dir, tmp_path, *overrides: str):
     config = load_config(None, [*TINY, f"train.out_dir={tmp_path}", *overrides])
     side = RolloutSide.build(config, tiny_hf_dir, tmp_path, max_positions=512)
     try:
-        return side.generate(0).samples
+        return side.maker.generate(0).samples
     finally:
         side.close()
 

@@ -64,7 +64,7 @@ def main() -> None:
                                        f"distill.reward_weight={REWARD_WEIGHT}", f"distill.discount={DISCOUNT}",
                                        *overrides])
     trainer, rollout, log = setup(config)
-    samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
+    samples = share_samples(rollout.maker.generate(0).samples if rollout is not None else None)
     for s in samples:  # off-policy: behavior log-probs away from the policy's, so ratios clip
         s.behavior_logprobs = [x + 0.3 * ((i % 3) - 1) for i, x in enumerate(s.behavior_logprobs)]
     adv = compute_group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64), G,

@@ -56,7 +56,7 @@ def main() -> None:
     steps, weights = [], []
     for packing in (False, True):  # the same samples again, packed: rows hold several sequences and a pad tail
         config.optim.packing = packing
-        steps.append(side.learn(samples))
+        steps.append(side.learn(samples).metrics)
         weights.append({name: t.clone() for bucket in side.weight_buckets() for name, t in bucket})
     if side.ctx.rank == 0:
         torch.save({"steps": steps, "weights": weights}, out)

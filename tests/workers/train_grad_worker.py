@@ -43,7 +43,7 @@ def main() -> None:
     layouts, overrides = sys.argv[3].split(","), sys.argv[4:]
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", f"algo.aggregation={aggregations[0]}", *overrides])
     trainer, rollout, log = setup(config)
-    samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
+    samples = share_samples(rollout.maker.generate(0).samples if rollout is not None else None)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     adv = compute_group_advantages(rewards, G, trainer.advantage)
     assert int(adv.sample_valid.sum()) >= G, "need groups with reward variance"

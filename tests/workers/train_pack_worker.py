@@ -27,7 +27,7 @@ def main() -> None:
     out_dir, *overrides = sys.argv[1:]
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", "rollout.prompts_per_step=6", *overrides])
     trainer, rollout, log = setup(config)
-    samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
+    samples = share_samples(rollout.maker.generate(0).samples if rollout is not None else None)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     adv = compute_group_advantages(rewards, G, trainer.advantage)
     for s in samples:  # off-policy: behavior log-probs away from the policy's, so ratios clip

@@ -25,7 +25,7 @@ def main() -> None:
     config = load_config(None, TINY + [f"train.out_dir={out_dir}", "rollout.behavior_logprobs=recompute",
                                        "rollout.refresh_every=1"])
     trainer, rollout, log = setup(config)
-    samples = share_samples(rollout.generate(0).samples if rollout is not None else None)
+    samples = share_samples(rollout.maker.generate(0).samples if rollout is not None else None)
     from megatron_offgrpo.algo import compute_group_advantages
 
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
