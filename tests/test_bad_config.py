@@ -555,7 +555,7 @@ def test_a_layout_over_the_jobs_processes_names_the_torchrun_command(command, ov
 
 
 def test_eval_builds_no_megatron_model_so_any_layout_is_fine(tmp_path, capsys, monkeypatch):
-    from megatron_offgrpo.train._preflight import world_errors
+    from megatron_offgrpo.preflight._checks import world_errors
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     config = load_config(TINY, ["parallel.tp=2", "parallel.pp=2"])

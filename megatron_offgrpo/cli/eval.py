@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_offgrpo.runtime import tune_cpu_memory
     from megatron_offgrpo.sampler import Rollouts, env_factory, evaluate
     from megatron_offgrpo.sampler import make_rollout_engine
-    from megatron_offgrpo.train import config_or_exit
+    from megatron_offgrpo.preflight import config_or_exit
     from megatron_offgrpo.model import load_tokenizer
     from megatron_offgrpo.sampler import build_prompts, load_data, log_data
 

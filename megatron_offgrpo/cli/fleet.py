@@ -156,7 +156,7 @@ def flag_errors(args: argparse.Namespace) -> list[str]:
 
 def _start(args: argparse.Namespace) -> int:
     from megatron_offgrpo.fleet import gpu_count
-    from megatron_offgrpo.train import model_dir_errors
+    from megatron_offgrpo.preflight import model_dir_errors
 
     errors = flag_errors(args) + model_dir_errors(args.model, "--model")
     if errors:

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     from megatron_offgrpo.runlog import claim_run_dir
-    from megatron_offgrpo.train import config_or_exit
+    from megatron_offgrpo.preflight import config_or_exit
 
     config = config_or_exit(args.config, args.overrides, tracking=True,
                             relaunch=["-m", "megatron_offgrpo.cli", "sft", *argv])

@@ -10,8 +10,6 @@ from megatron_offgrpo._lazy import lazy_door
 _EXPORTS = {
     "train": "megatron_offgrpo.train.loop",
     "sft": "megatron_offgrpo.train._sft",
-    "config_or_exit": "megatron_offgrpo.train._preflight",
-    "model_dir_errors": "megatron_offgrpo.train._preflight",
     "run_to_exit": "megatron_offgrpo.train._exits",
     # the pieces of the step, for the benchmarks that time them
     "build_policy": "megatron_offgrpo.train._policy",

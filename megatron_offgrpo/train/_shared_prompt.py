@@ -18,7 +18,7 @@ values, and its rotary angles come from its position id (``model._rope``: megatr
 row, shifted by the earlier branches), so the outputs, and the gradient, equal the padded layout's up to rounding.
 The local spec only: TE's attention takes a dense mask only as ``arbitrary`` (unfused) and its THD path only
 block-diagonal ``cu_seqlens``, which cannot say "the prefix, then my branch" (``optim.shared_prompt`` is refused
-there; see ``train._preflight``).
+there; see ``preflight``).
 
 Cost: the segment saves (G - 1)(P - 1) positions of G whole sequences. Rows are as long as the longest segment (or the
 step's longest sequence, if longer), the same for every micro-batch (pipeline p2p); the mask is dense, so attention

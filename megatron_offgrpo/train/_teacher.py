@@ -28,7 +28,7 @@ from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir
 from megatron_offgrpo.runtime import ParallelContext
 from megatron_offgrpo.train._batch import MicroBatch
 from megatron_offgrpo.train._policy import frozen_from_weights
-from megatron_offgrpo.train._preflight import teacher_errors
+from megatron_offgrpo.preflight import teacher_errors
 from megatron_offgrpo.train._step import token_logprobs
 
 

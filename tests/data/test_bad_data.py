@@ -126,7 +126,7 @@ def test_a_prompt_over_max_prompt_tokens_names_its_line_and_token_count(command,
 def test_a_custom_reward_takes_non_numeric_answers(tmp_path):
     """Only the math rewards need a number: a custom reward's ground truth is its own business."""
     from megatron_offgrpo.config import load_config
-    from megatron_offgrpo.train._preflight import data_errors
+    from megatron_offgrpo.preflight._checks import data_errors
 
     path = _write(tmp_path / "d.jsonl", "\n".join(json.dumps({"question": f"Name {i}?", "answer": "blue"})
                                                    for i in range(5)) + "\n")

@@ -160,7 +160,7 @@ def test_moe_with_tensor_parallelism_gets_sequence_parallelism():
     forward otherwise): parallel.sequence_parallel=null turns it on there, and only there; the recipe check passes."""
     from megatron_offgrpo.config import load_config
     from megatron_offgrpo.model import transformer_config
-    from megatron_offgrpo.train._preflight import model_errors
+    from megatron_offgrpo.preflight._checks import model_errors
 
     moe, dense = load_arch(REPO / "megatron_offgrpo" / "assets" / "tiny-qwen3-moe"), load_arch(
         REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2")

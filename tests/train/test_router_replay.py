@@ -41,7 +41,7 @@ def test_replaying_the_engines_routing_brings_the_trainer_closer_to_it(tmp_path)
 
 def test_a_dense_model_is_refused_in_one_line(tmp_path):
     from megatron_offgrpo.config import load_config
-    from megatron_offgrpo.train._preflight import model_errors
+    from megatron_offgrpo.preflight._checks import model_errors
 
     dense = load_config(REPO / "configs" / "tiny-cpu.yaml", ["model.router_replay=true", "model.init=random",
                                                              "model.hf_path=megatron_offgrpo/assets/tiny-qwen2"])

@@ -22,7 +22,7 @@ from megatron_offgrpo.config import load_config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.runlog import _trackers
 from megatron_offgrpo.runlog._metrics import MetricsLog, completion_rows, read_metrics
-from megatron_offgrpo.train._preflight import tracker_errors
+from megatron_offgrpo.preflight._checks import tracker_errors
 from megatron_offgrpo.runlog._trackers import BACKENDS, SAMPLE_COLUMNS, make_trackers
 from tests.helpers import REPO
 from tests.train.trackers import (
