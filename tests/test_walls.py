@@ -21,10 +21,20 @@ REPO = Path(__file__).resolve().parents[1]  # not tests.helpers: that imports to
 PRODUCT = PKGS + ("benchmarks", "launch")  # and the repository's top-level .py files (setup.py): not tests/
 DOOR_NAMES = 15
 """Most names a room's door exports."""
-WIDE_DOORS = {"checkpoint_tools": 37, "megatron_offgrpo.algo": 32, "megatron_offgrpo.config": 17,
-              "megatron_offgrpo.data": 29, "megatron_offgrpo.fleet": 37, "megatron_offgrpo.rollout": 24,
-              "megatron_offgrpo.transports": 35}
-"""The doors over ``DOOR_NAMES`` when the wall was built, and their sizes then: they may narrow, never widen."""
+WIDE_DOORS = {"checkpoint_tools": 37, "megatron_offgrpo.algo": 32, "megatron_offgrpo.data": 28,
+              "megatron_offgrpo.fleet": 36, "megatron_offgrpo.rollout": 24, "megatron_offgrpo.transports": 35}
+"""The doors still over ``DOOR_NAMES``, and their sizes: they may narrow (lower the number with them), never widen."""
+FUNCTION_LINES = 60
+"""Most lines of a function (STYLE.md: going over needs a reason)."""
+LONG_FUNCTIONS = {
+    "megatron_offgrpo/runtime/_cpu_compat.py:apply_cpu_compat": 79,  # one idempotent list of patches, each commented
+    "megatron_offgrpo/cli/fleet.py:build_parser": 75,  # argparse declarations, one per flag
+    "megatron_offgrpo/kernels/_api.py:fused_linear_grpo_loss": 74,  # the public kernel: every argument checked here
+    "megatron_offgrpo/cli/eval.py:main": 65,
+    "megatron_offgrpo/algo/_token_loss.py:token_loss": 65,  # the objective family's one dispatch, formula by formula
+    "megatron_offgrpo/model/_builder.py:transformer_config": 61,  # one TransformerConfig, field by field
+}
+"""The functions over ``FUNCTION_LINES``, and their lengths: they may shrink (lower the number), never grow."""
 ROOM_SHARE = 0.12
 """Most of the product's lines one room may hold."""
 TRAIN = "megatron_offgrpo/train"
@@ -138,6 +148,26 @@ def test_train_stays_a_room_of_the_loop_the_trainer_side_and_the_step():
         "on every trainer rank has a room of its own (sampler/: rank 0's sampling; runlog/: the run's records)")
 
 
+def long_functions(root: Path) -> dict[str, int]:
+    """``path:name`` -> lines of every function of the packages over ``FUNCTION_LINES`` lines."""
+    found = {}
+    for path in sorted(p for d in PKGS for p in (root / d.replace(".", "/")).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    found[f"{path.relative_to(root)}:{node.name}"] = length
+    return found
+
+
+def test_functions_are_short():
+    found = long_functions(REPO)
+    assert "megatron_offgrpo/runtime/_cpu_compat.py:apply_cpu_compat" in found, "the scan reads the wrong thing"
+    grown = {name: f"{length} lines (was {LONG_FUNCTIONS[name]})" if name in LONG_FUNCTIONS else f"{length} lines"
+             for name, length in found.items() if length > LONG_FUNCTIONS.get(name, FUNCTION_LINES)}
+    assert not grown, f"functions over {FUNCTION_LINES} lines (or longer than they were): {grown}"
+
+
 def test_no_file_circles():
     edges = file_graph(REPO)
     assert len(edges) > 50, "few imports found: the scan reads the wrong place"
@@ -180,3 +210,6 @@ def test_the_scans_see_each_kind_of_breach(toy):
     assert cycles(file_graph(toy)) == [["megatron_offgrpo.train._a", "megatron_offgrpo.train._b",
                                         "megatron_offgrpo.train._c"]]
     assert script_private_imports(toy) == ["benchmarks/x.py:2 megatron_offgrpo.train._b.x"]
+    long = toy / "megatron_offgrpo/model/_long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * FUNCTION_LINES + "\n\ndef g():\n    return 1\n")
+    assert long_functions(toy) == {"megatron_offgrpo/model/_long.py:f": FUNCTION_LINES + 1}
