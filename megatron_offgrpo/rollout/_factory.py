@@ -55,7 +55,7 @@ def _vllm(spec: VllmSpec) -> RolloutEngine:
         try:
             return VLLMEngine(spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len,
                               max_num_seqs=spec.max_num_seqs, record_routing=spec.record_routing,
-                              partial_rollouts=spec.partial_rollouts, **dict(spec.engine_args))
+                              partial_rollouts=spec.partial_rollouts)
         except UnservableModelError as exc:  # known before its engine started (the README's promise: fall back)
             if not spec.fall_back:
                 raise

@@ -30,7 +30,6 @@ class VllmSpec:
         partial_rollouts: a refresh lands between two decode steps of the requests in flight.
         fall_back: ``rollout.engine=auto``: when vLLM is missing or cannot serve the model, the transformers engine
             serves it instead, with a one-line warning naming why (else the error is raised).
-        engine_args: further ``vllm.EngineArgs`` fields (tests and benchmarks: ``enforce_eager``, ...).
     """
 
     model_dir: Path
@@ -40,7 +39,6 @@ class VllmSpec:
     record_routing: bool = False
     partial_rollouts: bool = False
     fall_back: bool = False
-    engine_args: tuple[tuple[str, object], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
