@@ -7,14 +7,14 @@ import importlib
 from typing import Callable
 
 
-def lazy_door(exports: dict[str, str]) -> Callable[[str], object]:
-    """A door's module ``__getattr__`` over ``exports`` (name -> the module that defines it). A name whose module is
-    ``..._name`` is that module itself, exported whole (``"checkpoints": "megatron_offgrpo.runlog._checkpoints"``)."""
+def lazy_door(exports: dict[str, str], whole: tuple[str, ...] = ()) -> Callable[[str], object]:
+    """A door's module ``__getattr__`` over ``exports`` (name -> the module that defines it); the names in ``whole``
+    are that module itself, exported whole (``"checkpoints": "megatron_offgrpo.runlog._checkpoints"``)."""
 
     def __getattr__(name: str) -> object:
         if name not in exports:
             raise AttributeError(name)
         module = importlib.import_module(exports[name])
-        return module if exports[name].endswith(f"._{name}") else getattr(module, name)
+        return module if name in whole else getattr(module, name)
 
     return __getattr__

@@ -213,3 +213,20 @@ def test_the_scans_see_each_kind_of_breach(toy):
     long = toy / "megatron_offgrpo/model/_long.py"
     long.write_text("def f():\n" + "    x = 1\n" * FUNCTION_LINES + "\n\ndef g():\n    return 1\n")
     assert long_functions(toy) == {"megatron_offgrpo/model/_long.py:f": FUNCTION_LINES + 1}
+
+
+def test_a_lazy_door_gives_the_name_and_a_whole_module_only_when_asked(tmp_path, monkeypatch):
+    """``lazy_door`` returns the attribute a name maps to (``"sft": "..._sft"`` is the function ``sft`` of the module
+    ``_sft``, not the module), and a module itself only for the names in ``whole``."""
+    import types
+
+    from megatron_offgrpo._lazy import lazy_door
+
+    (tmp_path / "lazytoy").mkdir()
+    (tmp_path / "lazytoy" / "__init__.py").write_text("")
+    (tmp_path / "lazytoy" / "_sft.py").write_text("def sft():\n    return 'ran'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    door = lazy_door({"sft": "lazytoy._sft", "whole": "lazytoy._sft"}, whole=("whole",))
+    assert door("sft")() == "ran" and isinstance(door("whole"), types.ModuleType)
+    with pytest.raises(AttributeError):
+        door("loads")

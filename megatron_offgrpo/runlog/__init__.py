@@ -27,4 +27,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-__getattr__ = lazy_door(_EXPORTS)
+__getattr__ = lazy_door(_EXPORTS, whole=("checkpoints",))
