@@ -88,10 +88,9 @@ def _fleet(spec: FleetClientSpec) -> RolloutEngine:
 
 def _transport(spec: FleetClientSpec) -> WeightTransport:
     """The ``WeightTransport`` of a fleet spec: its object, or one built from its name."""
-    from megatron_offgrpo.transports import (DEFAULT_BUCKET_BYTES, CollectiveTransport, DiskTransport,
-                                             SharedMemoryTransport)
+    from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, packing
 
-    bucket_bytes = DEFAULT_BUCKET_BYTES if spec.bucket_bytes is None else spec.bucket_bytes
+    bucket_bytes = packing.DEFAULT_BUCKET_BYTES if spec.bucket_bytes is None else spec.bucket_bytes
     if spec.transport == "disk":
         # a temporary directory is fine when the servers run on this machine (and for engines that never refresh)
         shared_dir = spec.shared_dir or tempfile.mkdtemp(prefix="offgrpo-weights-")

@@ -31,7 +31,7 @@ from megatron_offgrpo.rollout._hf_params import parameter_view
 from megatron_offgrpo.rollout._routing import RoutingRecorder
 from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import Buckets, check_complete, manifest_version, read_version_dir
+from megatron_offgrpo.transports import Buckets, packing, weights_dir
 
 
 class TransformersEngine:
@@ -61,7 +61,7 @@ class TransformersEngine:
         config = self.model.config.to_dict()
         self._expected = expected_hf_shapes(config)
         self._eos = self._eos_ids()
-        self._version = manifest_version(self.model_dir) or 0
+        self._version = weights_dir.manifest_version(self.model_dir) or 0
         self._lock = threading.Lock()
         self._routing = RoutingRecorder(self.model) if record_routing else None
 
@@ -147,11 +147,11 @@ class TransformersEngine:
             start = time.perf_counter()
             try:
                 tensors = (
-                    read_version_dir(weights, version)
+                    weights_dir.read_version_dir(weights, version)
                     if isinstance(weights, (str, Path))
                     else [t for b in weights for t in b]
                 )
-                check_complete({n: tuple(t.shape) for n, t in tensors}, self._expected)
+                packing.check_complete({n: tuple(t.shape) for n, t in tensors}, self._expected)
             except ValueError as exc:
                 raise RefreshError(int(version), {self.name: str(exc)}) from None
             params = dict(self.model.named_parameters())

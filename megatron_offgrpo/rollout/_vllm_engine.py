@@ -38,14 +38,7 @@ from megatron_offgrpo.rollout._samples import (
     sampling_body,
 )
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import (
-    Buckets,
-    WorkerAnswer,
-    calls,
-    summarize,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import Buckets, WorkerAnswer, calls, summarize, weights_dir
 
 
 def tokenizer_eos_id(model_dir: Path) -> int | None:
@@ -289,7 +282,9 @@ class VLLMEngine:
                 transport, tensors = "memory", [t for bucket in weights for t in bucket]
             else:
                 transport = "disk"
-                path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
+                path, _ = weights_dir.write_version_dir(
+                    weights_dir.version_dir(self._tmp.name, version), weights, version, overwrite=True
+                )
 
             def install() -> WorkerAnswer:
                 if tensors is not None:

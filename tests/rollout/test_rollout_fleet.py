@@ -40,14 +40,7 @@ from megatron_offgrpo.rollout import (  # noqa: E402
     servers_of,
     verify_refresh,
 )
-from megatron_offgrpo.transports import (  # noqa: E402
-    CollectiveTransport,
-    DiskTransport,
-    SharedMemoryTransport,
-    calls,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, calls, weights_dir  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed  # noqa: E402
@@ -76,7 +69,8 @@ def new_weights(tiny_dir, tmp_path_factory):
     base = hf_weights(tiny_dir)
     versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22), ("shm", 23))}
     dirs = {
-        name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0] for name, w in versions.items()
+        name: weights_dir.write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0]
+        for name, w in versions.items()
     }
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps([{"id": p.prompt_id, "ids": list(p.prompt_ids)} for p in scenarios.PROMPTS]))
@@ -197,8 +191,8 @@ def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
     weights = perturbed(hf_weights(Path(load_state(fleet).model_dir)), 31)
     scenarios.check_rejections(engine, tmp_path / "bad", weights, scenarios.greedy(engine))
     client = next(iter(engine.servers.values()))  # the server itself refuses a replayed (not newer) version
-    path, _ = write_version_dir(
-        version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version()
+    path, _ = weights_dir.write_version_dir(
+        weights_dir.version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version()
     )
     answer = client.call(calls.LoadDir(path=str(path), version=engine.version()), 60)[0]
     assert not answer["ok"] and "not newer" in answer["error"]
