@@ -191,13 +191,13 @@ def install_cost(args: argparse.Namespace) -> None:
     from vllm import LLM
 
     from megatron_offgrpo.transports import weights_dir
-    from megatron_offgrpo.fleet import EXTENSION
+    from megatron_offgrpo.fleet import launcher
     from megatron_offgrpo.runtime import tune_cpu_memory
 
     tune_cpu_memory()  # as the fleet's servers run
 
     llm = LLM(model=args.hf, dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True,
-              worker_extension_cls=EXTENSION)
+              worker_extension_cls=launcher.EXTENSION)
     tensors = weights_dir.read_version_dir(Path(args.hf), 0)
 
     def timed(worker, groups):

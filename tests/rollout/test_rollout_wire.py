@@ -401,27 +401,27 @@ def test_recorded_routing_travels_and_is_claimed_by_token_sequence():
     import numpy as np
 
     from megatron_offgrpo.data import Sample
-    from megatron_offgrpo.fleet import RoutingAnswer, routing_key
+    from megatron_offgrpo.fleet import routing
     from megatron_offgrpo.fleet._routing_capture import _Record
     from megatron_offgrpo.rollout._routing import with_routing
 
     experts = np.arange(5 * 3 * 2, dtype=np.int16).reshape(5, 3, 2) * 11
     sample = Sample("p", 0, [7, 8, 9], [4, 5, 6], [0.0] * 3, 1, "stop")
-    key = [routing_key([7, 8, 9, 4, 5])]
-    wire = json.loads(json.dumps(RoutingAnswer(True, routing={key[0]: experts}).to_wire()))
+    key = [routing.routing_key([7, 8, 9, 4, 5])]
+    wire = json.loads(json.dumps(routing.RoutingAnswer(True, routing={key[0]: experts}).to_wire()))
     asked = []
-    got = with_routing([sample, sample], lambda keys: asked.append(keys) or RoutingAnswer.from_wire(wire), "s0")
+    got = with_routing([sample, sample], lambda keys: asked.append(keys) or routing.RoutingAnswer.from_wire(wire), "s0")
     assert asked == [key]  # identical samples share one routing; the last token is never fed
     for one in got:
         assert one.routed_experts.dtype == torch.int16 and torch.equal(one.routed_experts, torch.from_numpy(experts))
     with pytest.raises(BadResponse, match="s0 has no routing .*prefix caching"):
-        with_routing([sample], lambda keys: RoutingAnswer.from_wire(
+        with_routing([sample], lambda keys: routing.RoutingAnswer.from_wire(
             {"ok": False, "error": "1 request(s) ... prefix caching"}), "s0")
     whole, cached = _Record(3, 2), _Record(3, 2)
     whole.write(np.arange(5), np.array([7, 8, 9, 4, 5]), experts)
     cached.write(np.arange(2, 5), np.array([9, 4, 5]), experts[2:])
     assert whole.key() == key[0] and cached.key() is None
-    assert RoutingAnswer.from_wire("oops").ok is False
+    assert routing.RoutingAnswer.from_wire("oops").ok is False
 
 
 def test_routed_experts_from_the_answer_are_decoded():

@@ -28,7 +28,7 @@ def check_reload_and_repack(work: Path) -> str:
     restores exactness; a second repack finds them packed and leaves them; a layout it does not know fails."""
     import pytest
 
-    from megatron_offgrpo.fleet import MoeLayoutError, repack_after_reload
+    from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
     from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
     from tests.helpers import save_hf_model
     from tests.rollout.tiny import TINY_MOE, as_buckets, hf_probe_logprobs, hf_weights, perturbed
