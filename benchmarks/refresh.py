@@ -55,7 +55,7 @@ def make_model_dir(name: str, out: Path) -> Path:
 
     from checkpoint_tools import hf_shapes
     from megatron_offgrpo.model import arch_from_hf_config, hf_config_dict
-    from megatron_offgrpo.transports import write_version_dir
+    from megatron_offgrpo.transports import weights_dir
 
     cfg = dict(TINY) if name == "tiny" else json.loads((QWEN05 / "config.json").read_text())
     arch = arch_from_hf_config(cfg)
@@ -69,7 +69,7 @@ def make_model_dir(name: str, out: Path) -> Path:
             tensor = torch.randn(shape, generator=gen) * std
             yield [(hf_name, 1.0 + tensor if hf_name.endswith("norm.weight") else tensor)]
 
-    write_version_dir(out, buckets(), 0, hf_config=config, overwrite=True)
+    weights_dir.write_version_dir(out, buckets(), 0, hf_config=config, overwrite=True)
     return out
 
 
@@ -190,15 +190,15 @@ def install_cost(args: argparse.Namespace) -> None:
                       VLLM_CPU_OMP_THREADS_BIND="nobind")
     from vllm import LLM
 
-    from megatron_offgrpo.transports import read_version_dir
-    from megatron_offgrpo.fleet import EXTENSION
+    from megatron_offgrpo.transports import weights_dir
+    from megatron_offgrpo.fleet import launcher
     from megatron_offgrpo.runtime import tune_cpu_memory
 
     tune_cpu_memory()  # as the fleet's servers run
 
     llm = LLM(model=args.hf, dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True,
-              worker_extension_cls=EXTENSION)
-    tensors = read_version_dir(Path(args.hf), 0)
+              worker_extension_cls=launcher.EXTENSION)
+    tensors = weights_dir.read_version_dir(Path(args.hf), 0)
 
     def timed(worker, groups):
         start = time.perf_counter()

@@ -5,7 +5,7 @@ Each row runs ``--repeats`` times in fresh interpreters (``OMP_NUM_THREADS=1``),
   on a machine without CUDA, ``torch.compile`` stays an identity while megatron-core decorates its fusions);
 - one CPU draw of a token from each of 8 rows of Qwen's 151,936-entry vocabulary, by ``torch.multinomial`` (what
   the transformers engine's ``generate`` used: one exponential per vocabulary entry) and by the fleet's exact
-  inverse-CDF sampler (``fleet.sample_from_logprobs``, what it uses now), per decode step;
+  inverse-CDF sampler (``fleet.cpu_sampler.sample_from_logprobs``, what it uses now), per decode step;
 - ``offgrpo sft`` and ``offgrpo train`` (one step of the tiny recipes on the bundled model, random weights, no
   evaluation or checkpoint), with the transformers engine and with the in-process vLLM engine, and under torchrun at
   TP2 (the README's tensor-parallel command: two ranks, rank 0's vLLM engine core in a process of its own): the wall
@@ -39,7 +39,7 @@ NO_HOOK = ("import sys, megatron_offgrpo; from megatron_offgrpo import _megatron
            "sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, m._MegatronCoreFinder)]; ")
 DRAWS = """
 import time, torch
-from megatron_offgrpo.fleet import sample_from_logprobs
+from megatron_offgrpo.fleet import cpu_sampler
 torch.manual_seed(0)
 logprobs = torch.log_softmax(torch.randn(8, 151936), dim=-1)
 def median(fn):
@@ -47,7 +47,8 @@ def median(fn):
     for _ in range(20):
         start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
     return sorted(times)[10]
-print(median(lambda: torch.multinomial(logprobs.exp(), 1)), median(lambda: sample_from_logprobs(logprobs, {})))
+draw = cpu_sampler.sample_from_logprobs
+print(median(lambda: torch.multinomial(logprobs.exp(), 1)), median(lambda: draw(logprobs, {})))
 """
 QUIET_RUN = ["model.init=random", f"model.hf_path={TINY}", "train.steps=1", "train.eval_every=0",
              "train.save_every=0", "train.loggers=[]", "train.overwrite=true"]

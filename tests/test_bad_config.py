@@ -445,14 +445,14 @@ def test_a_teachers_tokenizer_is_compared_token_by_token(edit, difference, tmp_p
 def test_a_teacher_with_another_tokenizer_is_one_line(where, tmp_path, tiny_model, capsys):
     """``distill.teacher_path``, or the model directory a teacher's fleet serves (its recorded state): a teacher whose
     tokenizer lacks one of the policy's tokens is refused before anything runs, naming the token."""
-    from megatron_offgrpo.fleet import FleetState, ServerRecord
+    from megatron_offgrpo.fleet import FleetState, records
 
     teacher = tmp_path / "teacher"
     shutil.copytree(tiny_model, teacher)
     _tokenizer_copy(teacher, added={"<|file_sep|>": None})
     value, key = teacher, f"distill.teacher_path={teacher}"
     if where == "teacher_fleet":  # the record `offgrpo fleet start` writes; preflight reads it, asks no server
-        server = ServerRecord("s0@127.0.0.1:8100", "http://127.0.0.1:8100", 8100)  # recorded, never started
+        server = records.ServerRecord("s0@127.0.0.1:8100", "http://127.0.0.1:8100", 8100)  # recorded, never started
         value = FleetState(str(teacher), "teacher", None, [server]).write(tmp_path / "fleet").parent
         key = f"distill.teacher_fleet={value} (serving {teacher})"
     out = tmp_path / "run"

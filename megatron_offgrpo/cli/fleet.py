@@ -19,10 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from megatron_offgrpo.fleet import TOKEN_ENV
-from megatron_offgrpo.fleet import FleetSpec, start_fleet
-from megatron_offgrpo.fleet import StopIncomplete, check_state_dir, fleet_status, stop_fleet
-from megatron_offgrpo.fleet import merge_states
+from megatron_offgrpo.fleet import FleetSpec, fleet_status, processes, records, start_fleet, stop_fleet
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 """Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
@@ -48,11 +45,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--token-file",
         type=Path,
         default=None,
-        help=f"file holding the shared token (default ${TOKEN_ENV}, else a random one); the fleet keeps a 0600 copy "
-        "in the state dir, where clients read it",
+        help=f"file holding the shared token (default ${records.TOKEN_ENV}, else a random one); the fleet keeps a "
+        "0600 copy in the state dir, where clients read it",
     )
     start.add_argument(
-        "--new-token", action="store_true", help=f"generate a random token even when ${TOKEN_ENV} is set"
+        "--new-token", action="store_true", help=f"generate a random token even when ${records.TOKEN_ENV} is set"
     )
     start.add_argument("--token", help=argparse.SUPPRESS)  # refused: a command line is readable by every local user
     start.add_argument(
@@ -114,7 +111,8 @@ def start_token(args: argparse.Namespace) -> str:
     """
     if args.token is not None:
         raise ValueError(f"--token: a token on the command line is readable by every local user (ps); put it in a "
-                         f"file (--token-file FILE, mode 0600) or in ${TOKEN_ENV}, or give neither for a random one")
+                         f"file (--token-file FILE, mode 0600) or in ${records.TOKEN_ENV}, or give neither for a "
+                         "random one")
     if args.token_file is not None:
         path = args.token_file.expanduser()
         try:
@@ -127,8 +125,8 @@ def start_token(args: argparse.Namespace) -> str:
         if not token:
             raise ValueError(f"--token-file={path}: empty (write the token into it, or leave the flag out)")
         return token
-    if os.environ.get(TOKEN_ENV) and not args.new_token:
-        return os.environ[TOKEN_ENV]
+    if os.environ.get(records.TOKEN_ENV) and not args.new_token:
+        return os.environ[records.TOKEN_ENV]
     return secrets.token_urlsafe(32)
 
 
@@ -155,14 +153,14 @@ def flag_errors(args: argparse.Namespace) -> list[str]:
 
 
 def _start(args: argparse.Namespace) -> int:
-    from megatron_offgrpo.fleet import gpu_count
+    from megatron_offgrpo.fleet import launcher
     from megatron_offgrpo.preflight import model_dir_errors
 
     errors = flag_errors(args) + model_dir_errors(args.model, "--model")
     if errors:
         raise ValueError("\nerror: ".join(errors))  # one line per error
     token = start_token(args)
-    gpus = gpu_count()
+    gpus = launcher.gpu_count()
     num = args.num_servers if args.num_servers is not None else (max(1, gpus // args.tp) if gpus else 2)
     spec = FleetSpec(
         model_dir=args.model,
@@ -182,14 +180,14 @@ def _start(args: argparse.Namespace) -> int:
         python=args.python,
     )
     spec.validate(gpus)  # before the size line: a model without config.json fails here, naming it
-    note = check_state_dir(args.state_dir)  # a fleet running there: refused before anything is printed or written
+    note = records.check_state_dir(args.state_dir)  # a fleet running there: refused before anything is printed/written
     if note:
         print(f"offgrpo fleet: {note}", file=sys.stderr)
     print(f"{num} server(s): {spec.size().describe()}", flush=True)
     state = start_fleet(spec, args.state_dir, wait=True, timeout_s=args.timeout)
     for server in state.servers:
         print(f"{server.name}  pid {server.pid}  {server.url}  log {server.log}")
-    print(f"token in {state.token_file} (mode 0600; clients read it from there or from ${TOKEN_ENV})")
+    print(f"token in {state.token_file} (mode 0600; clients read it from there or from ${records.TOKEN_ENV})")
     return watch(args.state_dir) if args.foreground else 0
 
 
@@ -223,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "start":
             return _start(args)
         if args.action == "merge":
-            merged = merge_states(args.sources, args.state_dir)
+            merged = records.merge_states(args.sources, args.state_dir)
             print(f"{args.state_dir / 'fleet.json'}: {len(merged.servers)} server(s) of {len(args.sources)} fleet(s)")
             for server in merged.servers:
                 print(f"{server.name}  {server.url}")
@@ -235,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         rows = fleet_status(args.state_dir)
         print(json.dumps(rows, indent=1))
         return 0 if rows and all(r["healthy"] for r in rows) else 1
-    except StopIncomplete as exc:  # not bad input: the processes did not go (exit 1, as status's unhealthy fleet)
+    except processes.StopIncomplete as exc:  # not bad input: the processes did not go (exit 1, as an unhealthy status)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

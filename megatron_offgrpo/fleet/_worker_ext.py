@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from checkpoint_tools import expected_hf_shapes
+from checkpoint_tools import Named, expected_hf_shapes
 from megatron_offgrpo.fleet import _cpu_sampler, _moe_repack
 from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, RoutingCapture
-from megatron_offgrpo.transports import DIRTY, Named, WorkerAnswer, calls, check_complete
+from megatron_offgrpo.transports import DIRTY, WorkerAnswer, calls, packing
 
 if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
     _cpu_sampler.install()  # import of this room, which must not pull vLLM in)
@@ -47,10 +47,10 @@ class OffgrpoWorkerExtension:
     # ----- state -----------------------------------------------------------------------------------------------
     def _offgrpo_version(self) -> int:
         if getattr(self, "_offgrpo_current", None) is None:
-            from megatron_offgrpo.transports import manifest_version
+            from megatron_offgrpo.transports import weights_dir
 
             try:
-                found = manifest_version(self.model_runner.model_config.model)
+                found = weights_dir.manifest_version(self.model_runner.model_config.model)
             except Exception:  # a served directory without our manifest: version 0
                 found = None
             self._offgrpo_current = 0 if found is None else found
@@ -128,7 +128,7 @@ class OffgrpoWorkerExtension:
     @_on_the_wire
     def offgrpo_load_dir(self, payload: str) -> WorkerAnswer:
         """Install the version directory ``{"path", "version"}`` after checking manifest, CRCs, names and shapes."""
-        from megatron_offgrpo.transports import read_version_dir
+        from megatron_offgrpo.transports import weights_dir
 
         request = calls.LoadDir.from_payload(payload)
         version = int(request.version)
@@ -137,7 +137,7 @@ class OffgrpoWorkerExtension:
             return refused
         start = time.perf_counter()
         try:
-            tensors = read_version_dir(request.path, version)
+            tensors = weights_dir.read_version_dir(request.path, version)
         except Exception as exc:
             return WorkerAnswer.failed(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
         return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start})
@@ -145,13 +145,13 @@ class OffgrpoWorkerExtension:
     @_on_the_wire
     def offgrpo_join_group(self, payload: str) -> WorkerAnswer:
         """Join a broadcast group (``calls.JoinGroup``)."""
-        from megatron_offgrpo.transports import make_group, make_store
+        from megatron_offgrpo.transports import gloo
 
         join = calls.JoinGroup.from_payload(payload)
         rank = int(join.rank_base) + int(getattr(self, "rank", 0))
         try:
-            store = make_store(join.host, int(join.port), int(join.world_size), False, float(join.timeout_s))
-            group = make_group(store, join.key, rank, int(join.world_size), float(join.timeout_s), join.backend)
+            store = gloo.make_store(join.host, int(join.port), int(join.world_size), False, float(join.timeout_s))
+            group = gloo.make_group(store, join.key, rank, int(join.world_size), float(join.timeout_s), join.backend)
         except Exception as exc:
             return WorkerAnswer.failed(f"joining refresh group {join.group_id} failed: {type(exc).__name__}: {exc}")
         groups = getattr(self, "_offgrpo_groups", None) or {}
@@ -170,7 +170,7 @@ class OffgrpoWorkerExtension:
     def offgrpo_receive(self, payload: str) -> WorkerAnswer:
         """Receive one stream (``calls.Receive``); with ``commit`` (default) check the streams received for this
         version so far and install them, else stage them for a later commit."""
-        from megatron_offgrpo.transports import ABORT, BUCKET, recv_stream
+        from megatron_offgrpo.transports import gloo
 
         request = calls.Receive.from_payload(payload)
         version = int(request.version)
@@ -183,11 +183,11 @@ class OffgrpoWorkerExtension:
         start = time.perf_counter()
         buckets, end = 0, {"version": None, "buckets": None}
         device = torch.device("cpu") if getattr(self, "device", None) is None else self.device
-        for kind, body in recv_stream(entry[1], device):  # always drain the whole stream, even when rejecting
-            if kind == BUCKET:
+        for kind, body in gloo.recv_stream(entry[1], device):  # always drain the whole stream, even when rejecting
+            if kind == gloo.BUCKET:
                 staged[1].extend(body)
                 buckets += 1
-            elif kind == ABORT:
+            elif kind == gloo.ABORT:
                 self._offgrpo_staged = None
                 return WorkerAnswer.failed(
                     f"the trainer aborted the stream of version {version}: {body.get('reason')}",
@@ -216,7 +216,7 @@ class OffgrpoWorkerExtension:
     def offgrpo_load_shm(self, payload: str) -> WorkerAnswer:
         """Install the shared-memory buckets of ``calls.LoadShm``: map each file, view the tensors in place, check and
         reload (the mappings are gone when this returns)."""
-        from megatron_offgrpo.transports import unpack_entries
+        from megatron_offgrpo.transports import packing
 
         request = calls.LoadShm.from_payload(payload)
         version = int(request.version)
@@ -232,9 +232,8 @@ class OffgrpoWorkerExtension:
                 if size < bucket["bytes"]:
                     raise ValueError(f"holds {size} bytes, the trainer wrote {bucket['bytes']}")
                 # shared=False: a private read-only mapping of the trainer's pages (no copy; no write permission needed)
-                tensors.extend(
-                    unpack_entries(bucket["tensors"], torch.from_file(path, shared=False, size=size, dtype=torch.uint8))
-                )
+                buffer = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+                tensors.extend(packing.unpack_entries(bucket["tensors"], buffer))
             except FileNotFoundError:
                 return WorkerAnswer.failed(
                     f"shared-memory bucket {path} not found: the shm transport needs servers on the trainer's host "
@@ -258,7 +257,7 @@ class OffgrpoWorkerExtension:
         """Check the complete name/shape set, then reload in place (one call: all-or-dirty); ``seconds``: the
         phases so far (phase -> wall seconds), the load is added."""
         try:
-            check_complete({n: tuple(t.shape) for n, t in tensors}, self._offgrpo_expected())
+            packing.check_complete({n: tuple(t.shape) for n, t in tensors}, self._offgrpo_expected())
         except ValueError as exc:
             return WorkerAnswer.failed(str(exc), version=self._offgrpo_version())
         model = self.model_runner.get_model()

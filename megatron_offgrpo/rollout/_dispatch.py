@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, TypeVar
 
-from megatron_offgrpo.fleet import RequestRejected, ServerDown
+from megatron_offgrpo.fleet import json_http
 from megatron_offgrpo.rollout._errors import FleetError
 from megatron_offgrpo.rollout._samples import BadResponse
 
@@ -148,11 +148,11 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
             break
         try:
             result = _unless_marked_dead(pool, name, functools.partial(send, name, index))
-        except RequestRejected as exc:  # the request itself is wrong: no other server will accept it
+        except json_http.RequestRejected as exc:  # the request itself is wrong: no other server will accept it
             pool.release(name)
             raise FleetError(f"group {index} rejected by server {name}: {exc}") from None
-        except (ServerDown, BadResponse) as exc:
-            down = isinstance(exc, ServerDown)
+        except (json_http.ServerDown, BadResponse) as exc:
+            down = isinstance(exc, json_http.ServerDown)
             pool.release(name, str(exc) if down else None, retry=True)
             errors.append(f"attempt {attempt} on {name}: {exc}")
             tried.add(name)
@@ -185,8 +185,8 @@ def _unless_marked_dead(pool: ServerPool, name: str, call: Callable[[], T]) -> T
             return answer.result(timeout=0.25)
         except FutureTimeout:
             if down.is_set():
-                raise ServerDown(f"server {name} marked dead with this request in flight ({pool.dead.get(name)}): "
-                                 "request given up") from None
+                raise json_http.ServerDown(f"server {name} marked dead with this request in flight "
+                                           f"({pool.dead.get(name)}): request given up") from None
 
 
 class HealthWatch:

@@ -88,10 +88,9 @@ def _fleet(spec: FleetClientSpec) -> RolloutEngine:
 
 def _transport(spec: FleetClientSpec) -> WeightTransport:
     """The ``WeightTransport`` of a fleet spec: its object, or one built from its name."""
-    from megatron_offgrpo.transports import (DEFAULT_BUCKET_BYTES, CollectiveTransport, DiskTransport,
-                                             SharedMemoryTransport)
+    from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, packing
 
-    bucket_bytes = DEFAULT_BUCKET_BYTES if spec.bucket_bytes is None else spec.bucket_bytes
+    bucket_bytes = packing.DEFAULT_BUCKET_BYTES if spec.bucket_bytes is None else spec.bucket_bytes
     if spec.transport == "disk":
         # a temporary directory is fine when the servers run on this machine (and for engines that never refresh)
         shared_dir = spec.shared_dir or tempfile.mkdtemp(prefix="offgrpo-weights-")
@@ -112,9 +111,10 @@ def _require_servers_here(state: str | Path) -> None:
     """The shm transport's servers map files on this machine: refuse a fleet elsewhere now, not at the first refresh."""
     from urllib.parse import urlparse
 
-    from megatron_offgrpo.fleet import is_this_machine, load_state
+    from megatron_offgrpo.fleet import launcher, load_state
 
-    elsewhere = [s.name for s in load_state(state).servers if not is_this_machine(urlparse(s.url).hostname or "")]
+    here = launcher.is_this_machine
+    elsewhere = [s.name for s in load_state(state).servers if not here(urlparse(s.url).hostname or "")]
     if elsewhere:
         raise ValueError(
             f"transport 'shm' needs every fleet server on this machine (they map the trainer's files in its "

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import RoutingAnswer
+from megatron_offgrpo.fleet import routing
 from megatron_offgrpo.rollout._dispatch import HealthWatch, RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError, require_newer
 from megatron_offgrpo.rollout._routing import require_routing, with_routing
@@ -196,9 +196,9 @@ class FleetEngine:
             return require_routing(samples, name)
         server = self.servers[name]
 
-        def take(keys: list[str]) -> RoutingAnswer:
+        def take(keys: list[str]) -> routing.RoutingAnswer:
             answers = server.call(calls.RoutingTake(keys=keys), server.control_timeout_s)
-            return RoutingAnswer.from_wire(answers[0] if answers else None)
+            return routing.RoutingAnswer.from_wire(answers[0] if answers else None)
 
         return with_routing(samples, take, name)
 

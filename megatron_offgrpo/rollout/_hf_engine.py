@@ -3,7 +3,7 @@ without vLLM. One process, one model, no server: clearly slower at real sizes (n
 batching), chosen automatically only when vLLM is not installed.
 
 Sampling draws each token from HF's own warpers' distribution (temperature, top-k, top-p, in ``generate``'s order) by
-the fleet's exact inverse-CDF sampler (``fleet.sample_from_logprobs``), inside a logits processor of a greedy
+the fleet's exact inverse-CDF sampler (``fleet.cpu_sampler.sample_from_logprobs``), in a logits processor of a greedy
 ``generate``: ``torch.multinomial`` draws one exponential per vocabulary entry from the CPU generator, 65 ms a
 decode step for 8 rows of Qwen's 151,936 entries on the 2-core CPU, half of a tiny model's generation time.
 
@@ -25,13 +25,13 @@ import torch
 
 from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import sample_from_logprobs
+from megatron_offgrpo.fleet import cpu_sampler
 from megatron_offgrpo.rollout._errors import RefreshError, require_newer
 from megatron_offgrpo.rollout._hf_params import parameter_view
 from megatron_offgrpo.rollout._routing import RoutingRecorder
 from megatron_offgrpo.rollout._samples import completions_to_ask, fill_group
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import Buckets, check_complete, manifest_version, read_version_dir
+from megatron_offgrpo.transports import Buckets, packing, weights_dir
 
 
 class TransformersEngine:
@@ -61,7 +61,7 @@ class TransformersEngine:
         config = self.model.config.to_dict()
         self._expected = expected_hf_shapes(config)
         self._eos = self._eos_ids()
-        self._version = manifest_version(self.model_dir) or 0
+        self._version = weights_dir.manifest_version(self.model_dir) or 0
         self._lock = threading.Lock()
         self._routing = RoutingRecorder(self.model) if record_routing else None
 
@@ -147,11 +147,11 @@ class TransformersEngine:
             start = time.perf_counter()
             try:
                 tensors = (
-                    read_version_dir(weights, version)
+                    weights_dir.read_version_dir(weights, version)
                     if isinstance(weights, (str, Path))
                     else [t for b in weights for t in b]
                 )
-                check_complete({n: tuple(t.shape) for n, t in tensors}, self._expected)
+                packing.check_complete({n: tuple(t.shape) for n, t in tensors}, self._expected)
             except ValueError as exc:
                 raise RefreshError(int(version), {self.name: str(exc)}) from None
             params = dict(self.model.named_parameters())
@@ -201,5 +201,5 @@ class _DrawInProcessor:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
-        token = sample_from_logprobs(scores.float().log_softmax(-1), {})
+        token = cpu_sampler.sample_from_logprobs(scores.float().log_softmax(-1), {})
         return torch.full_like(scores, float("-inf")).scatter_(1, token[:, None], 0.0)

@@ -2,7 +2,7 @@
 
 ``RoutingRecorder`` records them in the transformers engine. On GPUs vLLM returns them with each answer itself
 (``enable_return_routed_experts``, its Model Runner V2; ``require_routing`` checks they came). vLLM CPU cannot, so its
-workers record them (``fleet.RoutingCapture``) and ``with_routing`` claims them for the samples.
+workers record them (``fleet.routing.RoutingCapture``) and ``with_routing`` claims them for the samples.
 
 In the transformers engine a forward hook on every layer's router (``mlp.gate``, which returns ``(logits, scores,
 top-k indices)`` in transformers 5's Qwen3-MoE) keeps each call's ``[rows x positions, top_k]`` indices.
@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.fleet import RoutingAnswer, routing_key
+from megatron_offgrpo.fleet import routing
 from megatron_offgrpo.rollout._samples import BadResponse
 
 
@@ -69,15 +69,17 @@ class RoutingRecorder:
         return torch.stack(layers, dim=2)
 
 
-def with_routing(samples: list[Sample], take: Callable[[list[str]], RoutingAnswer], server: str) -> list[Sample]:
+def with_routing(
+    samples: list[Sample], take: Callable[[list[str]], routing.RoutingAnswer], server: str
+) -> list[Sample]:
     """``samples`` carrying the routing a vLLM worker recorded for them (``Sample.routed_experts``), asked of
-    ``take`` once per distinct ``routing_key`` (identical samples, e.g. a greedy group, share one routing).
+    ``take`` once per distinct ``routing.routing_key`` (identical samples, e.g. a greedy group, share one routing).
 
     Raises:
         BadResponse: the worker did not return the routing of every sample (the reason is the worker's): the
             group is generated again.
     """
-    keys = [routing_key(s.prompt_ids + s.response_ids[:-1]) for s in samples]
+    keys = [routing.routing_key(s.prompt_ids + s.response_ids[:-1]) for s in samples]
     answer = take(list(dict.fromkeys(keys)))
     if not answer.ok:
         raise BadResponse(f"router replay: {server} has no routing for its samples: {answer.error}")

@@ -7,13 +7,7 @@ import uuid
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.fleet import (
-    FleetState,
-    call_json,
-    check_server_health,
-    fleet_token,
-    server_healthy,
-)
+from megatron_offgrpo.fleet import FleetState, json_http, processes, records
 from megatron_offgrpo.rollout._samples import sampling_body
 from megatron_offgrpo.transports import calls
 
@@ -37,15 +31,15 @@ class ServerClient:
     control_timeout_s: float = 600.0
 
     def _post(self, path: str, body: Any = None, timeout: float | None = None, query: str = "") -> Any:
-        return call_json("POST", self.url + path, body, self.token, timeout or self.control_timeout_s, query)
+        return json_http.call_json("POST", self.url + path, body, self.token, timeout or self.control_timeout_s, query)
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when the server answers ``/health``."""
-        return server_healthy(self.url, timeout)
+        return processes.server_healthy(self.url, timeout)
 
     def check_health(self, timeout: float = 5.0) -> None:
         """Raises ``ServerDown`` (or ``RequestRejected``) unless the server answers ``/health`` within ``timeout``."""
-        check_server_health(self.url, timeout)
+        processes.check_server_health(self.url, timeout)
 
     def generate(self, prompt: Prompt, n: int, params: SamplingParams, group_id: int) -> dict[str, Any]:
         """One group: all ``n`` samples of ``prompt`` in one request (so they share server and version)."""
@@ -87,9 +81,8 @@ class ServerClient:
 
     def version_label(self) -> str:
         """The engine's current weight-version label."""
-        return str(
-            call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)["weight_version"]
-        )
+        info = json_http.call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)
+        return str(info["weight_version"])
 
     def call(self, request: calls.WorkerRequest, timeout: float) -> list[object]:
         """Call ``request``'s worker-extension method on every worker of this server; one result dict per worker."""
@@ -99,6 +92,6 @@ class ServerClient:
 
 
 def servers_of(state: FleetState, token: str | None = None, **kwargs: Any) -> list[ServerClient]:
-    """``ServerClient``s of a recorded fleet (``fleet.load_state``; token from ``fleet.fleet_token`` unless given)."""
-    token = token if token is not None else fleet_token(state)
+    """``ServerClient``s of a recorded fleet (``fleet.load_state``; token: ``records.fleet_token`` unless given)."""
+    token = token if token is not None else records.fleet_token(state)
     return [ServerClient(s.name, s.url, state.served_model_name, token, **kwargs) for s in state.servers]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
-from megatron_offgrpo.fleet import RoutingAnswer, VllmSettings, install_cpu_sampler, kv_cache_bytes
+from megatron_offgrpo.fleet import cpu_sampler, routing, serving
 from megatron_offgrpo.rollout._engine_loop import EngineLoop
 from megatron_offgrpo.rollout._errors import RefreshError, UnservableModelError, require_newer
 from megatron_offgrpo.rollout._liveness import call_while_alive
@@ -38,14 +38,7 @@ from megatron_offgrpo.rollout._samples import (
     sampling_body,
 )
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import (
-    Buckets,
-    WorkerAnswer,
-    calls,
-    summarize,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import Buckets, WorkerAnswer, calls, summarize, weights_dir
 
 
 def tokenizer_eos_id(model_dir: Path) -> int | None:
@@ -125,7 +118,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 256,
                  in_process: bool = True, record_routing: bool = False, partial_rollouts: bool = False,
                  **llm_kwargs: Any) -> None:
-        """Start the engine on ``model_dir`` with the settings a fleet server runs with (``fleet.VllmSettings``;
+        """Start the engine on ``model_dir`` with the settings a fleet server runs with (``fleet.serving.VllmSettings``;
         extra ``llm_kwargs`` are ``vllm.EngineArgs`` fields, which win).
 
         Args:
@@ -149,16 +142,17 @@ class VLLMEngine:
         if (reason := unservable_reason(hf_config)) is not None:  # first: nothing set up, no engine that would crash
             raise UnservableModelError(f"vLLM cannot serve {model_dir}: {reason}")
         self.in_process = _choose_executor(in_process)
-        install_cpu_sampler()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
+        cpu_sampler.install()  # in this process: the engine core's worker may be built here (see fleet._cpu_sampler)
         self.model_dir = Path(model_dir).resolve()
         # Requests are token ids in and out: vLLM's tokenizer would only give the end-of-sequence id, and loading it
         # (then deep-copying it into a thread pool, and listing its vocabulary) took 3.3 s of every engine start on
         # the loaded 2-core CPU. The id read from the tokenizer's files stops every request as vLLM's eos would.
         self._eos = None if "skip_tokenizer_init" in llm_kwargs else tokenizer_eos_id(self.model_dir)
-        settings = VllmSettings.build(
-            self.model_dir, dtype, max_model_len, max_num_seqs, kv_cache_bytes(hf_config, max_model_len, max_num_seqs,
-            dtype), on_gpu=_on_gpu(), enforce_eager=llm_kwargs.pop("enforce_eager", True),
-            record_routing=record_routing, skip_tokenizer_init=True if self._eos is not None else None)
+        settings = serving.VllmSettings.build(
+            self.model_dir, dtype, max_model_len, max_num_seqs,
+            serving.kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype), on_gpu=_on_gpu(),
+            enforce_eager=llm_kwargs.pop("enforce_eager", True), record_routing=record_routing,
+            skip_tokenizer_init=True if self._eos is not None else None)
         # the settings a fleet server runs with too; then what only an in-process engine takes (and a caller's own)
         args = {**settings.engine_args(), "use_tqdm_on_load": False, **llm_kwargs}
         self.llm = VllmCore(**args)
@@ -237,8 +231,8 @@ class VLLMEngine:
                 samples = require_routing(samples, self.name)
         return samples
 
-    def _take_routing(self, keys: list[str]) -> RoutingAnswer:
-        return RoutingAnswer.from_wire(self._call(self._collective, calls.RoutingTake(keys=keys))[0])
+    def _take_routing(self, keys: list[str]) -> routing.RoutingAnswer:
+        return routing.RoutingAnswer.from_wire(self._call(self._collective, calls.RoutingTake(keys=keys))[0])
 
     def _samples(self, prompts: list[Prompt], outputs: list[Any], n: int) -> list[Sample]:
         samples = []
@@ -289,7 +283,9 @@ class VLLMEngine:
                 transport, tensors = "memory", [t for bucket in weights for t in bucket]
             else:
                 transport = "disk"
-                path, _ = write_version_dir(version_dir(self._tmp.name, version), weights, version, overwrite=True)
+                path, _ = weights_dir.write_version_dir(
+                    weights_dir.version_dir(self._tmp.name, version), weights, version, overwrite=True
+                )
 
             def install() -> WorkerAnswer:
                 if tensors is not None:

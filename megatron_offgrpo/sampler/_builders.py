@@ -72,7 +72,7 @@ def _collective_host(r) -> str | None:
     import socket
     from urllib.parse import urlparse
 
-    from megatron_offgrpo.fleet import is_loopback, load_state
+    from megatron_offgrpo.fleet import launcher, load_state
 
     hosts = {urlparse(s.url).hostname for s in load_state(r.fleet_state).servers}
-    return None if all(is_loopback(host) for host in hosts) else socket.getfqdn()
+    return None if all(launcher.is_loopback(host) for host in hosts) else socket.getfqdn()

@@ -59,7 +59,7 @@ class WorkerAnswer:
             "vllm".
         routing_source: where a server's routing for router replay comes from (``offgrpo_routing_begin``):
             "vllm", each answer's choices carry it (``--enable-return-routed-experts``, GPU), or "hooks", the worker
-            records it and the client claims it by ``routing_key`` (``fleet.RoutingCapture``, CPU).
+            records it and the client claims it by ``routing_key`` (``fleet.routing.RoutingCapture``, CPU).
     """
 
     ok: bool

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_offgrpo.fleet import server_url
+from megatron_offgrpo.fleet import launcher
 from megatron_offgrpo.cli.fleet import build_parser
 from tests.helpers import REPO
 
@@ -80,7 +80,7 @@ def test_two_fleet_nodes_of_four(tmp_path):
             Path("models/Qwen2.5-7B-Instruct"), 2, 2, f"gpu0{i + 1}")
         assert args.max_model_len == 512 + 1024  # the recipe's max_prompt_tokens + max_new_tokens, not 32768
         assert args.state_dir == shared / f"fleet-{i}"
-        recorded += [server_url(args.host, args.base_port + k) for k in range(args.num_servers)]
+        recorded += [launcher.server_url(args.host, args.base_port + k) for k in range(args.num_servers)]
     assert recorded == urls  # the URLs the script announces are the ones `fleet start` records
 
     (merge,) = [s for s in steps if s[:3] == ["offgrpo", "fleet", "merge"]]

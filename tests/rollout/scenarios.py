@@ -11,7 +11,7 @@ import torch
 
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.rollout import RefreshError, RefreshReport, RefreshVerificationError, verify_refresh
-from megatron_offgrpo.transports import version_dir, write_version_dir
+from megatron_offgrpo.transports import weights_dir
 from tests.rollout.tiny import as_buckets, hf_probe_logprobs, load_hf_model, token_logprobs
 
 PROMPTS = [Prompt(f"test/{i}", tuple(range(10 + 7 * i, 22 + 7 * i))) for i in range(6)]
@@ -72,7 +72,7 @@ def check_rejections(engine, tmp: Path, weights: dict[str, torch.Tensor], before
     """A corrupt file, a stale or mismatched version are rejected; the old weights keep serving."""
     served = engine.version()
     nxt = served + 1
-    path, _ = write_version_dir(version_dir(tmp, nxt), as_buckets(weights), nxt)
+    path, _ = weights_dir.write_version_dir(weights_dir.version_dir(tmp, nxt), as_buckets(weights), nxt)
     shard = path / "model-00002.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) - 100] ^= 0xFF  # one flipped byte in a tensor's data
@@ -81,7 +81,9 @@ def check_rejections(engine, tmp: Path, weights: dict[str, torch.Tensor], before
         engine.update_weights(path, nxt)
     with pytest.raises(ValueError, match=f"already serves version {served}"):
         engine.update_weights(as_buckets(weights), served)
-    other, _ = write_version_dir(version_dir(tmp / "other", nxt + 5), as_buckets(weights), nxt + 5)
+    other, _ = weights_dir.write_version_dir(
+        weights_dir.version_dir(tmp / "other", nxt + 5), as_buckets(weights), nxt + 5
+    )
     with pytest.raises((ValueError, RefreshError), match=f"(?s)version {nxt + 5}"):
         engine.update_weights(other, nxt)
     assert engine.version() == served and greedy(engine) == before
@@ -226,7 +228,7 @@ def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor],
 def check_seeded_prompts_over_a_steps_budget(engine) -> None:
     """Seeded requests whose prompts together pass one step's token budget (vLLM's default 2048): on CPU a prompt
     split over two steps crashed vLLM's engine (it rewinds the seeded generator of the token it drops, and a CPU
-    generator has no offset), so the engines schedule every prompt whole (``fleet.cpu_prefill_limits``)."""
+    generator has no offset), so the engines schedule every prompt whole (``fleet.serving.cpu_prefill_limits``)."""
     prompts = [Prompt(f"budget/{i}", tuple((7 * i + t) % 4000 + 10 for t in range(200))) for i in range(16)]
     samples = engine.generate(prompts, 2, SamplingParams(max_tokens=4, temperature=1.0, seed=9))
     assert len(samples) == 32 and all(1 <= len(s.response_ids) <= 4 for s in samples)

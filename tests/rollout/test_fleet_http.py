@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_offgrpo.fleet import RequestRejected, ServerDown, call_json
+from megatron_offgrpo.fleet import json_http
 from megatron_offgrpo.fleet import _http
 
 
@@ -42,22 +42,22 @@ def server():
 
 
 def test_answers_failures_and_one_kept_alive_connection(server):
-    assert [call_json("GET", server + "/ok") for _ in range(5)] == [{"answer": 42}] * 5
-    assert call_json("GET", server + "/empty") is None
+    assert [json_http.call_json("GET", server + "/ok") for _ in range(5)] == [{"answer": 42}] * 5
+    assert json_http.call_json("GET", server + "/empty") is None
     assert len(_Handler.peers) == 1  # five calls, one connection: the pool kept it alive
-    with pytest.raises(RequestRejected, match="HTTP 401: no token") as rejected:
-        call_json("GET", server + "/auth")
+    with pytest.raises(json_http.RequestRejected, match="HTTP 401: no token") as rejected:
+        json_http.call_json("GET", server + "/auth")
     assert rejected.value.status == 401
-    with pytest.raises(ServerDown, match="HTTP 500: engine died"):
-        call_json("GET", server + "/crash")
+    with pytest.raises(json_http.ServerDown, match="HTTP 500: engine died"):
+        json_http.call_json("GET", server + "/crash")
 
 
 def test_a_refused_connection_is_a_server_down():
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]  # closed again: nothing listens there
-    with pytest.raises(ServerDown, match="ConnectError"):
-        call_json("GET", f"http://127.0.0.1:{port}/health", timeout=5)
+    with pytest.raises(json_http.ServerDown, match="ConnectError"):
+        json_http.call_json("GET", f"http://127.0.0.1:{port}/health", timeout=5)
 
 
 def test_a_server_that_accepts_and_never_answers_times_out_at_the_read_timeout():
@@ -65,8 +65,8 @@ def test_a_server_that_accepts_and_never_answers_times_out_at_the_read_timeout()
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # the kernel completes the connection; nobody ever reads it (a frozen process)
         start = time.monotonic()
-        with pytest.raises(ServerDown, match="ReadTimeout"):
-            call_json("GET", f"http://127.0.0.1:{silent.getsockname()[1]}/health", timeout=0.5)
+        with pytest.raises(json_http.ServerDown, match="ReadTimeout"):
+            json_http.call_json("GET", f"http://127.0.0.1:{silent.getsockname()[1]}/health", timeout=0.5)
         assert time.monotonic() - start < 3
 
 
@@ -87,8 +87,8 @@ def test_a_connection_nobody_accepts_times_out_at_the_connect_timeout(monkeypatc
         time.sleep(0.2)
         start = time.monotonic()
         try:
-            with pytest.raises(ServerDown, match="ConnectTimeout"):
-                call_json("GET", f"http://127.0.0.1:{address[1]}/health", timeout=60)
+            with pytest.raises(json_http.ServerDown, match="ConnectTimeout"):
+                json_http.call_json("GET", f"http://127.0.0.1:{address[1]}/health", timeout=60)
         finally:
             for filler in fillers:
                 filler.close()
@@ -116,7 +116,7 @@ def test_a_body_goes_as_json_with_the_token():
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        assert call_json("POST", f"http://127.0.0.1:{httpd.server_address[1]}/pause", {"a": [1, 2]}, "secret",
+        assert json_http.call_json("POST", f"http://127.0.0.1:{httpd.server_address[1]}/pause", {"a": [1, 2]}, "secret",
                          query="mode=keep") == {}
     finally:
         httpd.shutdown()

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from megatron_offgrpo.cli.fleet import main as fleet_main
-from megatron_offgrpo.fleet import FleetState, ServerRecord, load_state, stop_fleet, write_token
+from megatron_offgrpo.fleet import FleetState, launcher, load_state, records, stop_fleet
 from megatron_offgrpo.fleet._claim import claim_state_dir
 from megatron_offgrpo.fleet._processes import _wait_gone, group_members
 
@@ -45,10 +45,10 @@ def _server(port: int, mode: str = "plain") -> subprocess.Popen:
 def _record(state_dir, procs: list[tuple[int, subprocess.Popen]]) -> FleetState:
     """The fleet.json `offgrpo fleet start` writes for these processes, and its token file."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    servers = [ServerRecord(name=f"s{i}@127.0.0.1:{port}", url=f"http://127.0.0.1:{port}", port=port,
+    servers = [records.ServerRecord(name=f"s{i}@127.0.0.1:{port}", url=f"http://127.0.0.1:{port}", port=port,
                             log=str(state_dir / f"server{i}.log"), pid=proc.pid)
                for i, (port, proc) in enumerate(procs)]
-    state = FleetState("m", "policy", str(write_token(state_dir / "token", "first-token")), servers)
+    state = FleetState("m", "policy", str(launcher.write_token(state_dir / "token", "first-token")), servers)
     state.write(state_dir)
     return state
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_offgrpo.rollout._dispatch import HealthWatch, RetryPolicy, ServerPool, run_groups
 from megatron_offgrpo.rollout._errors import FleetError
-from megatron_offgrpo.fleet import RequestRejected, ServerDown
+from megatron_offgrpo.fleet import json_http
 from megatron_offgrpo.rollout._samples import BadResponse
 
 FAST = RetryPolicy(backoff_s=0.001, max_backoff_s=0.002, max_inflight_per_server=2)
@@ -38,7 +38,7 @@ def test_dead_server_fails_over_without_duplicates():
         with lock:
             calls[server] += 1
         if server == "b":
-            raise ServerDown("connection reset")
+            raise json_http.ServerDown("connection reset")
         time.sleep(0.02)  # a is busy: the least-loaded choice sends work to b too
         return (index, server)
 
@@ -65,13 +65,13 @@ def test_retry_on_bad_answer_then_succeeds_elsewhere():
 def test_rejected_request_is_not_retried():
     pool = ServerPool(["a", "b"], dead_after=2)
     with pytest.raises(FleetError, match="rejected by server"):
-        run_groups(pool, FAST, 1, lambda s, i: (_ for _ in ()).throw(RequestRejected("HTTP 401", 401)))
+        run_groups(pool, FAST, 1, lambda s, i: (_ for _ in ()).throw(json_http.RequestRejected("HTTP 401", 401)))
 
 
 def test_all_dead_gives_a_clear_error():
     pool = ServerPool(["a", "b"], dead_after=1)
     with pytest.raises(FleetError, match="failed on every attempt|no serving server"):
-        run_groups(pool, FAST, 3, lambda s, i: (_ for _ in ()).throw(ServerDown("refused")))
+        run_groups(pool, FAST, 3, lambda s, i: (_ for _ in ()).throw(json_http.ServerDown("refused")))
     assert set(pool.dead) == {"a", "b"}
 
 
@@ -107,7 +107,7 @@ def test_a_frozen_server_found_by_its_health_checks_loses_its_groups_to_the_othe
 
     def check(server, timeout):
         if server == "a":
-            raise ServerDown(f"GET /health: ReadTimeout after {timeout} s")
+            raise json_http.ServerDown(f"GET /health: ReadTimeout after {timeout} s")
 
     watch = HealthWatch(pool, check, policy)
     start = time.monotonic()

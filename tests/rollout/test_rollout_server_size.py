@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from megatron_offgrpo.fleet import FleetSpec, kv_cache_bytes, server_command, size_server
+from megatron_offgrpo.fleet import FleetSpec, launcher, serving
 from megatron_offgrpo.fleet._server_size import read_hf_config
 from megatron_offgrpo.fleet import _launcher
 from megatron_offgrpo.fleet._server_size import GIB
@@ -20,30 +20,30 @@ QWEN_05B = ASSETS / "qwen2.5-0.5b-config"  # 24 layers, 2 KV heads of 64, 32768 
 
 
 def test_tiny_default_is_served_at_its_length_and_dtype():
-    size = size_server(read_hf_config(TINY_DEFAULT), None, None, max_num_seqs=256)
+    size = serving.size_server(read_hf_config(TINY_DEFAULT), None, None, max_num_seqs=256)
     # vLLM's defaults were max_model_len 2048 (> 512: refused) and dtype auto (bf16 for a float32 checkpoint)
     assert (size.max_model_len, size.dtype) == (512, "float32")
     # 2 (K and V) x 2 layers x 2 KV heads x 64 x 4 bytes = 2 KiB per token; x 512 tokens x 256 sequences = 256 MiB
     assert size.kv_cache_bytes == 2 * 2 * 2 * 64 * 4 * 512 * 256 == 256 * 2**20
-    assert size.kv_cache_bytes == kv_cache_bytes(read_hf_config(TINY_DEFAULT), 512, 256, "float32")
+    assert size.kv_cache_bytes == serving.kv_cache_bytes(read_hf_config(TINY_DEFAULT), 512, 256, "float32")
 
 
 def test_given_values_win_and_tp_splits_the_kv_heads():
     config = read_hf_config(QWEN_05B)
-    size = size_server(config, 1000, "bfloat16", max_num_seqs=64)
+    size = serving.size_server(config, 1000, "bfloat16", max_num_seqs=64)
     # 1000 tokens count as 1024 (whole 256-token blocks); 2 x 24 x 2 x 64 x 2 bytes = 12 KiB per token
     assert (size.max_model_len, size.dtype) == (1000, "bfloat16") and size.kv_cache_bytes == 64 * 1024 * 12 * 1024
     # 1 KV head per GPU
-    assert size_server(config, 1000, "bfloat16", 64, tp=2).kv_cache_bytes == size.kv_cache_bytes // 2
+    assert serving.size_server(config, 1000, "bfloat16", 64, tp=2).kv_cache_bytes == size.kv_cache_bytes // 2
     # replicated, not 0.5
-    assert size_server(config, 1000, "bfloat16", 64, tp=4).kv_cache_bytes == size.kv_cache_bytes // 2
-    assert size_server(config, 1000, "bfloat16", 64, kv_cache_gib=1.5).kv_cache_bytes == int(1.5 * GIB)
+    assert serving.size_server(config, 1000, "bfloat16", 64, tp=4).kv_cache_bytes == size.kv_cache_bytes // 2
+    assert serving.size_server(config, 1000, "bfloat16", 64, kv_cache_gib=1.5).kv_cache_bytes == int(1.5 * GIB)
 
 
 def test_server_command_passes_the_size_and_drops_an_inherited_cpu_kv_space(tmp_path, monkeypatch):
     shutil.copy(TINY_DEFAULT / "config.json", tmp_path / "config.json")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")  # vLLM-CPU would take it over the exact byte count
-    argv, env, _ = server_command(FleetSpec(model_dir=tmp_path, num_servers=1), 0, 8000, gpus=0)
+    argv, env, _ = launcher.server_command(FleetSpec(model_dir=tmp_path, num_servers=1), 0, 8000, gpus=0)
     flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
     assert flags["--dtype"] == "float32" and flags["--max-model-len"] == "512" and flags["--max-num-seqs"] == "256"
     assert flags["--kv-cache-memory-bytes"] == str(256 * 2**20) and "VLLM_CPU_KVCACHE_SPACE" not in env
@@ -52,7 +52,7 @@ def test_server_command_passes_the_size_and_drops_an_inherited_cpu_kv_space(tmp_
 def test_gpu_servers_take_their_share_of_the_visible_gpus(tiny_dir, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the trainer keeps 0-3 on this node
     spec = FleetSpec(model_dir=tiny_dir, num_servers=2, tp=2)
-    assert [server_command(spec, i, 8000, gpus=4)[1]["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["4,5", "6,7"]
+    assert [launcher.server_command(spec, i, 8000, gpus=4)[1]["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["4,5", "6,7"]
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_start(tmp_path, monkeypatch):
@@ -87,10 +87,10 @@ def test_a_fleet_server_and_the_in_process_engine_run_one_set_of_settings(on_gpu
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from megatron_offgrpo.fleet import VllmSettings
+    from megatron_offgrpo.fleet import serving
 
-    settings = VllmSettings.build(tmp_path, "bfloat16", 512, 16, 1 << 26, on_gpu=on_gpu, record_routing=record_routing,
-                                  enforce_eager=eager)
+    settings = serving.VllmSettings.build(tmp_path, "bfloat16", 512, 16, 1 << 26, on_gpu=on_gpu,
+                                          record_routing=record_routing, enforce_eager=eager)
     parsed = EngineArgs.from_cli_args(EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
         settings.server_argv()))
     fields = settings.engine_args()
@@ -102,7 +102,7 @@ def test_a_fleet_server_and_the_in_process_engine_run_one_set_of_settings(on_gpu
     spec = FleetSpec(model_dir=tmp_path, num_servers=1, max_num_seqs=16, dtype="bfloat16",
                      record_routing=record_routing, enforce_eager=eager)
     size = spec.size()
-    argv = server_command(spec, 0, 8000, gpus=1 if on_gpu else 0)[0]
-    built = VllmSettings.build(tmp_path, "bfloat16", size.max_model_len, 16, size.kv_cache_bytes, on_gpu=on_gpu,
+    argv = launcher.server_command(spec, 0, 8000, gpus=1 if on_gpu else 0)[0]
+    built = serving.VllmSettings.build(tmp_path, "bfloat16", size.max_model_len, 16, size.kv_cache_bytes, on_gpu=on_gpu,
                                record_routing=record_routing, enforce_eager=eager or (record_routing and not on_gpu))
     assert argv[3:3 + len(built.server_argv())] == built.server_argv()

@@ -18,14 +18,8 @@ import torch
 from benchmarks._baselines import PerTensorCollectiveTransport
 from checkpoint_tools import expected_hf_shapes
 from megatron_offgrpo.fleet import OffgrpoWorkerExtension
-from megatron_offgrpo.transports import (
-    DIRTY,
-    CollectiveTransport,
-    DiskTransport,
-    SharedMemoryTransport,
-    sweep_dead_sessions,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import DIRTY, CollectiveTransport, DiskTransport, SharedMemoryTransport, weights_dir
+from megatron_offgrpo.transports._shm import sweep_dead_sessions
 from tests.helpers import REPO
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
@@ -179,7 +173,7 @@ def test_collective_wrong_version_is_rejected_after_draining(tiny_dir, weights):
 
 
 def test_initial_version_comes_from_the_served_manifest(tmp_path, weights):
-    path, _ = write_version_dir(tmp_path / "v", as_buckets(weights), 12)
+    path, _ = weights_dir.write_version_dir(tmp_path / "v", as_buckets(weights), 12)
     assert FakeWorker(path)._offgrpo_version() == 12
 
 

@@ -22,27 +22,7 @@ from megatron_offgrpo.rollout._samples import (
     parse_token_versions,
     sampling_body,
 )
-from megatron_offgrpo.transports import (
-    ABORT,
-    BUCKET,
-    DIRTY,
-    END,
-    WorkerAnswer,
-    calls,
-    check_complete,
-    make_group,
-    make_store,
-    manifest_version,
-    pack_bucket,
-    prune_versions,
-    read_version_dir,
-    recv_stream,
-    send_stream,
-    summarize,
-    unpack_bucket,
-    version_dir,
-    write_version_dir,
-)
+from megatron_offgrpo.transports import DIRTY, WorkerAnswer, calls, gloo, packing, summarize, weights_dir
 
 
 def _bucket():
@@ -54,10 +34,10 @@ def _bucket():
 
 
 def test_pack_unpack_roundtrip_bit_exact():
-    header, buffer = pack_bucket(_bucket())
+    header, buffer = packing.pack_bucket(_bucket())
     # 6*4 + 2*2 + 12*4 = 76 bytes, one contiguous buffer
     assert buffer.numel() == 76 and buffer.is_contiguous()
-    for (n0, t0), (n1, t1) in zip(_bucket(), unpack_bucket(header, buffer)):
+    for (n0, t0), (n1, t1) in zip(_bucket(), packing.unpack_bucket(header, buffer)):
         assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
 
 
@@ -69,83 +49,84 @@ def test_rebucket_sizes():
 
 def test_check_complete_names_every_problem():
     expected = {"x": (2, 2), "y": (3,)}
-    check_complete({"x": (2, 2), "y": (3,)}, expected)
+    packing.check_complete({"x": (2, 2), "y": (3,)}, expected)
     with pytest.raises(ValueError, match="1 tensor\\(s\\) missing.*'y'"):
-        check_complete({"x": (2, 2)}, expected)
+        packing.check_complete({"x": (2, 2)}, expected)
     with pytest.raises(ValueError, match="unknown tensor name.*'z'"):
-        check_complete({"x": (2, 2), "y": (3,), "z": (1,)}, expected)
+        packing.check_complete({"x": (2, 2), "y": (3,), "z": (1,)}, expected)
     with pytest.raises(ValueError, match="'x' has shape \\[2, 3\\]"):
-        check_complete({"x": (2, 3), "y": (3,)}, expected)
+        packing.check_complete({"x": (2, 3), "y": (3,)}, expected)
 
 
 def test_version_dir_roundtrip_and_checks(tmp_path):
-    out, stats = write_version_dir(version_dir(tmp_path, 3), [_bucket()[:2], _bucket()[2:]], 3)
+    out, stats = weights_dir.write_version_dir(weights_dir.version_dir(tmp_path, 3), [_bucket()[:2], _bucket()[2:]], 3)
     assert out.name == "v00000003" and stats == {"bytes": 76, "tensors": 3, "buckets": 2}
-    assert manifest_version(out) == 3
-    got = dict(read_version_dir(out, 3))
+    assert weights_dir.manifest_version(out) == 3
+    got = dict(weights_dir.read_version_dir(out, 3))
     assert all(torch.equal(got[n], t) for n, t in _bucket())
     with pytest.raises(CheckpointError, match="manifest is for version 3, the refresh asked for version 4"):
-        read_version_dir(out, 4)
+        weights_dir.read_version_dir(out, 4)
 
 
 def test_version_dir_corrupt_byte_is_caught(tmp_path):
-    out, _ = write_version_dir(version_dir(tmp_path, 1), [_bucket()], 1)
+    out, _ = weights_dir.write_version_dir(weights_dir.version_dir(tmp_path, 1), [_bucket()], 1)
     shard = out / "model-00001.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-3] ^= 0xFF  # one flipped byte in the last tensor's data
     shard.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="does not match the manifest"):
-        read_version_dir(out, 1)
+        weights_dir.read_version_dir(out, 1)
 
 
 def test_version_dir_truncated_and_missing_manifest(tmp_path):
-    out, _ = write_version_dir(version_dir(tmp_path, 1), [_bucket()], 1)
+    out, _ = weights_dir.write_version_dir(weights_dir.version_dir(tmp_path, 1), [_bucket()], 1)
     shard = out / "model-00001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="truncated"):
-        read_version_dir(out, 1)
+        weights_dir.read_version_dir(out, 1)
     (out / "offgrpo_manifest.json").unlink()
     with pytest.raises(CheckpointError, match="no offgrpo_manifest.json"):
-        read_version_dir(out, 1)
+        weights_dir.read_version_dir(out, 1)
 
 
 def test_prune_keeps_newest_and_protected(tmp_path):
     for v in (1, 2, 3, 4):
-        write_version_dir(version_dir(tmp_path, v), [_bucket()[:1]], v)
-    prune_versions(tmp_path, keep=2, protect=[1])
+        weights_dir.write_version_dir(weights_dir.version_dir(tmp_path, v), [_bucket()[:1]], v)
+    weights_dir.prune_versions(tmp_path, keep=2, protect=[1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001", "v00000003", "v00000004"]
 
 
 def test_gloo_stream_between_two_ranks():
-    store = make_store("127.0.0.1", 0, None, True, 30)
+    store = gloo.make_store("127.0.0.1", 0, None, True, 30)
     received, errors = [], []
 
     def worker():
         try:
-            client = make_store("127.0.0.1", store.port, None, False, 30)
-            group = make_group(client, "g", 1, 2, 30)
-            received.extend(recv_stream(group))
+            client = gloo.make_store("127.0.0.1", store.port, None, False, 30)
+            group = gloo.make_group(client, "g", 1, 2, 30)
+            received.extend(gloo.recv_stream(group))
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
 
     thread = threading.Thread(target=worker)
     thread.start()
-    group = make_group(store, "g", 0, 2, 30)
-    stats = send_stream(group, [_bucket(), _bucket()[:1]], version=5)
+    group = gloo.make_group(store, "g", 0, 2, 30)
+    stats = gloo.send_stream(group, [_bucket(), _bucket()[:1]], version=5)
     thread.join(30)
     assert not errors and stats == {"bytes": 76 + 24, "buckets": 2, "tensors": 4}
     kinds = [k for k, _ in received]
-    assert kinds == [BUCKET, BUCKET, END] and received[-1][1] == {"version": 5, "buckets": 2, "bytes": 100}
+    assert kinds == [gloo.BUCKET, gloo.BUCKET, gloo.END]
+    assert received[-1][1] == {"version": 5, "buckets": 2, "bytes": 100}
     assert all(torch.equal(a[1], b[1]) for a, b in zip(_bucket(), received[0][1]))
 
 
 def test_gloo_stream_abort_reaches_receivers():
-    store = make_store("127.0.0.1", 0, None, True, 30)
+    store = gloo.make_store("127.0.0.1", 0, None, True, 30)
     received = []
 
     def worker():
-        group = make_group(make_store("127.0.0.1", store.port, None, False, 30), "g", 1, 2, 30)
-        received.extend(recv_stream(group))
+        group = gloo.make_group(gloo.make_store("127.0.0.1", store.port, None, False, 30), "g", 1, 2, 30)
+        received.extend(gloo.recv_stream(group))
 
     def failing():
         yield _bucket()
@@ -153,11 +134,11 @@ def test_gloo_stream_abort_reaches_receivers():
 
     thread = threading.Thread(target=worker)
     thread.start()
-    group = make_group(store, "g", 0, 2, 30)
+    group = gloo.make_group(store, "g", 0, 2, 30)
     with pytest.raises(RuntimeError, match="export failed"):
-        send_stream(group, failing(), version=1)
+        gloo.send_stream(group, failing(), version=1)
     thread.join(30)
-    assert [k for k, _ in received] == [BUCKET, ABORT] and "export failed" in received[-1][1]["reason"]
+    assert [k for k, _ in received] == [gloo.BUCKET, gloo.ABORT] and "export failed" in received[-1][1]["reason"]
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -192,7 +173,7 @@ def test_store_listens_on_the_address_asked_only(host):
     host = _this_machines_other_address() if host == "other" else host
     if host is None:
         pytest.skip("this machine has no non-loopback address")
-    store = make_store(host, 0, None, True, 30)
+    store = gloo.make_store(host, 0, None, True, 30)
     expected = {"127.0.0.1"} if host == "localhost" else {host}
     assert listening_addresses(store.port) == expected  # never 0.0.0.0 / ::, every interface
 
@@ -200,28 +181,28 @@ def test_store_listens_on_the_address_asked_only(host):
 def test_store_refuses_an_address_of_another_machine():
     with pytest.raises(ValueError, match="^refresh store host '192.0.2.1' \\(192.0.2.1\\): cannot listen there .*"
                                          "set rollout.collective_host"):
-        make_store("192.0.2.1", 0, None, True, 5)  # TEST-NET-1: never an address of this machine
+        gloo.make_store("192.0.2.1", 0, None, True, 5)  # TEST-NET-1: never an address of this machine
 
 
 def test_group_keys_keep_other_store_clients_out():
     """A client of the store that does not know the group's key waits for a rank 0 that never comes (and learns no
     member's address); the members under the key form their group."""
-    store = make_store("127.0.0.1", 0, None, True, 30)
+    store = gloo.make_store("127.0.0.1", 0, None, True, 30)
     outsider_error, member = [], []
 
     def outsider():
         try:
-            make_group(make_store("127.0.0.1", store.port, None, False, 5), "guessed", 1, 2, 3)
+            gloo.make_group(gloo.make_store("127.0.0.1", store.port, None, False, 5), "guessed", 1, 2, 3)
         except Exception as exc:  # the expected timeout
             outsider_error.append(exc)
 
     def worker():
-        member.append(make_group(make_store("127.0.0.1", store.port, None, False, 30), "secret", 1, 2, 30))
+        member.append(gloo.make_group(gloo.make_store("127.0.0.1", store.port, None, False, 30), "secret", 1, 2, 30))
 
     threads = [threading.Thread(target=outsider), threading.Thread(target=worker)]
     for thread in threads:
         thread.start()
-    make_group(store, "secret", 0, 2, 30)
+    gloo.make_group(store, "secret", 0, 2, 30)
     for thread in threads:
         thread.join(30)
     assert len(member) == 1 and len(outsider_error) == 1
@@ -420,27 +401,27 @@ def test_recorded_routing_travels_and_is_claimed_by_token_sequence():
     import numpy as np
 
     from megatron_offgrpo.data import Sample
-    from megatron_offgrpo.fleet import RoutingAnswer, routing_key
+    from megatron_offgrpo.fleet import routing
     from megatron_offgrpo.fleet._routing_capture import _Record
     from megatron_offgrpo.rollout._routing import with_routing
 
     experts = np.arange(5 * 3 * 2, dtype=np.int16).reshape(5, 3, 2) * 11
     sample = Sample("p", 0, [7, 8, 9], [4, 5, 6], [0.0] * 3, 1, "stop")
-    key = [routing_key([7, 8, 9, 4, 5])]
-    wire = json.loads(json.dumps(RoutingAnswer(True, routing={key[0]: experts}).to_wire()))
+    key = [routing.routing_key([7, 8, 9, 4, 5])]
+    wire = json.loads(json.dumps(routing.RoutingAnswer(True, routing={key[0]: experts}).to_wire()))
     asked = []
-    got = with_routing([sample, sample], lambda keys: asked.append(keys) or RoutingAnswer.from_wire(wire), "s0")
+    got = with_routing([sample, sample], lambda keys: asked.append(keys) or routing.RoutingAnswer.from_wire(wire), "s0")
     assert asked == [key]  # identical samples share one routing; the last token is never fed
     for one in got:
         assert one.routed_experts.dtype == torch.int16 and torch.equal(one.routed_experts, torch.from_numpy(experts))
     with pytest.raises(BadResponse, match="s0 has no routing .*prefix caching"):
-        with_routing([sample], lambda keys: RoutingAnswer.from_wire(
+        with_routing([sample], lambda keys: routing.RoutingAnswer.from_wire(
             {"ok": False, "error": "1 request(s) ... prefix caching"}), "s0")
     whole, cached = _Record(3, 2), _Record(3, 2)
     whole.write(np.arange(5), np.array([7, 8, 9, 4, 5]), experts)
     cached.write(np.arange(2, 5), np.array([9, 4, 5]), experts[2:])
     assert whole.key() == key[0] and cached.key() is None
-    assert RoutingAnswer.from_wire("oops").ok is False
+    assert routing.RoutingAnswer.from_wire("oops").ok is False
 
 
 def test_routed_experts_from_the_answer_are_decoded():

