@@ -479,12 +479,12 @@ def test_a_sequence_over_the_models_positions_is_refused_not_capped(command, tmp
 
 def test_resume_with_a_model_of_other_shapes_names_both(tmp_path, capsys):
     """The checkpoint's model card (as the trainer writes it) holds a narrower MLP than ``model.hf_path`` gives."""
-    from checkpoint_tools import DistModelCard, write_model_card
+    from checkpoint_tools import dist_ckpt
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
     checkpoint.mkdir(parents=True)
     hf_config = dict(json.loads((ASSET / "config.json").read_text()), intermediate_size=256)
-    write_model_card(checkpoint, DistModelCard(hf_config, "float32", {"tp": 1, "pp": 1, "dp": 1}))
+    dist_ckpt.write_model_card(checkpoint, dist_ckpt.DistModelCard(hf_config, "float32", {"tp": 1, "pp": 1, "dp": 1}))
     (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2}))
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
     code, err = _run(["train", "--config", TINY, f"train.out_dir={tmp_path / 'run'}", "--resume"], capsys)
@@ -497,14 +497,14 @@ def test_resume_with_a_model_of_other_shapes_names_both(tmp_path, capsys):
 
 def test_a_megatron_checkpoint_of_another_model_names_both_shapes(tmp_path, capsys):
     """``model.init=megatron`` from a checkpoint whose model card holds a narrower MLP than ``model.hf_path``."""
-    from checkpoint_tools import DistModelCard, write_model_card
+    from checkpoint_tools import dist_ckpt
 
     release = tmp_path / "megatron" / "release"
     release.mkdir(parents=True)
     (release / "metadata.json").write_text("{}")
     (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("release")
     hf_config = dict(json.loads((ASSET / "config.json").read_text()), intermediate_size=256)
-    write_model_card(release, DistModelCard(hf_config, "float32", {"tp": 1, "pp": 1, "dp": 1}))
+    dist_ckpt.write_model_card(release, dist_ckpt.DistModelCard(hf_config, "float32", {"tp": 1, "pp": 1, "dp": 1}))
     code, err = _run(["train", "--config", TINY, f"train.out_dir={tmp_path / 'run'}", "model.init=megatron",
                       f"model.megatron_path={tmp_path / 'megatron'}"], capsys)
     assert code == 2 and err.splitlines()[-1] == (

@@ -30,9 +30,9 @@ def model_dir_errors(source: str | Path, key: str, weights: bool = True, tokeniz
     model_dir = resolve_model_dir(source)
     errors = []
     if weights:
-        from checkpoint_tools import hf_dir_errors  # imports torch (about 1 s): only when weights are read
+        from checkpoint_tools import checks  # imports torch (about 1 s): only when weights are read
 
-        errors += [f"{key}={source}: {error}" for error in hf_dir_errors(model_dir, arch)]
+        errors += [f"{key}={source}: {error}" for error in checks.hf_dir_errors(model_dir, arch)]
     if tokenizer:
         errors += tokenizer_errors(model_dir, key, source)
     return errors
@@ -59,39 +59,40 @@ def resume_errors(config: Config) -> list[str]:
     checkpoint = checkpoints.latest_checkpoint(config.train.out_dir) if config.train.resume else None
     if checkpoint is None:
         return []
-    from checkpoint_tools import dist_dir_errors
+    from checkpoint_tools import checks
 
-    return _card_shape_errors(config, checkpoint, "--resume", "resume with the model the run started from, or start "
-                              "a new train.out_dir") or [f"--resume: {error}" for error in dist_dir_errors(checkpoint)]
+    return (_card_shape_errors(config, checkpoint, "--resume", "resume with the model the run started from, or start "
+                               "a new train.out_dir")
+            or [f"--resume: {error}" for error in checks.dist_dir_errors(checkpoint)])
 
 
 def megatron_init_errors(config: Config) -> list[str]:
     """``model.init=megatron``: ``model.megatron_path`` is a whole dist checkpoint (every file its metadata names,
     none cut short: ``offgrpo convert megatron-to-hf``'s check) of ``model.hf_path``'s shapes."""
-    from checkpoint_tools import CheckpointError, checkpoint_kind, dist_dir_errors, resolve_checkpoint
+    from checkpoint_tools import CheckpointError, checks, dist_ckpt
 
     if config.model.init != "megatron":
         return []
     key = f"model.megatron_path={config.model.megatron_path}"
     try:
-        if checkpoint_kind(config.model.megatron_path) != "dist":
+        if dist_ckpt.checkpoint_kind(config.model.megatron_path) != "dist":
             return [f"{key}: a checkpoint_tools directory of an earlier version, which init=megatron does not read: "
                     "convert the HF model again (offgrpo convert hf-to-megatron) to a dist checkpoint"]
-        checkpoint = resolve_checkpoint(config.model.megatron_path)
+        checkpoint = dist_ckpt.resolve_checkpoint(config.model.megatron_path)
     except CheckpointError as exc:
         return [f"{key}: {exc}"]
     return (_card_shape_errors(config, checkpoint, key, "give the model.hf_path it was converted from")
-            or [f"{key}: {error}" for error in dist_dir_errors(checkpoint)])
+            or [f"{key}: {error}" for error in checks.dist_dir_errors(checkpoint)])
 
 
 def _card_shape_errors(config: Config, checkpoint: Path, key: str, fix: str) -> list[str]:
     """The first tensor whose shape in ``checkpoint``'s model card differs from ``model.hf_path``'s model."""
-    from checkpoint_tools import CheckpointError, hf_shapes, read_model_card
+    from checkpoint_tools import CheckpointError, dist_ckpt, hf_shapes
 
     from megatron_offgrpo.model import arch_from_hf_config
 
     try:
-        saved = hf_shapes(arch_from_hf_config(read_model_card(checkpoint).hf_config))
+        saved = hf_shapes(arch_from_hf_config(dist_ckpt.read_model_card(checkpoint).hf_config))
     except (CheckpointError, ValueError) as exc:
         return [f"{key}: {checkpoint}: {exc}"]
     ours = hf_shapes(load_arch(config.model.hf_path))

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import DIST_MODEL_KEY, DistModelCard, sweep_stale_siblings, write_model_card
+from checkpoint_tools import dist_ckpt, files
 from megatron_offgrpo.runlog import checkpoints, writing
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,12 @@ def sweep_partial_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def sweep_partial_exports(run_dir: str | Path) -> list[Path]:
     """Remove the temporary directories a killed HF export left (``exports/.step_N.tmp-PID-...``, ``.hf.tmp-...``:
-    ``checkpoint_tools.atomic_output_dir``'s, of a process no longer running), saying so; returns them. A resume
+    ``checkpoint_tools.files.atomic_output_dir``'s, of a process no longer running), saying so; returns them. A resume
     writes the interrupted export again (``train.loop``). Only the run's rank 0 calls it, before any export."""
     run_dir = Path(run_dir)
     finals = {run_dir / "hf"} | {tmp.parent / tmp.name[1:].split(".tmp-")[0]
                                  for tmp in (run_dir / "exports").glob(".step_*.tmp-*")}
-    swept = [path for final in sorted(finals) for path in sweep_stale_siblings(final)]
+    swept = [path for final in sorted(finals) for path in files.sweep_stale_siblings(final)]
     for path in swept:
         logger.warning("removed %s, left by an HF export that was interrupted", path)
     return swept
@@ -81,7 +81,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
     model_sd = model.sharded_state_dict()
     return {
-        DIST_MODEL_KEY: model_sd,  # the part checkpoint_tools' HF export reads back
+        dist_ckpt.DIST_MODEL_KEY: model_sd,  # the part checkpoint_tools' HF export reads back
         "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading,
                                                   metadata=OPTIM_META),
     }
@@ -122,7 +122,7 @@ class TrainerState:
 
 
 def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: TrainerState, keep: int = 2, *,
-                    card: DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None,
+                    card: dist_ckpt.DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None,
                     log_tail: dict[str, list] | None = None) -> Path:
     """Save the checkpoint of ``trainer_state.step`` (collective: every rank calls it). Keeps the newest ``keep``.
 
@@ -151,7 +151,7 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: Traine
     dist.barrier()
     if dist.get_rank() == 0:
         with writing(tmp):
-            write_model_card(tmp, card, extra_dirs)
+            dist_ckpt.write_model_card(tmp, card, extra_dirs)
             if rollout_state is not None:
                 torch.save(rollout_state, tmp / ROLLOUT_STATE)
             if log_tail is not None:
@@ -177,7 +177,7 @@ def load_checkpoint(path: str | Path, model, optimizer) -> TrainerState:
     path = Path(path)
     state = TrainerState.read(path)
     loaded = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path))
-    model.load_state_dict(loaded[DIST_MODEL_KEY])
+    model.load_state_dict(loaded[dist_ckpt.DIST_MODEL_KEY])
     with torch.no_grad():  # fp32 params are their own main params: the optimizer copies into views of leaves
         optimizer.load_state_dict(loaded["optimizer"])
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"

@@ -61,17 +61,11 @@ def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelCo
     """HF weights from ``model.hf_path`` (init=hf), or the model part of the megatron dist checkpoint at
     ``model.megatron_path`` (init=megatron; megatron reshards it to this run's layout; collective); init=random keeps
     megatron's seeded initialisation."""
-    from checkpoint_tools import (
-        CheckpointError,
-        load_hf_into_stage,
-        load_model_part,
-        open_safetensors_dir,
-        resolve_checkpoint,
-    )
+    from checkpoint_tools import CheckpointError, dist_ckpt, load_hf_into_stage, open_safetensors_dir
 
     if model_cfg.init == "megatron":
         try:
-            load_model_part(stage, resolve_checkpoint(model_cfg.megatron_path))
+            dist_ckpt.load_model_part(stage, dist_ckpt.resolve_checkpoint(model_cfg.megatron_path))
         except CheckpointError as exc:  # damage the preflight's metadata check cannot see: bad input, one line
             raise ConfigError(f"model.megatron_path={model_cfg.megatron_path}: {exc}") from None
         return

@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from checkpoint_tools import DistModelCard, stream_hf_buckets, write_hf
+from checkpoint_tools import dist_ckpt, stream_hf_buckets, write_hf
 from megatron_offgrpo.data import ASSETS
 from megatron_offgrpo.model import QwenArch, hf_config_dict
 from megatron_offgrpo.runlog import writing
@@ -98,10 +98,10 @@ def hf_extra_dirs(source_dir: Path) -> list[Path]:
     return [source_dir] if has_tokenizer else [source_dir, ASSETS / "qwen2-tokenizer"]
 
 
-def model_card(model, arch: QwenArch, ctx: ParallelContext, source_dir: Path) -> DistModelCard:
+def model_card(model, arch: QwenArch, ctx: ParallelContext, source_dir: Path) -> dist_ckpt.DistModelCard:
     """What a checkpoint of this run needs to be exported without the recipe (``checkpoint_tools``' format)."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return DistModelCard(source_hf_config(arch, source_dir), dtype, ctx.layout())
+    return dist_ckpt.DistModelCard(source_hf_config(arch, source_dir), dtype, ctx.layout())
 
 
 def export_hf_dir(model, arch: QwenArch, ctx: ParallelContext, out: Path, source_dir: Path) -> Path | None:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from checkpoint_tools import CODE_DTYPES, DTYPE_CODES, Named, rebucket
+from checkpoint_tools import Named, rebucket, safetensors_stream
 from megatron_offgrpo.transports._weights_dir import read_version_dir
 
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
@@ -61,7 +61,7 @@ def bucket_layout(bucket: Named) -> tuple[list[dict[str, Any]], int]:
         entries.append(
             {
                 "name": name,
-                "dtype": DTYPE_CODES[tensor.dtype],
+                "dtype": safetensors_stream.DTYPE_CODES[tensor.dtype],
                 "shape": list(tensor.shape),
                 "offsets": [offset, offset + nbytes],
             }
@@ -96,6 +96,6 @@ def unpack_entries(entries: list[dict[str, Any]], buffer: torch.Tensor) -> Named
     out = []
     for entry in entries:
         begin, end = entry["offsets"]
-        dtype = CODE_DTYPES[entry["dtype"]]
+        dtype = safetensors_stream.CODE_DTYPES[entry["dtype"]]
         out.append((entry["name"], buffer[begin:end].view(dtype).reshape(entry["shape"])))
     return out

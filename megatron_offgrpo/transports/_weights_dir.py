@@ -6,7 +6,7 @@ Layout of ``<root>/v<version:08d>/`` (a standard HF directory that vLLM and ``fr
     config.json                     when the writer is given the HF config (makes the directory servable alone)
     offgrpo_manifest.json           written last: every tensor's file, shape, dtype, CRC-32, and the version
 
-The directory appears under its final name only when complete (``checkpoint_tools.atomic_output_dir``), so a
+The directory appears under its final name only when complete (``checkpoint_tools.files.atomic_output_dir``), so a
 server never sees a half-written version; readers check the manifest's version and every tensor's checksum
 before anything is loaded.
 """
@@ -20,16 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from checkpoint_tools import (
-    HF_INDEX,
-    CheckpointError,
-    StreamingSafetensorsWriter,
-    atomic_output_dir,
-    open_safetensors_dir,
-    read_manifest,
-    tensor_record,
-    write_manifest,
-)
+from checkpoint_tools import CheckpointError, files, open_safetensors_dir, safetensors_stream
 
 Named = list[tuple[str, torch.Tensor]]
 KIND = "offgrpo-refresh"
@@ -56,7 +47,7 @@ def write_version_dir(
         (out, {"bytes": payload bytes, "tensors": count, "buckets": files}).
     """
     stats = {"bytes": 0, "tensors": 0, "buckets": 0}
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with files.atomic_output_dir(out, overwrite=overwrite) as tmp:
         records: dict[str, dict[str, Any]] = {}
         for bucket in buckets:
             if not bucket:
@@ -64,30 +55,31 @@ def write_version_dir(
             stats["buckets"] += 1
             fname = f"model-{stats['buckets']:05d}.safetensors"
             bucket = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
-            writer = StreamingSafetensorsWriter(tmp / fname, [(n, t.dtype, tuple(t.shape)) for n, t in bucket])
+            specs = [(n, t.dtype, tuple(t.shape)) for n, t in bucket]
+            writer = safetensors_stream.StreamingSafetensorsWriter(tmp / fname, specs)
             for name, tensor in bucket:
                 if name in records:
                     raise ValueError(
                         f"tensor {name!r} appears twice in the weights of version {version}: each tensor once"
                     )
                 writer.write(name, tensor)
-                records[name] = tensor_record(tensor, fname)
+                records[name] = files.tensor_record(tensor, fname)
                 stats["bytes"] += tensor.numel() * tensor.element_size()
             writer.close()
         if not records:
             raise ValueError(f"version {version}: the weights iterable yielded no tensors")
         stats["tensors"] = len(records)
         index = {"metadata": {"total_size": stats["bytes"]}, "weight_map": {n: r["file"] for n, r in records.items()}}
-        (tmp / HF_INDEX).write_text(json.dumps(index, indent=1))
+        (tmp / files.HF_INDEX).write_text(json.dumps(index, indent=1))
         if hf_config is not None:
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        write_manifest(tmp, KIND, records, {"version": int(version)})
+        files.write_manifest(tmp, KIND, records, {"version": int(version)})
     return Path(out), stats
 
 
 def manifest_version(directory: Path) -> int | None:
     """The version recorded in a directory's manifest (None without a manifest or a version)."""
-    manifest = read_manifest(Path(directory))
+    manifest = files.read_manifest(Path(directory))
     if manifest is None:
         return None
     version = manifest.get("meta", {}).get("version")
@@ -104,7 +96,7 @@ def read_version_dir(directory: Path, version: int) -> Named:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such version directory (is the path shared with the server?)")
-    manifest = read_manifest(directory)
+    manifest = files.read_manifest(directory)
     if manifest is None:
         raise CheckpointError(
             f"{directory}: no offgrpo_manifest.json: not a complete refresh directory (write it with write_version_dir)"

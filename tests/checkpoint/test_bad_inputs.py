@@ -10,7 +10,10 @@ import sys
 import pytest
 import torch
 
-from checkpoint_tools import CheckpointError, StreamingSafetensorsWriter, hf_to_dist_dir, megatron_to_hf_dir
+from checkpoint_tools import CheckpointError
+from checkpoint_tools._convert import megatron_to_hf_dir
+from checkpoint_tools._dist_write import hf_to_dist_dir
+from checkpoint_tools._safetensors_stream import StreamingSafetensorsWriter
 from megatron_offgrpo.model import UnsupportedConfigError
 from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import TOKENIZER_DIR
@@ -144,7 +147,7 @@ def test_a_damaged_dist_checkpoint_is_one_line_from_train_and_convert(case, dist
                                                                       capsys):
     """``model.init=megatron`` (before any process group or run directory) and ``convert megatron-to-hf`` answer
     with the same line, naming the file, from the checkpoint's metadata alone."""
-    from checkpoint_tools import dist_dir_errors
+    from checkpoint_tools._check import dist_dir_errors
     from megatron_offgrpo.cli import main
 
     ckpt = tmp_path / "mega"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_tools import CheckpointError, MegatronCheckpoint
+from checkpoint_tools import CheckpointError
+from checkpoint_tools._convert import MegatronCheckpoint
 from checkpoint_tools._io import _owner_tag, sweep_stale_siblings
 from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import REPO, tiny_hf_config
@@ -161,7 +162,7 @@ main(sys.argv[1:])
 
 
 def test_kill_9_leaves_a_temporary_directory_that_the_next_run_sweeps(tree):
-    from checkpoint_tools import checkpoint_kind
+    from checkpoint_tools._dist import checkpoint_kind
 
     args = ["--hf", "D/hf", "--out", "out"]
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")

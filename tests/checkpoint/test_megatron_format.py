@@ -34,7 +34,7 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
 
 
 def test_hf_to_megatron_writes_a_dist_checkpoint_in_megatron_lms_layout_that_exports_bit_exactly(tmp_path):
-    from checkpoint_tools import checkpoint_kind, megatron_to_hf_any, resolve_checkpoint
+    from checkpoint_tools._dist import checkpoint_kind, megatron_to_hf_any, resolve_checkpoint
 
     hf = _hf_model(tmp_path)
     out = tmp_path / "megatron"

@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from checkpoint_tools import megatron_to_hf_dir, open_safetensors_dir
+from checkpoint_tools import open_safetensors_dir
+from checkpoint_tools._convert import megatron_to_hf_dir
 from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import TOKENIZER_DIR
 

@@ -16,16 +16,10 @@ from typing import Mapping
 import pytest
 import torch
 
-from checkpoint_tools import (
-    UnknownTensorError,
-    hf_names,
-    hf_to_state_dict,
-    is_extra_state,
-    load_hf_into_stage,
-    open_safetensors_dir,
-    state_dicts_to_hf,
-    stream_hf_buckets,
-)
+from checkpoint_tools import load_hf_into_stage, open_safetensors_dir, stream_hf_buckets
+from checkpoint_tools._live import is_extra_state
+from checkpoint_tools._mapping import UnknownTensorError, hf_names
+from checkpoint_tools._state_dict import hf_to_state_dict, state_dicts_to_hf
 from megatron_offgrpo.model import QwenArch, build_gpt_stage, load_arch, transformer_config
 
 CASES = {"qwen2": ("hf_models", "qwen2_untied"), "qwen3_qk_norm": ("hf_models", "qwen3_tied"),

@@ -13,7 +13,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from checkpoint_tools import hf_names, megatron_to_hf_dir, open_safetensors_dir
+from checkpoint_tools import open_safetensors_dir
+from checkpoint_tools._convert import megatron_to_hf_dir  # the legacy per-rank reader, as tests.checkpoint's
+from checkpoint_tools._mapping import hf_names
 from megatron_offgrpo.model import UnsupportedConfigError, arch_from_hf_config, load_arch
 from tests.checkpoint.legacy_format import write_legacy_checkpoint
 from tests.helpers import REPO, run_torchrun, tiny_hf_config

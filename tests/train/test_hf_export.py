@@ -104,23 +104,24 @@ def test_checkpoint_tools_format_of_earlier_versions_still_converts(tmp_path):
 
 
 def test_ckpt_kind_errors_name_the_path_and_the_fix(tmp_path):
-    from checkpoint_tools import CheckpointError, checkpoint_kind, dist_checkpoint_to_hf_dir, resolve_checkpoint
+    from checkpoint_tools import CheckpointError, dist_ckpt
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000002").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="a run directory without a complete checkpoint"):
-        checkpoint_kind(run)
+        dist_ckpt.checkpoint_kind(run)
     with pytest.raises(CheckpointError, match="not a megatron checkpoint"):
-        checkpoint_kind(tmp_path / "missing")
+        dist_ckpt.checkpoint_kind(tmp_path / "missing")
     older = run / "checkpoints" / "step_00000002"
     (older / "metadata.json").write_text("{}")  # megatron's files, but no card: saved before HF export existed
-    assert checkpoint_kind(older) == "dist"
-    assert checkpoint_kind(run) == "dist" and resolve_checkpoint(run) == older  # a run: its newest complete save
+    assert dist_ckpt.checkpoint_kind(older) == "dist"
+    # a run: its newest complete save
+    assert dist_ckpt.checkpoint_kind(run) == "dist" and dist_ckpt.resolve_checkpoint(run) == older
     (run / "checkpoints" / "step_00000004.tmp").mkdir()  # an unfinished later save is passed over
     (run / "checkpoints" / "step_00000004.tmp" / "metadata.json").write_text("{}")
-    assert resolve_checkpoint(run) == older
+    assert dist_ckpt.resolve_checkpoint(run) == older
     with pytest.raises(CheckpointError, match="offgrpo_model.json: missing"):
-        dist_checkpoint_to_hf_dir(older, tmp_path / "out")
+        dist_ckpt.dist_checkpoint_to_hf_dir(older, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from checkpoint_tools import DIST_MODEL_KEY
+from checkpoint_tools import dist_ckpt
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import init_parallel
@@ -36,8 +36,8 @@ def main() -> None:
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)  # the run's (already set up)
     policy = build_policy(load_arch(config.model.hf_path), ctx, config.model, config.optim, config.train.steps)
     ckpt = latest_checkpoint(out)
-    loaded = dist_checkpointing.load({DIST_MODEL_KEY: policy.model.sharded_state_dict()}, str(ckpt))
-    policy.model.load_state_dict(loaded[DIST_MODEL_KEY])
+    loaded = dist_checkpointing.load({dist_ckpt.DIST_MODEL_KEY: policy.model.sharded_state_dict()}, str(ckpt))
+    policy.model.load_state_dict(loaded[dist_ckpt.DIST_MODEL_KEY])
     logp = probe_logprobs(policy.model, ctx, PROBE)
     if ctx.rank == 0:
         (out / "trainer_probe.json").write_text(json.dumps({"checkpoint": str(ckpt), "probe": PROBE, "logp": logp}))
