@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_offgrpo.config import Config, ConfigError
-from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
+from megatron_offgrpo.data import Prompt, PromptStream, Sample, rewards
 from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.model import load_tokenizer
 from megatron_offgrpo.rollout import (RefreshError, RefreshReport, RolloutEngine, TeacherFleet, UnservableModelError,
@@ -64,7 +64,7 @@ class RolloutSide:
             if error:  # before the engine starts
                 raise ConfigError(error)
         stream = PromptStream(train_prompts, config.parallel.seed)
-        reward_fn = get_reward(config.data.reward)
+        reward_fn = rewards.get_reward(config.data.reward)
         try:
             make_env = env_factory(config, reward_fn)
         except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
