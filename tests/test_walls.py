@@ -22,7 +22,7 @@ PRODUCT = PKGS + ("benchmarks", "launch")  # and the repository's top-level .py 
 DOOR_NAMES = 15
 """Most names a room's door exports."""
 WIDE_DOORS = {"checkpoint_tools": 37,
-              "megatron_offgrpo.fleet": 36, "megatron_offgrpo.rollout": 24, "megatron_offgrpo.transports": 35}
+              "megatron_offgrpo.fleet": 36, "megatron_offgrpo.transports": 35}
 """The doors still over ``DOOR_NAMES``, and their sizes: they may narrow (lower the number with them), never widen."""
 FUNCTION_LINES = 60
 """Most lines of a function (STYLE.md: going over needs a reason)."""

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_offgrpo.data import ASSETS, Prompt, SamplingParams, chat
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout, Observation
-from megatron_offgrpo.rollout import EpisodeLimits, EpisodeRunner, EpisodeStats, TransformersEngine
+from megatron_offgrpo.rollout import TransformersEngine
+from megatron_offgrpo.rollout._episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from tests.helpers import qwen3_tokenizer_dir, turn_ending_model
 
 

@@ -31,15 +31,9 @@ from megatron_offgrpo.fleet import (  # noqa: E402
     start_fleet,
     stop_fleet,
 )
-from megatron_offgrpo.rollout import (  # noqa: E402
-    FleetEngine,
-    FleetError,
-    RefreshError,
-    ServerClient,
-    make_probe_ids,
-    servers_of,
-    verify_refresh,
-)
+from megatron_offgrpo.rollout import FleetEngine, ServerClient, servers_of  # noqa: E402
+from megatron_offgrpo.rollout._errors import FleetError, RefreshError  # noqa: E402
+from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
 from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,

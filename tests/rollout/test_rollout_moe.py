@@ -16,7 +16,8 @@ pytest.importorskip(
 )
 
 from megatron_offgrpo.fleet import FleetSpec, start_fleet, stop_fleet  # noqa: E402
-from megatron_offgrpo.rollout import FleetEngine, make_probe_ids, verify_refresh  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
+from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
 from megatron_offgrpo.transports import (  # noqa: E402
     CollectiveTransport,
     DiskTransport,
