@@ -13,7 +13,7 @@ One run, one table. For each model (the tiny test Qwen2, and the real Qwen2.5-0.
        shm        bucketed     one shared-memory file per >= --bucket-mb bucket (kept and rewritten in place), one
                                control call; the servers map the files (servers on the trainer's machine only)
      round-robin over the cases (each sees the same drift of the machine), and verify the last refresh of each case
-     (probe log-probs of the fleet vs the megatron forward, the fp32 tolerance of ``rollout.PROBE_ATOL``; every
+     (probe log-probs of the fleet vs the megatron forward, the fp32 tolerance of ``rollout.probes.PROBE_ATOL``; every
      parameter is moved by 2% of its std before each refresh, so a stale tensor would fail the probe).
   The per-tensor cases are the slow baselines of ``benchmarks/_baselines.py``.
 Reported: median refresh seconds, the part that moves the weights (everything but the server's in-place reload),
@@ -140,7 +140,7 @@ def trainer(args: argparse.Namespace) -> None:
     """Runs in its own process: megatron model, measured steps, then every refresh case against the fleet."""
     from checkpoint_tools import load_hf_into_stage, open_safetensors_dir, stream_hf_buckets
     from megatron_offgrpo.model import build_gpt_stage, load_arch, transformer_config
-    from megatron_offgrpo.rollout import FleetEngine, make_probe_ids, probe_atol, verify_refresh
+    from megatron_offgrpo.rollout import FleetEngine, probes
     from megatron_offgrpo.runtime import init_parallel, tune_cpu_memory
 
     tune_cpu_memory()  # as `offgrpo train` does
@@ -154,7 +154,7 @@ def trainer(args: argparse.Namespace) -> None:
     result = {"step_s": statistics.median(steps), "steps": steps, "tokens_per_step": args.batch * args.seq,
               "optimizer": args.optimizer, "params": arch.num_params(), "cases": {}}
     bucket_bytes = int(args.bucket_mb * 1024**2)
-    probe = make_probe_ids(arch.vocab_size)  # the trainer's probe (32 tokens)
+    probe = probes.make_probe_ids(arch.vocab_size)  # the trainer's probe (32 tokens)
     # Round-robin over the cases, so that every case sees the same drift of the machine (page cache filled by the
     # disk cases, memory fragmentation): one engine per case, one version counter over all of them.
     cases = [case for case in CASES if case[0] in args.transports.split(",")]
@@ -171,7 +171,8 @@ def trainer(args: argparse.Namespace) -> None:
             reports[case].append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors,
                                   "buckets": report.buckets, **report.detail})
             if repeat == args.repeats - 1:
-                errors = verify_refresh(engine, probe, _probe_logprobs(model, probe), version, probe_atol("float32"))
+                errors = probes.verify_refresh(engine, probe, _probe_logprobs(model, probe), version,
+                                               probes.probe_atol("float32"))
                 result["cases"][" ".join(case)] = {"reports": reports[case], "verify_max_err": max(errors.values())}
                 print(f"{case}: {[round(r['seconds'], 3) for r in reports[case]]} s, "
                       f"verify max err {max(errors.values()):.2e}", file=sys.stderr, flush=True)

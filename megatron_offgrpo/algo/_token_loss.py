@@ -71,7 +71,7 @@ def token_loss(
         )
     if params.sequence_ratio and seq_log_ratio is None:
         raise ValueError(
-            f"objective={params.objective!r} needs seq_log_ratio (algo.sequence_log_ratio of the whole sequences)"
+            f"objective={params.objective!r} needs seq_log_ratio (objectives.sequence_log_ratio over whole sequences)"
         )
     mask = loss_mask
     logp_s = _masked(mask, logp)

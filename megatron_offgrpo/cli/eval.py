@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     from megatron_offgrpo.config import ConfigError
-    from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.data import rewards
     from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
     from megatron_offgrpo.model import resolve_model_dir
     from megatron_offgrpo.runtime import tune_cpu_memory
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     report = log_data(config, data)
     positions = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings", 1 << 30)
     # the run's engine, sized like the run's (model length, dtype, KV cache): what serves the policy in training
-    reward_fn = get_reward(config.data.reward)
+    reward_fn = rewards.get_reward(config.data.reward)
     try:
         make_env = env_factory(config, reward_fn)  # env.name: episodes, checked before the engine starts
     except (ValueError, EnvironmentContractError, EnvironmentTimeout) as exc:

@@ -183,9 +183,10 @@ class RolloutConfig:
     """Each dynamic_sampling round asks for ceil(missing groups x oversample) prompts (>= 1)."""
     verify_tolerance: float | None = None
     """Max |fleet - trainer| log-prob on the probe after a refresh. None: serving float32, the bound derived from the
-    model (``rollout.probe_bound``: the fp32 rounding of a log-softmax over the vocabulary plus the output layer's
-    dot products at the weights' logit scale; 9.6e-3 for the warm-up model); bfloat16, ``rollout.PROBE_ATOL``'s 5e-2;
-    a fleet started with --dtype bfloat16 under an fp32 trainer needs 5e-2 here."""
+    model (``rollout.probes.probe_bound``: the fp32 rounding of a log-softmax over the vocabulary plus the output
+    layer's dot products at the weights' logit scale; 9.6e-3 for the warm-up model); bfloat16,
+    ``rollout.probes.PROBE_ATOL``'s 5e-2; a fleet started with --dtype bfloat16 under an fp32 trainer needs 5e-2
+    here."""
 
     def staleness_bound(self) -> int:
         """The oldest a trained sample may be, in steps (enforced every step): v - 1 in lockstep, v with overlap (the

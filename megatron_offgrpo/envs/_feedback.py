@@ -9,7 +9,7 @@ from __future__ import annotations
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
-from megatron_offgrpo.data import Prompt, extract_answer, normalize_number
+from megatron_offgrpo.data import Prompt, rewards
 from megatron_offgrpo.envs._protocol import Observation
 
 
@@ -17,7 +17,7 @@ def _number(text: str | None) -> Decimal | None:
     if text is None:
         return None
     try:
-        return Decimal(normalize_number(text))
+        return Decimal(rewards.normalize_number(text))
     except (InvalidOperation, ValueError, TypeError):
         return None
 
@@ -43,7 +43,7 @@ class FeedbackEnv:
         self.turn += 1
         if self.reward_fn(turn, self.answer) >= 1.0:
             return Observation(reward=self.decay ** (self.turn - 1), done=True)
-        given, truth = _number(extract_answer(turn)), _number(self.answer)
+        given, truth = _number(rewards.extract_answer(turn)), _number(self.answer)
         if given is None:
             hint = "I found no answer. Give the final number after '####'."
         elif truth is None or given == truth:  # a right number the reward refuses (its format)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from megatron_offgrpo.data import import_dotted
+from megatron_offgrpo.data import rewards
 from megatron_offgrpo.envs._feedback import FeedbackEnv
 from megatron_offgrpo.envs._guard import EnvironmentCall, EnvironmentContractError, bounded_calls
 from megatron_offgrpo.envs._protocol import Environment, ToolSpec
@@ -88,7 +88,7 @@ def _required_parameters(fn) -> list[str]:
 
 
 def _imported(name: str):
-    return import_dotted(name, "env.name")
+    return rewards.import_dotted(name, "env.name")
 
 
 def environment_tools(name: str) -> tuple[ToolSpec, ...]:

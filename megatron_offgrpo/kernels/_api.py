@@ -2,8 +2,9 @@
 
 It computes the function ``algo.reference_loss(hidden @ W^T, ...)`` (logits gathered over the TP group) without ever
 holding the [N, V] logits: tokens are processed in chunks (see ``_driver``), the objective comes from
-``algo.token_loss`` per chunk and the aggregation from ``algo.aggregate``. Gradients are computed eagerly in the
-forward (the aggregation normaliser is known up front), stored, and scaled by the incoming gradient in backward.
+``algo.loss_parts.token_loss`` per chunk and the aggregation from ``algo.loss_parts.aggregate``. Gradients are
+computed eagerly in the forward (the aggregation normaliser is known up front), stored, and scaled by the incoming
+gradient in backward.
 
 Shape notation: N tokens flattened over the packed batch, S sequences in the pack, H hidden, V vocabulary,
 V/tp rows of this rank's vocab shard (rank r holds global ids ``[r V/tp, (r + 1) V/tp)``, as megatron's
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from megatron_offgrpo.algo import ObjectiveParams, finalize_metrics
+from megatron_offgrpo.algo import ObjectiveParams, loss_parts
 from megatron_offgrpo.kernels._checks import (
     check_is_inputs,
     check_linear,
@@ -31,7 +32,7 @@ from megatron_offgrpo.kernels._prepare import prepare_batch
 from megatron_offgrpo.kernels._tp import group_size_rank
 from megatron_offgrpo.kernels._triton_ops import triton_usable
 
-Count = Union[float, int, torch.Tensor]  # as in algo.aggregate: a (data-parallel) count, float or 0-dim tensor
+Count = Union[float, int, torch.Tensor]  # as in loss_parts.aggregate: a (data-parallel) count, float or 0-dim tensor
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Default size of the [chunk, V/tp] logits buffer(s): 256 MiB. At Qwen2.5's V = 151,936 (tp = 1, float32) that is
@@ -141,8 +142,8 @@ def fused_linear_grpo_loss(
         cu_seqlens: [S + 1] packed boundaries (alternative to ``seq_ids``).
         temperature: sampling temperature T > 0 the logits are divided by.
         compute_entropy: also report the mean entropy of ``softmax(logits / T)`` over valid tokens.
-        global_token_count: see ``algo.aggregate``.
-        global_seq_count: see ``algo.aggregate``.
+        global_token_count: see ``algo.loss_parts.aggregate``.
+        global_seq_count: see ``algo.loss_parts.aggregate``.
         tp_group: the tensor-parallel group the vocabulary is split over; None = no TP.
         chunk_size: tokens per chunk; None = about ``DEFAULT_CHUNK_BYTES`` of logits buffer.
         impl: ``"torch"`` (any device), ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``"auto"``.
@@ -170,7 +171,7 @@ def fused_linear_grpo_loss(
     sink: dict[str, torch.Tensor] = {}
     loss = _FusedLinearLoss.apply(hidden, weight, run, batch, params, sink, torch.is_grad_enabled())
     sums.update(sink)
-    return loss, {**sums, **finalize_metrics(sums), "loss": loss.detach()}
+    return loss, {**sums, **loss_parts.finalize_metrics(sums), "loss": loss.detach()}
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ Per chunk of c valid tokens (rows of the hidden states):
 
     y = h_c @ W_shard^T                      [c, V/tp]  GEMM 1, into a buffer reused across chunks
     shard stats -> merged stats (_tp)        lse, target logit (, entropy): logp_c = target - lse   [c]
-    algo.token_loss on a leaf copy of logp_c -> autograd gives g_c = d loss / d logp_c (aggregation weights in)
+    loss_parts.token_loss on a leaf copy of logp_c -> autograd gives g_c = d loss / d logp_c (aggregation weights in)
     grad_h_c = dL/dy @ W_shard               [c, H]     GEMM 2
     grad_W  += dL/dy^T @ h_c                 [V/tp, H]  GEMM 3 (float32 accumulator)
 
@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_offgrpo.algo import ObjectiveParams, sequence_log_ratio, token_loss
+from megatron_offgrpo.algo import ObjectiveParams, loss_parts, objectives
 from megatron_offgrpo.kernels._torch_ops import TorchOps
 from megatron_offgrpo.kernels._tp import ChunkStats, all_reduce_sum, group_size_rank, merge_stats
 from megatron_offgrpo.kernels._triton_ops import TritonOps
@@ -83,7 +83,7 @@ class TokenBatch:
         ref_logp: [n] reference log-probs, or None.
         tis_weights: [n] truncated-IS weights, or None.
         seq_ids: [n] sequence id of each token, for a sequence-level objective (gspo), else None.
-        seq_log_ratio: [n] ``algo.sequence_log_ratio`` of each token's sequence, filled by the first pass.
+        seq_log_ratio: [n] ``algo.objectives.sequence_log_ratio`` of each token's sequence, filled by the first pass.
     """
 
     rows: Optional[torch.Tensor]
@@ -156,7 +156,7 @@ def _chunk_loss(
     leaf = logp.detach().requires_grad_(need_grad)
     mask = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)  # compacted: every token is valid
     with torch.enable_grad():
-        per_token, sums = token_loss(
+        per_token, sums = loss_parts.token_loss(
             leaf, take(batch.behavior_logp), take(batch.advantages), mask, params,
             ref_logp=take(batch.ref_logp), tis_weights=take(batch.tis_weights), seq_log_ratio=take(batch.seq_log_ratio),
         )
@@ -178,7 +178,7 @@ def with_sequence_log_ratio(run: Run, batch: TokenBatch) -> TokenBatch:
         return dataclasses.replace(batch, seq_log_ratio=torch.zeros(0, dtype=run.acc_dtype, device=run.hidden.device))
     logp = torch.cat(parts)
     every = torch.ones(logp.shape, dtype=torch.bool, device=logp.device)  # compacted: every token is valid
-    ratio = sequence_log_ratio(logp, batch.behavior_logp.to(logp.dtype), every, seq_ids=batch.seq_ids)
+    ratio = objectives.sequence_log_ratio(logp, batch.behavior_logp.to(logp.dtype), every, seq_ids=batch.seq_ids)
     return dataclasses.replace(batch, seq_log_ratio=ratio)
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megatron_offgrpo.algo import ObjectiveParams, aggregate, resolve_seq_ids, token_loss, truncated_is_weights
+from megatron_offgrpo.algo import ObjectiveParams, loss_parts
 from megatron_offgrpo.kernels._driver import TokenBatch
 
 
@@ -35,7 +35,7 @@ def _is_weights(
                 "tis_weights; pass one of them or set tis_cap=None"
             )
         return tis_weights, {}
-    weights, stats = truncated_is_weights(
+    weights, stats = loss_parts.truncated_is_weights(
         behavior_logp, fleet_logp, loss_mask, params.tis_cap, params.tis_level, **layout
     )
     return (weights if params.tis_cap is not None else None), stats
@@ -57,7 +57,7 @@ def aggregation_weights(
     """
     probe = torch.zeros(loss_mask.shape[0], dtype=dtype, device=loss_mask.device, requires_grad=True)
     with torch.enable_grad():
-        total = aggregate(probe, loss_mask, params, **normalisers)
+        total = loss_parts.aggregate(probe, loss_mask, params, **normalisers)
     if not total.requires_grad:
         return torch.zeros_like(probe).detach()
     grad = torch.autograd.grad(total, probe, allow_unused=True)[0]
@@ -94,10 +94,11 @@ def prepare_batch(
     """
     layout = {"seq_ids": normalisers["seq_ids"], "cu_seqlens": normalisers["cu_seqlens"]}
     zeros = torch.zeros(targets.shape[0], dtype=acc_dtype, device=targets.device)
-    seq_ids = resolve_seq_ids(targets.shape[0], **layout)[0] if params.sequence_ratio else None
+    seq_ids = loss_parts.resolve_seq_ids(targets.shape[0], **layout)[0] if params.sequence_ratio else None
     with torch.no_grad():  # dry run on the full batch: algo's own checks of shapes, dtypes and switches
-        token_loss(zeros, behavior_logp, advantages, loss_mask, params, ref_logp=optional["ref_logp"],
-                   tis_weights=optional["tis_weights"], seq_log_ratio=zeros if params.sequence_ratio else None)
+        loss_parts.token_loss(zeros, behavior_logp, advantages, loss_mask, params, ref_logp=optional["ref_logp"],
+                              tis_weights=optional["tis_weights"],
+                              seq_log_ratio=zeros if params.sequence_ratio else None)
     tis, tis_stats = _is_weights(
         behavior_logp, optional["fleet_logp"], optional["tis_weights"], loss_mask, params, layout
     )

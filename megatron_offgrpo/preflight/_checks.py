@@ -236,7 +236,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     finite, over ``MAX_ANSWER_DIGITS`` digits), a prompt over ``data.max_prompt_tokens`` (the model's tokenizer, read
     once: ``model_dir``'s, default ``model.hf_path``'s). Every training record and the evaluation records a run uses
     are checked: later, each of these is a traceback (or a reward of 0 for a wrong reason) steps into the run."""
-    from megatron_offgrpo.data import answer_error
+    from megatron_offgrpo.data import rewards
     from megatron_offgrpo.model import load_tokenizer
     from megatron_offgrpo.sampler import build_prompts, load_data, used_records
 
@@ -252,7 +252,7 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
     records = used_records(config, data, "train") + used_records(config, data, "eval")
     if config.data.reward in MATH_REWARDS:
         for record in records:
-            problem = answer_error(record.answer)
+            problem = rewards.answer_error(record.answer)
             if problem is not None:
                 return [f"{record.where}: {problem}: fix or remove the row (data.reward={config.data.reward} compares "
                         "numbers)"]
@@ -270,14 +270,14 @@ def data_errors(config: Config, model_dir: str | None = None) -> list[str]:
 def environment_errors(config: Config) -> list[str]:
     """A custom ``env.name``'s factory, made and closed once: what it makes can only be told by calling it, and a
     refusal must come before the run directory is written (the config's validation checked the name itself)."""
-    from megatron_offgrpo.data import get_reward
+    from megatron_offgrpo.data import rewards
     from megatron_offgrpo.envs import SHIPPED, EnvironmentContractError, EnvironmentTimeout
     from megatron_offgrpo.sampler import env_factory
 
     if not config.env.name or config.env.name in SHIPPED:
         return []
     try:
-        reward_fn = get_reward(config.data.reward)
+        reward_fn = rewards.get_reward(config.data.reward)
     except ValueError as exc:
         return [str(exc)]
     try:  # the name was checked by the config's validation; the factory's own exceptions keep their traceback

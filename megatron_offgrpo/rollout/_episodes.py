@@ -3,7 +3,7 @@ continues from the exact tokens so far.
 
 Token in / token out: each turn is a request whose prompt is the episode's token ids so far (the prompt, every
 sampled turn, every observation), so the engine never sees text and the model's tokens are never re-encoded. An
-observation is tokenised alone, wrapped as the chat template wraps its role (``data.turn_wrapping``), and appended
+observation is tokenised alone, wrapped as the chat template wraps its role (``data.chat.turn_wrapping``), and appended
 after the model's end-of-turn token. The episode is one ``Sample``: its response holds the turns and the
 observations in order, ``trainable`` marks the model's tokens (the loss trains those only), and every model token
 keeps the behavior log-prob and the weight version of the turn that sampled it (observation tokens: log-prob 0,
@@ -23,8 +23,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from megatron_offgrpo.data import (PLAIN, Prompt, Sample, SamplingParams, TurnWrapping, observation_ids,
-                                   turn_wrapping)
+from megatron_offgrpo.data import Prompt, Sample, SamplingParams, chat
 from megatron_offgrpo.envs import Environment, EnvironmentCall, bounded_calls, checked_observation
 from megatron_offgrpo.rollout._protocol import RolloutEngine
 
@@ -140,16 +139,16 @@ class EpisodeRunner:
             engine: samples the turns. make_env: a new environment per episode. tokenizer: the policy's (chat
             template, EOS, decoding the turns the environments read). limits: turns and tokens per episode.
             plain: the prompts are plain text (``data.prompt_format=plain``): observations go on lines of their own
-            (``data.PLAIN``) instead of the chat template's turns. threads: environment steps run at once.
+            (``data.chat.PLAIN``) instead of the chat template's turns. threads: environment steps run at once.
         """
         self.engine, self.make_env, self.tokenizer, self.limits = engine, make_env, tokenizer, limits
         self.plain, self.threads = plain, threads
-        self._wrapping: dict[str, TurnWrapping] = {}
+        self._wrapping: dict[str, chat.TurnWrapping] = {}
 
-    def wrapping(self, role: str) -> TurnWrapping:
+    def wrapping(self, role: str) -> chat.TurnWrapping:
         """How the chat template wraps an observation of ``role`` (found once per role)."""
         if role not in self._wrapping:
-            self._wrapping[role] = PLAIN if self.plain else turn_wrapping(self.tokenizer, role)
+            self._wrapping[role] = chat.PLAIN if self.plain else chat.turn_wrapping(self.tokenizer, role)
         return self._wrapping[role]
 
     def run(self, prompts: Sequence[Prompt], group_size: int, params: SamplingParams,
@@ -235,7 +234,7 @@ class EpisodeRunner:
             stats.tool_errors += obs.tool_error
             if obs.done or episode.turns >= self.limits.max_turns:
                 continue
-            ids = observation_ids(self.tokenizer, self.wrapping(obs.role), obs.text)
+            ids = chat.observation_ids(self.tokenizer, self.wrapping(obs.role), obs.text)
             if len(episode.ids) + len(ids) >= self.limits.max_tokens:
                 episode.finish_reason = "length"  # no room for the observation and a token of the next turn
                 continue

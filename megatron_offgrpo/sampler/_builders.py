@@ -27,15 +27,15 @@ def serving_dtype(rollout: RolloutConfig, precision: str) -> str:
 
 def verify_tolerance(rollout: RolloutConfig, precision: str, derived: float | None = None) -> float:
     """Max |fleet - trainer| probe log-prob after a refresh: ``rollout.verify_tolerance`` when set; else, serving
-    float32, ``derived`` (``rollout.probe_bound`` of the model, from the trainer) when given; else the
-    ``rollout.PROBE_ATOL`` default of the serving dtype (the coarser side decides the agreement)."""
-    from megatron_offgrpo.rollout import probe_atol
+    float32, ``derived`` (``rollout.probes.probe_bound`` of the model, from the trainer) when given; else the
+    ``rollout.probes.PROBE_ATOL`` default of the serving dtype (the coarser side decides the agreement)."""
+    from megatron_offgrpo.rollout import probes
 
     if rollout.verify_tolerance is not None:
         return rollout.verify_tolerance
     if derived is not None and serving_dtype(rollout, precision) == "float32":
         return derived
-    return probe_atol(serving_dtype(rollout, precision))
+    return probes.probe_atol(serving_dtype(rollout, precision))
 
 
 def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> specs.EngineSpec:

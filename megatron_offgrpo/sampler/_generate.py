@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Prompt, Sample, SamplingParams
 from megatron_offgrpo.envs import Environment, SandboxLimits, environment_factory
-from megatron_offgrpo.rollout import EpisodeLimits, EpisodeRunner, EpisodeStats, RolloutEngine
+from megatron_offgrpo.rollout import RolloutEngine, multiturn
 
 
 def env_factory(config: Config, reward_fn: Callable[[str, str | None], float]) -> Callable[[], Environment] | None:
@@ -39,7 +39,7 @@ class Rollouts:
     engine: RolloutEngine
     tokenizer: object
     reward_fn: Callable[[str, str | None], float]
-    episodes: EpisodeRunner | None = None
+    episodes: multiturn.EpisodeRunner | None = None
 
     @classmethod
     def build(cls, config: Config, engine: RolloutEngine, tokenizer, reward_fn,
@@ -48,13 +48,15 @@ class Rollouts:
         starts, so a bad ``env.name`` stops the run before it)."""
         runner = None
         if make_env is not None:
-            limits = EpisodeLimits(config.env.max_turns, config.env.episode_tokens(config.rollout.max_new_tokens),
-                                   config.env.step_timeout_s)
-            runner = EpisodeRunner(engine, make_env, tokenizer, limits, plain=config.data.prompt_format == "plain")
+            limits = multiturn.EpisodeLimits(config.env.max_turns,
+                                             config.env.episode_tokens(config.rollout.max_new_tokens),
+                                             config.env.step_timeout_s)
+            runner = multiturn.EpisodeRunner(engine, make_env, tokenizer, limits,
+                                             plain=config.data.prompt_format == "plain")
         return cls(engine, tokenizer, reward_fn, runner)
 
     def __call__(self, prompts: Sequence[Prompt], n: int, params: SamplingParams,
-                 stats: EpisodeStats | None = None) -> list[Sample]:
+                 stats: multiturn.EpisodeStats | None = None) -> list[Sample]:
         """``len(prompts) * n`` samples, grouped by prompt, each with its reward (shaping not included); episodes
         add their counts to ``stats``."""
         if self.episodes is not None:

@@ -12,7 +12,7 @@ from typing import Callable
 from megatron_offgrpo.algo import overlong_penalty
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import PromptStream, Sample
-from megatron_offgrpo.rollout import EpisodeStats, TeacherFleet
+from megatron_offgrpo.rollout import TeacherFleet, multiturn
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.sampler._builders import sampling_params
 from megatron_offgrpo.sampler._generate import Rollouts
@@ -39,7 +39,7 @@ class BatchMaker:
         (with ``rollout.mode=async_partial`` a refresh may come during a step: then each token carries its own).
         ``drawn()`` is called once the first round's prompts are drawn (the async modes start the next step then).
         """
-        start, episodes = time.perf_counter(), EpisodeStats()
+        start, episodes = time.perf_counter(), multiturn.EpisodeStats()
         batch = self._fill(step, drawn, episodes)
         batch.timing["generate_s"] = time.perf_counter() - start
         if self.teacher is not None:  # the trained samples only (not the groups dynamic sampling left out)
@@ -49,7 +49,7 @@ class BatchMaker:
         batch.episodes = episodes.metrics()
         return batch
 
-    def _fill(self, step: int, drawn: Callable[[], None], episodes: EpisodeStats) -> RolloutBatch:
+    def _fill(self, step: int, drawn: Callable[[], None], episodes: multiturn.EpisodeStats) -> RolloutBatch:
         r = self.config.rollout
         if not r.dynamic_sampling:
             return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn, episodes))
@@ -63,7 +63,7 @@ class BatchMaker:
         return batch
 
     def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None],
-              episodes: EpisodeStats) -> list[Sample]:
+              episodes: multiturn.EpisodeStats) -> list[Sample]:
         """The next ``count`` prompts of the stream, G scored samples each, group-major."""
         cfg = self.config
         params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_), step=step)

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_offgrpo.config import Config, ConfigError
-from megatron_offgrpo.data import Prompt, PromptStream, Sample, get_reward
+from megatron_offgrpo.data import Prompt, PromptStream, Sample, rewards
 from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.model import load_tokenizer
-from megatron_offgrpo.rollout import (RefreshError, RefreshReport, RolloutEngine, TeacherFleet, UnservableModelError,
-                                      make_engine, verify_refresh)
+from megatron_offgrpo.rollout import RefreshReport, RolloutEngine, TeacherFleet, errors, make_engine, probes
 from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S
 from megatron_offgrpo.sampler._builders import engine_spec, verify_tolerance
 from megatron_offgrpo.sampler._eval import evaluate
@@ -64,7 +63,7 @@ class RolloutSide:
             if error:  # before the engine starts
                 raise ConfigError(error)
         stream = PromptStream(train_prompts, config.parallel.seed)
-        reward_fn = get_reward(config.data.reward)
+        reward_fn = rewards.get_reward(config.data.reward)
         try:
             make_env = env_factory(config, reward_fn)
         except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
@@ -99,7 +98,7 @@ class RolloutSide:
         try:
             with self.source.refresh_access():
                 return self.engine.update_weights(buckets, version)
-        except RefreshError as exc:
+        except errors.RefreshError as exc:
             if self.engine.version() != version:
                 raise
             logger.warning("%s\ntraining goes on with the servers that installed version %d", exc, version)
@@ -110,7 +109,7 @@ class RolloutSide:
         ``expected`` (the trainer's log-probs) within the run's tolerance (``bound``: the model's derived one)."""
         atol = verify_tolerance(self.config.rollout, self.config.model.precision, bound)
         with self.source.refresh_access():  # async: waits for the steps in flight, unless async_partial
-            verify_refresh(self.engine, probe_ids, expected, version, atol)
+            probes.verify_refresh(self.engine, probe_ids, expected, version, atol)
         self.source.verified(version)
 
     def evaluate(self) -> dict[str, float]:
@@ -162,7 +161,7 @@ def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, m
     """
     try:
         return make_engine(engine_spec(config, model_dir, run_dir, max_positions))
-    except UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
+    except errors.UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
         raise ConfigError(f"rollout.engine=vllm: {exc}: use rollout.engine=auto (falls back to the transformers "
                           "engine) or rollout.engine=transformers") from None
 

@@ -60,8 +60,8 @@ class RolloutBatch:
             ``buffer_depth`` (batches ready behind it when it was taken), ``steps_in_flight`` (steps generating then)
             and ``fleet_paused_s`` (seconds since the previous step's batch was taken that no step was generating,
             held by the staleness bound).
-        episodes: multi-turn episodes' counts (``rollout.EpisodeStats.metrics``: turns, tool errors, environment
-            seconds); empty for single-turn samples.
+        episodes: multi-turn episodes' counts (``rollout.multiturn.EpisodeStats.metrics``: turns, tool errors,
+            environment seconds); empty for single-turn samples.
     """
 
     samples: list[Sample]

@@ -9,7 +9,7 @@ from typing import Callable, TypeVar
 
 from megatron_offgrpo.config import ConfigError
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
-from megatron_offgrpo.rollout import EngineDiedError
+from megatron_offgrpo.rollout import errors
 from megatron_offgrpo.runlog import RunLock, no_space_line
 from megatron_offgrpo.sampler import NoLearningSignalError
 from megatron_offgrpo.train._stop import RunStopped
@@ -27,7 +27,7 @@ def run_to_exit(run: Callable[[], T], out_dir: str, lock: RunLock | None) -> T:
     """
     try:
         return run()
-    except (NoLearningSignalError, EngineDiedError, EnvironmentTimeout, EnvironmentContractError) as exc:
+    except (NoLearningSignalError, errors.EngineDiedError, EnvironmentTimeout, EnvironmentContractError) as exc:
         sys.exit(f"error: {exc}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

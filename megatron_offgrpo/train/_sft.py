@@ -20,7 +20,7 @@ import torch
 
 from megatron_offgrpo.algo import ObjectiveParams
 from megatron_offgrpo.config import Config
-from megatron_offgrpo.data import Prompt, PromptStream, Sample, extract_answer
+from megatron_offgrpo.data import Prompt, PromptStream, Sample, rewards
 from megatron_offgrpo.model import QwenArch, load_arch, load_tokenizer, resolve_model_dir
 from megatron_offgrpo.runlog import MetricsLog, open_metrics_log, write_run_info
 from megatron_offgrpo.runtime import ParallelContext, init_parallel
@@ -39,7 +39,7 @@ SFT_OBJECTIVE = ObjectiveParams(objective="gpg")
 def reference_sample(prompt: Prompt, index: int, tokenizer, off_by_one: bool = False) -> Sample:
     """The prompt answered in the format the reward checks (``#### N`` then EOS): N is the ground truth, or the ground
     truth plus one where ``off_by_one`` (the deliberately wrong teacher of ``sft.off_by_one_fraction``)."""
-    answer = extract_answer(prompt.answer or "")
+    answer = rewards.extract_answer(prompt.answer or "")
     if answer is None:
         raise ValueError(f"prompt {prompt.prompt_id}: no numeric ground truth to warm up on")
     if off_by_one:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_offgrpo.algo import ObjectiveParams, finalize_metrics
+from megatron_offgrpo.algo import ObjectiveParams, loss_parts
 from megatron_offgrpo.kernels import fused_linear_grpo_loss, vocab_parallel_logprobs
 from megatron_offgrpo.model import output_weight
 from megatron_offgrpo.runtime import ParallelContext
@@ -243,7 +243,7 @@ def backward_pass(
 
 def _read_once(loss: torch.Tensor, totals: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
     """The step's loss and finalised metrics as Python floats, in one device-to-host transfer."""
-    metrics = finalize_metrics(totals)
+    metrics = loss_parts.finalize_metrics(totals)
     values = torch.stack([loss.double()] + [v.detach().double().reshape(()) for v in metrics.values()]).tolist()
     return values[0], dict(zip(metrics, values[1:]))
 

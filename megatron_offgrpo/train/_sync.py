@@ -14,14 +14,14 @@ import torch.distributed as dist
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
-from megatron_offgrpo.rollout import EngineDiedError, make_probe_ids
+from megatron_offgrpo.rollout import errors, probes
 from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
 # what ends a generation on rank 0 and is raised on every rank at the same point (one line each; a stop pending then
 # still checkpoints: ``loop``)
-GENERATION_FAILURES = (EngineDiedError, EnvironmentTimeout, EnvironmentContractError)
+GENERATION_FAILURES = (errors.EngineDiedError, EnvironmentTimeout, EnvironmentContractError)
 
 
 def share_samples(samples: list[Sample] | Exception | None) -> list[Sample]:
@@ -91,7 +91,7 @@ def verify(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> N
     Raises:
         RefreshVerificationError (rank 0) / RuntimeError (other ranks): the engine does not serve these weights.
     """
-    probe = make_probe_ids(trainer.arch.vocab_size)
+    probe = probes.make_probe_ids(trainer.arch.vocab_size)
     expected = trainer.probe_logprobs(probe)
     bound = trainer.probe_bound()
     on_rank0_shared(rollout, lambda: rollout.verify(probe, expected, version, bound),
@@ -107,13 +107,13 @@ def on_rank0_shared(rollout: RolloutSide | None, action: Callable[[], None], fai
         try:
             action()
         except Exception as exc:
-            status = [exc if isinstance(exc, EngineDiedError) else f"{type(exc).__name__}: {exc}"]
+            status = [exc if isinstance(exc, errors.EngineDiedError) else f"{type(exc).__name__}: {exc}"]
             raise
         finally:
             dist.broadcast_object_list(status, src=0)
         return
     dist.broadcast_object_list(status, src=0)
-    if isinstance(status[0], EngineDiedError):
+    if isinstance(status[0], errors.EngineDiedError):
         raise status[0]
     if status[0] is not None:
         raise RuntimeError(f"{failure} on rank 0: {status[0]}")

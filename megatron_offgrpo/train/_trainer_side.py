@@ -16,7 +16,7 @@ from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_grou
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import QwenArch, load_arch, output_weight
-from megatron_offgrpo.rollout import probe_bound
+from megatron_offgrpo.rollout import probes
 from megatron_offgrpo.runtime import ParallelContext, init_parallel, release_free_memory
 from megatron_offgrpo.train._batch import (
     MicroBatch,
@@ -132,9 +132,9 @@ class TrainerSide:
         return probe_logprobs(self.policy.model, self.ctx, probe_ids)
 
     def probe_bound(self) -> float:
-        """``rollout.probe_bound`` of the current weights: the most an fp32 engine may differ from ``probe_logprobs``
-        (collective)."""
-        return probe_bound(self.arch.vocab_size, self.arch.hidden_size, logit_bound(self.policy.model, self.ctx))
+        """``rollout.probes.probe_bound`` of the current weights: the most an fp32 engine may differ from
+        ``probe_logprobs`` (collective)."""
+        return probes.probe_bound(self.arch.vocab_size, self.arch.hidden_size, logit_bound(self.policy.model, self.ctx))
 
     def export_hf(self, out: Path) -> Path | None:
         """The current policy as a HF directory at ``out`` (atomic, replaces an older one; collective; rank 0

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from megatron_offgrpo.algo import ObjectiveParams, aggregate, broadcast_to_tokens, resolve_seq_ids
+from megatron_offgrpo.algo import ObjectiveParams, broadcast_to_tokens
+from megatron_offgrpo.algo._aggregate import aggregate
+from megatron_offgrpo.algo._packing import resolve_seq_ids
 
 F64 = torch.float64
 

@@ -7,7 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_offgrpo.algo import ObjectiveParams, aggregate, reference_loss, sequence_log_ratio, token_loss
+from megatron_offgrpo.algo import ObjectiveParams, reference_loss
+from megatron_offgrpo.algo._aggregate import aggregate
+from megatron_offgrpo.algo._objectives import sequence_log_ratio
+from megatron_offgrpo.algo._token_loss import token_loss
 from tests.algo.test_algo_objectives import ADVS, RHOS, close, per_token, tensors, token_batches
 
 F64 = torch.float64

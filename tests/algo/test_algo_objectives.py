@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_offgrpo.algo import ObjectiveParams, aggregate, token_loss
+from megatron_offgrpo.algo import ObjectiveParams
+from megatron_offgrpo.algo._aggregate import aggregate
+from megatron_offgrpo.algo._token_loss import token_loss
 
 F64 = torch.float64
 L = math.log

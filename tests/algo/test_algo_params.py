@@ -4,13 +4,8 @@ import dataclasses
 
 import pytest
 
-from megatron_offgrpo.algo import (
-    AdvantageParams,
-    ObjectiveParams,
-    get_objective,
-    objective_names,
-    register_objective,
-)
+from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams
+from megatron_offgrpo.algo._registry import get_objective, objective_names, register_objective
 from megatron_offgrpo.algo._aggregate import _AGGREGATORS
 from megatron_offgrpo.algo._params import AGGREGATIONS
 

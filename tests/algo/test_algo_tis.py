@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_offgrpo.algo import truncated_is_weights
+from megatron_offgrpo.algo._tis import truncated_is_weights
 
 F64 = torch.float64
 E = math.e

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_offgrpo.algo import ObjectiveParams, finalize_metrics, token_loss
+from megatron_offgrpo.algo import ObjectiveParams
+from megatron_offgrpo.algo._token_loss import finalize_metrics, token_loss
 
 F64 = torch.float64
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from megatron_offgrpo.data import load_local
+from megatron_offgrpo.data import records
 from tests.helpers import REPO
 
 spec = importlib.util.spec_from_file_location("async_rollout", REPO / "benchmarks" / "async_rollout.py")
@@ -17,7 +17,7 @@ spec.loader.exec_module(bench)
 def test_long_tail_caps_are_log_normal_within_bounds_and_load_as_row_caps(tmp_path):
     path = tmp_path / "d.jsonl"
     quantiles = bench.long_tail_data(path, 2000, median=24.0, sigma=0.9, most=192, seed=0)
-    caps = sorted(r.max_new_tokens for r in load_local(path))
+    caps = sorted(r.max_new_tokens for r in records.load_local(path))
     assert len(caps) == 2000 and caps[0] >= 1 and caps[-1] == quantiles["max"] <= 192
     assert abs(quantiles["median"] - 24) <= 3  # the log-normal's median
     assert quantiles["p90"] > 2 * quantiles["median"]  # a long tail: p90 of exp(1.28 sigma) = 3.2x the median

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from megatron_offgrpo.data import load_hub, load_local, load_records
+from megatron_offgrpo.data._datasets import load_hub, load_local, load_records
 
 
 def _jsonl(path, rows):

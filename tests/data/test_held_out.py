@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from megatron_offgrpo.config import load_config
-from megatron_offgrpo.data import load_datasets, load_records
+from megatron_offgrpo.data import load_datasets
+from megatron_offgrpo.data._datasets import load_records
 from megatron_offgrpo.sampler import load_data
 from tests.helpers import REPO
 
@@ -121,7 +122,7 @@ def test_variants_of_a_question_in_case_unicode_form_or_spacing_fall_on_one_side
     """A file repeating a question as "WHAT IS 12 + 30?", with full-width digits (NFKC) or with other spacing: the
     variants of a question are one question (``question_key``), so no variant of a training question is evaluated
     on."""
-    from megatron_offgrpo.data import held_out_questions, question_key
+    from megatron_offgrpo.data._heldout import held_out_questions, question_key
 
     base = [f"What is {i} + {i + 1}?" for i in range(60)]
     variants = [q.upper() for q in base] + [q.replace(" + ", "\u00a0+  ") for q in base] + [

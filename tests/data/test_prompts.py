@@ -7,7 +7,8 @@ import json
 import pytest
 import transformers
 
-from megatron_offgrpo.data import PromptStream, arithmetic_records, build_prompt, load_records
+from megatron_offgrpo.data import PromptStream, build_prompt
+from megatron_offgrpo.data._datasets import arithmetic_records, load_records
 from megatron_offgrpo.data._datasets import load_local
 from tests.helpers import TOKENIZER_DIR
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offgrpo.data import extract_answer, get_reward, load_records, math_exact_reward, math_strict_reward
+from megatron_offgrpo.data._datasets import load_records
+from megatron_offgrpo.data._rewards import extract_answer, get_reward, math_exact_reward, math_strict_reward
 
 
 @pytest.mark.parametrize(

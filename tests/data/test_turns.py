@@ -8,7 +8,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from megatron_offgrpo.data import ASSETS, observation_ids, turn_wrapping
+from megatron_offgrpo.data import ASSETS
+from megatron_offgrpo.data._turns import observation_ids, turn_wrapping
 from tests.helpers import qwen3_tokenizer_dir
 
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",

@@ -14,7 +14,7 @@ import traceback
 import numpy as np
 import pytest
 
-from megatron_offgrpo.data import Prompt, get_reward
+from megatron_offgrpo.data import Prompt, rewards
 from megatron_offgrpo.envs import (
     Environment,
     EnvironmentCall,
@@ -31,7 +31,7 @@ from megatron_offgrpo.envs import (
 from megatron_offgrpo.envs._feedback import FeedbackEnv
 from megatron_offgrpo.envs._python_tool import PythonToolEnv, parse_tool_call
 
-REWARD = get_reward("math_exact")
+REWARD = rewards.get_reward("math_exact")
 PROMPT = Prompt("q0", (1, 2, 3), "What is 17 * 23?", "391")
 
 

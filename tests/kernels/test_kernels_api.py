@@ -58,9 +58,9 @@ def test_bad_arguments_raise_value_errors_naming_them(overrides, match):
 def test_precomputed_tis_weights_equal_fleet_logp():
     case = make_case(seed=8, with_fleet=True, params=ObjectiveParams(tis_cap=1.2))
     loss_fleet, _ = call(case, chunk_size=5)
-    from megatron_offgrpo.algo import truncated_is_weights
+    from megatron_offgrpo.algo import loss_parts
 
-    weights, _ = truncated_is_weights(case.behavior_logp, case.kwargs["fleet_logp"], case.loss_mask, 1.2)
+    weights, _ = loss_parts.truncated_is_weights(case.behavior_logp, case.kwargs["fleet_logp"], case.loss_mask, 1.2)
     loss_weights, metrics = call(case, fleet_logp=None, tis_weights=weights, chunk_size=5)
     torch.testing.assert_close(loss_weights, loss_fleet)
     assert "tis_raw_mean" not in metrics  # statistics need the fleet log-probs

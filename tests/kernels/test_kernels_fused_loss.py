@@ -13,14 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_offgrpo.algo import (
-    ObjectiveParams,
-    aggregate,
-    reference_loss,
-    sequence_log_ratio,
-    token_loss,
-    truncated_is_weights,
-)
+from megatron_offgrpo.algo import ObjectiveParams, loss_parts, objectives, reference_loss
 from megatron_offgrpo.kernels import fused_linear_grpo_loss
 from megatron_offgrpo.kernels._torch_ops import TorchOps
 from tests.kernels._cases import Case, make_case, rel_err
@@ -69,14 +62,14 @@ def loss_scale(case: Case, **extra) -> float:
         logp = torch.log_softmax(logits, -1).gather(1, case.targets.clamp_min(0)[:, None]).squeeze(1)
         tis = None
         if kw.get("fleet_logp") is not None and case.params.tis_cap is not None:
-            tis, _ = truncated_is_weights(case.behavior_logp, kw["fleet_logp"], case.loss_mask, case.params.tis_cap,
-                                          case.params.tis_level, **layout)
-        seq_lr = (sequence_log_ratio(logp, case.behavior_logp, case.loss_mask, **layout)
+            tis, _ = loss_parts.truncated_is_weights(case.behavior_logp, kw["fleet_logp"], case.loss_mask,
+                                                     case.params.tis_cap, case.params.tis_level, **layout)
+        seq_lr = (objectives.sequence_log_ratio(logp, case.behavior_logp, case.loss_mask, **layout)
                   if case.params.sequence_ratio else None)
-        per_token, _ = token_loss(logp, case.behavior_logp, case.advantages, case.loss_mask, case.params,
-                                  ref_logp=kw.get("ref_logp"), tis_weights=tis, seq_log_ratio=seq_lr)
+        per_token, _ = loss_parts.token_loss(logp, case.behavior_logp, case.advantages, case.loss_mask, case.params,
+                                             ref_logp=kw.get("ref_logp"), tis_weights=tis, seq_log_ratio=seq_lr)
         counts = {k: kw.get(k) for k in ("global_token_count", "global_seq_count")}
-        return aggregate(per_token.abs(), case.loss_mask, case.params, **layout, **counts).item()
+        return loss_parts.aggregate(per_token.abs(), case.loss_mask, case.params, **layout, **counts).item()
 
 
 def assert_matches(case: Case, chunk_size=None, tol=TOL, **extra) -> None:

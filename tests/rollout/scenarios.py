@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import Prompt, SamplingParams
-from megatron_offgrpo.rollout import RefreshError, RefreshReport, RefreshVerificationError, verify_refresh
+from megatron_offgrpo.rollout import RefreshReport
+from megatron_offgrpo.rollout._errors import RefreshError, RefreshVerificationError
+from megatron_offgrpo.rollout._verify import verify_refresh
 from megatron_offgrpo.transports import weights_dir
 from tests.rollout.tiny import as_buckets, hf_probe_logprobs, load_hf_model, token_logprobs
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_offgrpo.data import ASSETS, Prompt, SamplingParams, observation_ids, turn_wrapping
+from megatron_offgrpo.data import ASSETS, Prompt, SamplingParams, chat
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout, Observation
-from megatron_offgrpo.rollout import EpisodeLimits, EpisodeRunner, EpisodeStats, TransformersEngine
+from megatron_offgrpo.rollout import TransformersEngine
+from megatron_offgrpo.rollout._episodes import EpisodeLimits, EpisodeRunner, EpisodeStats
 from tests.helpers import qwen3_tokenizer_dir, turn_ending_model
 
 
@@ -101,7 +102,7 @@ def test_episodes_are_the_sampled_tokens(engine, tokenizer, model_dir):
             at = end
             if k < len(turns):  # the observation the environment gave after turn k, tokenised alone
                 role, obs = ("tool", f"result {k}") if k % 2 else ("user", f"too low {k}")
-                expected = observation_ids(tokenizer, turn_wrapping(tokenizer, role), obs)
+                expected = chat.observation_ids(tokenizer, chat.turn_wrapping(tokenizer, role), obs)
                 assert ids[at:at + len(expected)] == expected and not any(mask[at:at + len(expected)])
                 at += len(expected)
         assert at == len(ids) or (sample.finish_reason == "length" and all(mask[at:]))

@@ -1,5 +1,6 @@
-"""``rollout.probe_bound``: the derived tolerance of the refresh probe (an fp32 engine against the trainer's exact
-log-softmax of the same weights), by hand and against fp32 arithmetic it must cover; and which tolerance a run uses."""
+"""``rollout.probes.probe_bound``: the derived tolerance of the refresh probe (an fp32 engine against the trainer's
+exact log-softmax of the same weights), by hand and against fp32 arithmetic it must cover; and which tolerance a run
+uses."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from megatron_offgrpo.config import RolloutConfig
-from megatron_offgrpo.rollout import PROBE_ATOL, probe_bound
+from megatron_offgrpo.rollout._types import PROBE_ATOL, probe_bound
 from megatron_offgrpo.sampler._builders import verify_tolerance
 
 U = 2.0 ** -24

@@ -23,16 +23,16 @@ pytest.importorskip(
 )
 
 from megatron_offgrpo.fleet import FleetSpec, fleet_status, json_http, load_state, start_fleet, stop_fleet  # noqa: E402
-from megatron_offgrpo.rollout import (  # noqa: E402
-    FleetEngine,
-    FleetError,
-    RefreshError,
-    ServerClient,
-    make_probe_ids,
-    servers_of,
-    verify_refresh,
+from megatron_offgrpo.rollout import FleetEngine, ServerClient, servers_of  # noqa: E402
+from megatron_offgrpo.rollout._errors import FleetError, RefreshError  # noqa: E402
+from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
+from megatron_offgrpo.transports import (  # noqa: E402
+    CollectiveTransport,
+    DiskTransport,
+    SharedMemoryTransport,
+    calls,
+    weights_dir,
 )
-from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, calls, weights_dir  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed  # noqa: E402

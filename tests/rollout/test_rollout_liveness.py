@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_offgrpo.rollout import EngineDiedError
+from megatron_offgrpo.rollout._errors import EngineDiedError
 from megatron_offgrpo.rollout._liveness import call_while_alive
 
 

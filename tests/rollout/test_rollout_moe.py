@@ -16,8 +16,15 @@ pytest.importorskip(
 )
 
 from megatron_offgrpo.fleet import FleetSpec, start_fleet, stop_fleet  # noqa: E402
-from megatron_offgrpo.rollout import FleetEngine, make_probe_ids, verify_refresh  # noqa: E402
-from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, calls, weights_dir  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
+from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
+from megatron_offgrpo.transports import (  # noqa: E402
+    CollectiveTransport,
+    DiskTransport,
+    SharedMemoryTransport,
+    calls,
+    weights_dir,
+)
 from tests.helpers import REPO, save_hf_model  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import (  # noqa: E402

@@ -8,7 +8,7 @@ import pytest
 import transformers
 
 from megatron_offgrpo.config import load_config
-from megatron_offgrpo.data import Prompt, arithmetic_records, build_prompt, extract_answer
+from megatron_offgrpo.data import Prompt, build_prompt, records, rewards
 from megatron_offgrpo.train._sft import teacher_batch
 from tests.helpers import TOKENIZER_DIR
 
@@ -21,14 +21,15 @@ def tokenizer():
 def _answers(samples, tokenizer) -> list[int]:
     for s in samples:
         assert s.response_ids[-1] == tokenizer.eos_token_id and s.prompt_ids
-    return [int(extract_answer(tokenizer.decode(s.response_ids, skip_special_tokens=True))) for s in samples]
+    return [int(rewards.extract_answer(tokenizer.decode(s.response_ids, skip_special_tokens=True))) for s in samples]
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.6, 1.0])
 def test_the_teacher_is_wrong_by_one_in_the_given_fraction(tokenizer, fraction):
-    prompts = [build_prompt(r, tokenizer, instruction="", prompt_format="plain") for r in arithmetic_records(2000, 3)]
+    prompts = [build_prompt(r, tokenizer, instruction="", prompt_format="plain")
+               for r in records.arithmetic_records(2000, 3)]
     samples = teacher_batch(prompts, tokenizer, random.Random(0), fraction)
-    truths = [int(extract_answer(p.answer)) for p in prompts]
+    truths = [int(rewards.extract_answer(p.answer)) for p in prompts]
     answers = _answers(samples, tokenizer)
     assert all(a - t in (0, 1) for a, t in zip(answers, truths))
     wrong = sum(a != t for a, t in zip(answers, truths)) / len(prompts)

@@ -3,7 +3,8 @@
 The cause: the probe's log-softmax summed the 151,936 exps of a row in fp32, whose rounding piles up one way when most
 of the vocabulary shares one logit (untrained rows, as in the warm-up model): 5.3e-4 over the whole vocabulary (the
 TP1 trainer and vLLM, the same kernel), half that over each TP2 shard. The trainer now takes the probe's log-softmax
-in float64 (layout-free), and the tolerance is ``rollout.probe_bound`` of the model. Here a tiny Qwen2 whose output
+in float64 (layout-free), and the tolerance is ``rollout.probes.probe_bound`` of the model.
+Here a tiny Qwen2 whose output
 rows from 1000 on are one shared row (that flat vocabulary), at TP1 and TP2 (tests/workers/tp_probe_worker.py):
 the TP-gathered export is the HF weights bit for bit, and the probe equals HF's (float64 log-softmax of its fp32
 logits) and the other TP size's within the bound's logit part alone (the trainer has no vocabulary-sum error left).
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_offgrpo.data import ASSETS
-from megatron_offgrpo.rollout import probe_bound
+from megatron_offgrpo.rollout import probes
 from tests.helpers import REPO, run_torchrun, save_hf_model
 from tests.train.test_hf_export import hf_logprobs
 
@@ -45,7 +46,7 @@ def test_tp2_probe_equals_tp1_and_hf_within_the_derived_bound(tmp_path):
     tp1, tp2 = (torch.tensor(runs[tp]["logp"], dtype=torch.float64) for tp in (1, 2))
     bound = runs[2]["bound"]
     assert bound == pytest.approx(runs[1]["bound"], rel=1e-12)
-    logit_part = bound - probe_bound(cfg["vocab_size"], cfg["hidden_size"], 0.0)
+    logit_part = bound - probes.probe_bound(cfg["vocab_size"], cfg["hidden_size"], 0.0)
     for name, err in (("tp2-tp1", (tp2 - tp1).abs().max().item()), ("tp1-hf", (tp1 - hf).abs().max().item()),
                       ("tp2-hf", (tp2 - hf).abs().max().item())):
         assert err <= logit_part < bound, (name, err, logit_part, bound)

@@ -29,13 +29,13 @@ def check_reload_and_repack(work: Path) -> str:
     import pytest
 
     from megatron_offgrpo.fleet._moe_repack import MoeLayoutError, repack_after_reload
-    from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
+    from megatron_offgrpo.rollout import VLLMEngine, probes
     from tests.helpers import save_hf_model
     from tests.rollout.tiny import TINY_MOE, as_buckets, hf_probe_logprobs, hf_weights, perturbed
 
     model_dir = save_hf_model(dict(TINY_MOE), work / "moe", seed=11)
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512)
-    probe = make_probe_ids(TINY_MOE["vocab_size"], 24)
+    probe = probes.make_probe_ids(TINY_MOE["vocab_size"], 24)
     base = hf_weights(model_dir)
     fresh = _error(engine, probe, hf_probe_logprobs(model_dir, None, probe))
     assert fresh < EXACT, fresh
@@ -68,13 +68,13 @@ def check_reload_and_repack(work: Path) -> str:
     version_two = perturbed(base, 83)
     report = engine.update_weights(as_buckets(version_two), 1)
     assert report.detail["moe_repack_s"] >= 0.0, report.detail
-    verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_two, probe), 1, EXACT)
+    probes.verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_two, probe), 1, EXACT)
     from megatron_offgrpo.transports import calls, weights_dir
 
     version_three = perturbed(base, 84)
     path, _ = weights_dir.write_version_dir(work / "v3", as_buckets(version_three), 2, hf_config=dict(TINY_MOE))
     report = engine.update_weights(path, 2)
-    verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_three, probe), 2, EXACT)
+    probes.verify_refresh(engine, probe, hf_probe_logprobs(model_dir, version_three, probe), 2, EXACT)
     answer = engine._rpc(calls.Info())
     assert answer.ok and answer.version == 2
     engine.close()
@@ -88,15 +88,15 @@ def check_padded_refused(work: Path) -> None:
     weights back: the worker refuses such a refresh before loading anything and keeps serving."""
     import pytest
 
-    from megatron_offgrpo.rollout import RefreshError, VLLMEngine, make_probe_ids
+    from megatron_offgrpo.rollout import VLLMEngine, errors, probes
     from tests.helpers import save_hf_model
     from tests.rollout.tiny import TINY_MOE, as_buckets, hf_weights, perturbed
 
     model_dir = save_hf_model(dict(TINY_MOE, moe_intermediate_size=48), work / "padded", seed=12)
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512)
-    probe = make_probe_ids(TINY_MOE["vocab_size"], 16)
+    probe = probes.make_probe_ids(TINY_MOE["vocab_size"], 16)
     before = next(iter(engine.probe_logprobs(probe).values())).logprobs
-    with pytest.raises(RefreshError, match="pads the MoE intermediate size 48 to 64"):
+    with pytest.raises(errors.RefreshError, match="pads the MoE intermediate size 48 to 64"):
         engine.update_weights(as_buckets(perturbed(hf_weights(model_dir), 85)), 1)
     assert engine.version() == 0 and next(iter(engine.probe_logprobs(probe).values())).logprobs == before
     engine.close()
@@ -105,12 +105,12 @@ def check_padded_refused(work: Path) -> None:
 def check_bf16(work: Path) -> None:
     """Served in bf16 from fp32 tensors: the layout check compares with the tensors cast as the loader casts them, and
     the refreshed engine's probe is bit-identical to a fresh bf16 engine's on the same weights."""
-    from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids
+    from megatron_offgrpo.rollout import VLLMEngine, probes
     from megatron_offgrpo.transports import weights_dir
     from tests.rollout.tiny import TINY_MOE, as_buckets, hf_weights, perturbed
 
     model_dir = work / "moe"  # check_reload_and_repack's model
-    probe = make_probe_ids(TINY_MOE["vocab_size"], 24)
+    probe = probes.make_probe_ids(TINY_MOE["vocab_size"], 24)
     new = perturbed(hf_weights(model_dir), 86)
     path, _ = weights_dir.write_version_dir(work / "bf16", as_buckets(new), 1, hf_config=dict(TINY_MOE))
     engine = VLLMEngine(path, dtype="bfloat16", max_model_len=512)

@@ -20,33 +20,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def check_tied(work: Path) -> None:
     """Tied embeddings: after a refresh the output layer follows the new embedding (vLLM CPU keeps a prepacked
     copy of it that the in-place reload alone leaves stale; the worker extension re-derives it)."""
-    from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
+    from megatron_offgrpo.rollout import VLLMEngine, probes
     from tests.helpers import save_hf_model
     from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed
 
     tied_dir = save_hf_model(dict(TINY, tie_word_embeddings=True), work / "tied", seed=5)
     engine = VLLMEngine(tied_dir, dtype="float32", max_model_len=512)
-    probe = make_probe_ids(TINY["vocab_size"], 24)
+    probe = probes.make_probe_ids(TINY["vocab_size"], 24)
     new = perturbed(hf_weights(tied_dir), 71)
     assert "lm_head.weight" not in new
     engine.update_weights(as_buckets(new), 1)
-    verify_refresh(engine, probe, hf_probe_logprobs(tied_dir, new, probe), 1, 1e-3)
+    probes.verify_refresh(engine, probe, hf_probe_logprobs(tied_dir, new, probe), 1, 1e-3)
     engine.close()
 
 
 def check_partial_rollouts(model_dir: Path, old: dict, new: dict) -> None:
     """A refresh between two decode steps of the generations in flight (``partial_rollouts``): every token from the
     weights of its own version (``scenarios.check_partial_refresh``), and the refresh verified on the probe."""
-    from megatron_offgrpo.rollout import VLLMEngine, make_probe_ids, verify_refresh
+    from megatron_offgrpo.rollout import VLLMEngine, probes
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs
 
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512, partial_rollouts=True)
-    probe = make_probe_ids(TINY["vocab_size"], 24)
+    probe = probes.make_probe_ids(TINY["vocab_size"], 24)
 
     def install(weights: dict, version: int) -> None:
         engine.update_weights(as_buckets(weights), version)
-        verify_refresh(engine, probe, hf_probe_logprobs(model_dir, weights, probe), version, 1e-3)
+        probes.verify_refresh(engine, probe, hf_probe_logprobs(model_dir, weights, probe), version, 1e-3)
 
     scenarios.check_partial_refresh(engine, model_dir, old, new, install)
     engine.close()
@@ -113,7 +113,7 @@ def check_routing_refused_on_dense(model_dir: Path) -> None:
 
 
 def main() -> None:
-    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, make_probe_ids, specs
+    from megatron_offgrpo.rollout import RolloutEngine, VLLMEngine, make_engine, probes, specs
     from megatron_offgrpo.transports import calls, weights_dir
     from tests.rollout import scenarios
     from tests.rollout.tiny import TINY, as_buckets, hf_weights, perturbed
@@ -151,7 +151,8 @@ def main() -> None:
     report = scenarios.check_refresh_matches_fresh(engine, refreshed, 2, fresh["directory"])
     assert report.transport == "disk" and set(report.detail) == {"read_s", "load_s"}, report
     scenarios.check_rejections(engine, work / "bad", perturbed(base, 63), scenarios.greedy(engine))
-    scenarios.check_verification(engine, model_dir, perturbed(base, 64), base, make_probe_ids(TINY["vocab_size"], 24))
+    scenarios.check_verification(engine, model_dir, perturbed(base, 64), base,
+                                 probes.make_probe_ids(TINY["vocab_size"], 24))
     engine.close()
     del engine
     gc.collect()

@@ -18,10 +18,9 @@ import torch
 
 from megatron_offgrpo.config import load_config
 from megatron_offgrpo.model import load_arch
-from megatron_offgrpo.rollout import make_probe_ids
+from megatron_offgrpo.rollout import probes
 from megatron_offgrpo.runtime import init_parallel
 from megatron_offgrpo.train._policy import build_policy
-from megatron_offgrpo.rollout import probe_bound
 from megatron_offgrpo.train._trainer_side import logit_bound, probe_logprobs
 from megatron_offgrpo.train._weights import export_buckets
 
@@ -48,9 +47,9 @@ def main() -> None:
     ctx = init_parallel(config.parallel.tp, config.parallel.pp, config.parallel.seed)
     arch = load_arch(hf_dir)
     policy = build_policy(arch, ctx, config.model, config.optim, 1)
-    probe = make_probe_ids(arch.vocab_size)
+    probe = probes.make_probe_ids(arch.vocab_size)
     logp = probe_logprobs(policy.model, ctx, probe)
-    bound = probe_bound(arch.vocab_size, arch.hidden_size, logit_bound(policy.model, ctx))
+    bound = probes.probe_bound(arch.vocab_size, arch.hidden_size, logit_bound(policy.model, ctx))
     exported = {name: t.clone() for bucket in export_buckets(policy.model, arch, ctx) for name, t in bucket}
     if ctx.rank == 0:
         export = _export_vs_hf(exported, hf_dir)
