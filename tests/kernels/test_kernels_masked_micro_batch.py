@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import types
 from typing import Iterator
 
 import pytest
@@ -91,20 +92,29 @@ def mixed(name: str, impl: str) -> dict:
 
 @contextlib.contextmanager
 def _spy_sequence_ratio(module_name: str) -> Iterator[list]:
-    """Records ``(ratio, loss mask, seq_ids)`` of every ``sequence_log_ratio`` call made by ``module_name``."""
+    """Records ``(ratio, loss mask, seq_ids)`` of every ``sequence_log_ratio`` call made by ``module_name`` (which
+    calls it as ``objectives.sequence_log_ratio``: that module alone sees the spy, through a namespace of its own)."""
     module = importlib.import_module(module_name)
-    real, seen = module.sequence_log_ratio, []
+    # the kernel calls ``objectives.sequence_log_ratio`` (algo's namespace), the reference its own import of it
+    owner = module if hasattr(module, "sequence_log_ratio") else types.SimpleNamespace(**vars(module.objectives))
+    real, seen = owner.sequence_log_ratio, []
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         seen.append((out, args[2], kwargs["seq_ids"]))
         return out
 
-    module.sequence_log_ratio = spy
+    owner.sequence_log_ratio = spy
+    swapped = owner is not module
+    if swapped:
+        real_objectives, module.objectives = module.objectives, owner
     try:
         yield seen
     finally:
-        module.sequence_log_ratio = real
+        if swapped:
+            module.objectives = real_objectives
+        else:
+            module.sequence_log_ratio = real
 
 
 def gspo_edges(path: str) -> list[dict]:

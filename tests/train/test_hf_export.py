@@ -78,7 +78,8 @@ def test_run_exports_and_converted_checkpoint_score_like_the_trainer(tmp_path, l
         next(broken.glob("*.distcp")).unlink()
         proc = convert("--ckpt", str(broken), "--out", str(tmp_path / "none"))
         assert proc.returncode == 2 and "error: " in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        assert "incomplete, corrupt" in proc.stderr and not (tmp_path / "none").exists()
+        # checkpoint_tools.checks.dist_dir_errors: the file the metadata names, found missing before any load
+        assert ".distcp: missing (the checkpoint's .metadata places" in proc.stderr and not (tmp_path / "none").exists()
 
 
 def test_bad_ckpt_is_one_line_exit_2_and_no_output(tmp_path):

@@ -411,7 +411,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_only_its_tmp(tmp
     run = tmp_path / "run"
     prelude = ("import errno, megatron_offgrpo.train._checkpoint as c\n"
                "def full(*a, **k):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
-               "c.write_model_card = full")
+               "c.dist_ckpt.write_model_card = full")
     proc = _cli_train(run, "train.steps=1", "train.save_every=1", prelude=prelude)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
