@@ -21,3 +21,11 @@ AdvantageForm = Literal["sqrt_var", "std_eps"]
 RecWeight = Literal["none", "is"]
 RecClip = Literal["none", "one_side", "two_side", "ring"]
 Logger = Literal["tensorboard", "wandb", "mlflow"]
+
+RENAMED = {
+    "rollout.overlap": "rollout.mode=overlap (overlap=false: the default, mode=lockstep)",
+    "rollout.partial_rollouts": "rollout.mode=async_partial (partial_rollouts=false: mode=async)",
+}
+"""Keys folded into another key -> their new spelling: refused with this one line instead of the unknown key's list
+of valid keys, so that an old recipe or command says what to write now. (Three keys, mode, overlap and
+partial_rollouts, encoded one choice with two cross-field rules between them; ``rollout.mode`` is that choice.)"""

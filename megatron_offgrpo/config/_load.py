@@ -105,27 +105,21 @@ def coerce(value: object, hint: object, key: str) -> object:
     return value
 
 
-RENAMED = {
-    "rollout.overlap": "rollout.mode=overlap (overlap=false: the default, mode=lockstep)",
-    "rollout.partial_rollouts": "rollout.mode=async_partial (partial_rollouts=false: mode=async)",
-}
-"""Keys folded into another key -> their new spelling: refused with this one line instead of the unknown key's list
-of valid keys, so that an old recipe or command says what to write now. (Three keys, mode, overlap and
-partial_rollouts, encoded one choice with two cross-field rules between them; ``rollout.mode`` is that choice.)"""
-
-
-def apply_values(section: object, values: dict[str, object], prefix: str) -> None:
+def apply_values(section: object, values: dict[str, object], prefix: str,
+                 renamed: dict[str, str] | None = None) -> None:
     """Set ``values`` (a nested mapping, as in a recipe) on the dataclass ``section`` and its sub-sections, in place.
+    ``renamed``: full keys that were folded into others -> their new spelling, refused with it in one line.
 
     Raises:
-        ConfigError: an unknown key (listing the valid ones; a renamed one: its new spelling, ``RENAMED``), a
-            section given a scalar, or a value of the wrong type.
+        ConfigError: an unknown key (listing the valid ones; a renamed one: its new spelling), a section given a
+            scalar, or a value of the wrong type.
     """
+    renamed = renamed or {}
     hints = field_types(type(section))
     for name, value in values.items():
         key = f"{prefix}{name}"
-        if key in RENAMED:
-            raise ConfigError(f"{key} is now {RENAMED[key]}")
+        if key in renamed:
+            raise ConfigError(f"{key} is now {renamed[key]}")
         if name not in hints:
             raise ConfigError(f"unknown config key {key!r}; valid keys here: {sorted(hints)}")
         current = getattr(section, name)
@@ -133,7 +127,7 @@ def apply_values(section: object, values: dict[str, object], prefix: str) -> Non
             if not isinstance(value, dict):
                 raise ConfigError(f"{key} is a section; "
                                   f"give its keys ({sorted(f.name for f in dataclasses.fields(current))})")
-            apply_values(current, value, key + ".")
+            apply_values(current, value, key + ".", renamed)
         else:
             setattr(section, name, coerce(value, hints[name], key))
 

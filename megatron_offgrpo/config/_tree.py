@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.config._choices import (
-    AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
+    RENAMED, AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
     KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
 from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, SftConfig
@@ -391,8 +391,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     """
     config = Config()
     if path is not None:
-        apply_values(config, read_recipe(path), "")
+        apply_values(config, read_recipe(path), "", RENAMED)
     for text in overrides:
-        apply_values(config, parse_override(text), "")
+        apply_values(config, parse_override(text), "", RENAMED)
     config.validate()
     return config
