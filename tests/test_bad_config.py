@@ -80,7 +80,20 @@ CASES = [  # (overrides, what the message must name)
     (["env.max_turns=6"], "env.max_turns=6 does nothing without env.name (single-turn completions)"),
     (["env.name=feedback", "env.tool_wall_s=3"], "env.tool_wall_s=3.0 applies to env.name=python_tool only"),
     (["env.name=feedback", "env.step_timeout_s=0"], "env.step_timeout_s=0.0: must be > 0"),
+    (["lora.rank=-1"], "lora.rank=-1: must be >= 0 (0: full fine-tuning)"),
+    (["lora.alpha=16"], "lora.alpha=16.0 does nothing with lora.rank=0 (full fine-tuning)"),
+    (["lora.rank=4", "lora.dropout=1"], "lora.dropout=1.0: must be in [0, 1)"),
+    (["lora.rank=4", "lora.targets=[linear_fc3]"], "lora.targets=['linear_fc3']: unknown ['linear_fc3']; valid: "),
+    (["lora.rank=4", "lora.sync=delta"], "lora.sync='delta': expected one of ['adapter', 'merged']"),
+    (["lora.rank=4", "model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "lora.targets=[linear_qkv,linear_fc1]"],
+     "a Qwen3-MoE layer's MLP is its experts, and adapters on experts"),
 ]
+
+
+def test_the_warm_up_refuses_adapters(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = _run(["sft", "--config", TINY, f"train.out_dir={out}", "lora.rank=4"], capsys)
+    assert code == 2 and "lora.rank=4: offgrpo sft trains the whole model" in err and not out.exists()
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str]:

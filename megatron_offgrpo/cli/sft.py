@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> None:
 
     config = config_or_exit(args.config, args.overrides, tracking=True,
                             relaunch=["-m", "megatron_offgrpo.cli", "sft", *argv])
+    if config.lora.rank:  # the warm-up's product is a whole HF model for RL to start from (with or without LoRA)
+        print(f"error: lora.rank={config.lora.rank}: offgrpo sft trains the whole model; set lora.* on offgrpo train",
+              file=sys.stderr)
+        sys.exit(2)
     lock = claim_run_dir(config, command="sft")  # offgrpo train's rules: never over an earlier run, one writer
     from megatron_offgrpo.runlog import setup_logging
 

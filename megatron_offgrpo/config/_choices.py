@@ -21,6 +21,8 @@ AdvantageForm = Literal["sqrt_var", "std_eps"]
 RecWeight = Literal["none", "is"]
 RecClip = Literal["none", "one_side", "two_side", "ring"]
 Logger = Literal["tensorboard", "wandb", "mlflow"]
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LoraSync = Literal["adapter", "merged"]
 
 RENAMED = {
     "rollout.overlap": "rollout.mode=overlap (overlap=false: the default, mode=lockstep)",

@@ -46,6 +46,28 @@ def collect_errors(config: Config) -> list[str]:
     errors.extend(_parallel_errors(config.parallel))
     errors.extend(_env_errors(config.env))
     errors.extend(_distill_errors(config.distill, config.rollout.temperature))
+    errors.extend(_lora_errors(config))
+    return errors
+
+
+def _lora_errors(config: Config) -> list[str]:
+    """The adapters' sizes, and ``lora.*`` keys set with LoRA off (rank 0: full fine-tuning would ignore them)."""
+    lora, errors = config.lora, []
+    if lora.rank < 0:
+        errors.append(f"lora.rank={lora.rank}: must be >= 0 (0: full fine-tuning)")
+    if lora.rank <= 0:
+        return errors + [f"lora.{f.name}={getattr(lora, f.name)} does nothing with lora.rank=0 (full fine-tuning): "
+                         "set lora.rank >= 1 for adapters, or drop the key"
+                         for f in dataclasses.fields(lora) if f.name != "rank" and getattr(lora, f.name) != _default(f)]
+    if not lora.alpha > 0:
+        errors.append(f"lora.alpha={lora.alpha}: must be > 0 (the update is scaled by alpha / rank)")
+    if not 0 <= lora.dropout < 1:
+        errors.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
+    if lora.targets is not None and (not lora.targets or len(set(lora.targets)) < len(lora.targets)):
+        errors.append(f"lora.targets={lora.targets}: give each linear layer once, at least one (null: all the model's)")
+    if config.model.compile:
+        errors.append("lora.rank >= 1 with model.compile=true: compiled layers are not tested with adapters; use "
+                      "model.compile=false")
     return errors
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_offgrpo.config._choices import LoraSync, LoraTarget
+
 
 @dataclasses.dataclass
 class EnvConfig:
@@ -75,3 +77,25 @@ class SftConfig:
     off_by_one_fraction: float = 0.0
     """Fraction of warm-up answers given as the ground truth plus one (integer answers; 0: never): a teacher more often
     wrong than right leaves a model that samples but does not decode the right answer, which the demo's RL learns."""
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy, the base frozen (no gradient, no optimizer state for it), and what each
+    refresh sends the engines."""
+
+    rank: int = 0
+    """r of every adapter; 0: off (full fine-tuning). RL carries little information per step: rank 1 already matches
+    full fine-tuning on GRPO ("LoRA Without Regret", Thinking Machines 2025) at about 10x its learning rate."""
+    alpha: float = 32.0
+    """The update is scaled by alpha / rank (PEFT's lora_alpha); a fixed alpha keeps the best learning rate about the
+    same across ranks."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training (PEFT's lora_dropout); 0 keeps the trainer's log-probs those of
+    the engine's."""
+    targets: list[LoraTarget] | None = None
+    """The linear layers that get an adapter (megatron's names: linear_qkv holds q/k/v, linear_fc1 gate/up).
+    null: all four on dense models, the attention's two on Qwen3-MoE (whose MLP is its experts)."""
+    sync: LoraSync = "adapter"
+    """What each refresh sends: "adapter" (the engines serve base + adapter with vLLM's LoRA; a few MB), or "merged"
+    (base + scaling B A through the full refresh: engines without LoRA)."""

@@ -10,7 +10,7 @@ from megatron_offgrpo.config._choices import (
     RENAMED, AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
     KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
-from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, SftConfig
+from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, LoraConfig, SftConfig
 
 
 @dataclasses.dataclass
@@ -360,6 +360,7 @@ class Config:
     """The root of the tree."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)

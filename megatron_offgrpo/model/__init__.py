@@ -21,9 +21,9 @@ __all__ = [
     "hf_config_dict",
     "load_arch",
     "load_tokenizer",
+    "lora",
     "output_weight",
-    "params_dtype",
-    "precision_transformer_config",
+    "precision",
     "resolve_model_dir",
     "tokenizer_errors",
     "transformer_config",
@@ -36,8 +36,12 @@ def __getattr__(name: str):
         from megatron_offgrpo.model import _builder
 
         return getattr(_builder, name)
-    if name in ("params_dtype", "precision_transformer_config"):
+    if name == "precision":  # precision.params_dtype, precision.precision_transformer_config
         from megatron_offgrpo.model import _precision
 
-        return getattr(_precision, name)
+        return _precision
+    if name == "lora":  # lora.LoraSpec, lora.lora_spec, lora.attach_lora, lora.adapter_parameters
+        from megatron_offgrpo.model import _lora
+
+        return _lora
     raise AttributeError(name)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from megatron_offgrpo.config import Config, ConfigError, TrainConfig, load_config, long_component
-from megatron_offgrpo.model import QwenArch, load_arch, resolve_model_dir, tokenizer_errors
+from megatron_offgrpo.model import QwenArch, load_arch, lora, resolve_model_dir, tokenizer_errors
 from megatron_offgrpo.runlog import missing_trackers
 
 
@@ -134,6 +134,10 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
                 "parallel.sequence_parallel=null (or true), or parallel.tp=1"]
     if config.model.router_replay and not arch.is_moe:
         return [f"model.router_replay=true: {source} is a dense {arch.model_type} model, with no routers to replay"]
+    try:
+        lora.lora_spec(arch, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.targets, 0)
+    except ValueError as exc:
+        return [str(exc)]
     teacher = config.distill.teacher_path
     if teacher and not model_dir:
         errors = model_dir_errors(teacher, "distill.teacher_path", tokenizer=True)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_offgrpo.config import ConfigError, ModelConfig, OptimConfig
+from megatron_offgrpo.config import Config, ConfigError, ModelConfig, OptimConfig
 from megatron_offgrpo.model import (
     QwenArch,
     build_gpt_stage,
     compile_layers,
     expose_hidden_states,
-    params_dtype,
-    precision_transformer_config,
+    lora,
+    precision,
 )
 from megatron_offgrpo.runtime import ParallelContext, have_te
 
@@ -36,7 +36,7 @@ class Policy:
 
 def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
            sequence_parallel: bool | None, trained: bool) -> torch.nn.Module:
-    config = precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
+    config = precision.precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
                                           model_cfg.fp8_amax_history, model_cfg.fp8_margin, ctx.ep_size,
                                           model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size,
                                           sequence_parallel)
@@ -76,18 +76,34 @@ def load_initial_weights(stage: torch.nn.Module, arch: QwenArch, ctx: ParallelCo
                        ctx.pp_size, ctx.pp_rank, ctx.ep_size, ctx.ep_rank, ctx.expert_tp_size, ctx.expert_tp_rank)
 
 
+def adapter_spec(config: Config, arch: QwenArch) -> lora.LoraSpec | None:
+    """The ``lora.*`` section for ``arch`` (None: full fine-tuning); A's draw follows ``parallel.seed``.
+
+    Raises:
+        ConfigError: targets the arch cannot take (one line).
+    """
+    c = config.lora
+    try:
+        return lora.lora_spec(arch, c.rank, c.alpha, c.dropout, c.targets, config.parallel.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def build_policy(
     arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig, optim: OptimConfig, steps: int,
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool | None = None, adapters: lora.LoraSpec | None = None,
 ) -> Policy:
     """The trainable stage with its DDP wrapper, optimizer and schedule (collective: every rank calls it);
-    ``sequence_parallel`` as ``parallel.sequence_parallel``."""
+    ``sequence_parallel`` as ``parallel.sequence_parallel``. With ``adapters`` (LoRA) the loaded weights are frozen
+    and only the adapters train: DDP gives the base no gradient buffer and the optimizer no state."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     stage = _stage(arch, ctx, model_cfg, sequence_parallel, trained=True)
     load_initial_weights(stage, arch, ctx, model_cfg)
+    if adapters is not None:
+        lora.attach_lora(stage, adapters)
     if model_cfg.compile:
         compile_layers(stage, model_cfg.compile_mode)
     ddp = DistributedDataParallel(
@@ -102,7 +118,7 @@ def build_policy(
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, clip_grad=optim.clip_grad,
-                        bf16=bf16, params_dtype=params_dtype(model_cfg.precision),
+                        bf16=bf16, params_dtype=precision.params_dtype(model_cfg.precision),
                         use_distributed_optimizer=optim.distributed_optimizer),
         [ddp],
     )
@@ -133,10 +149,14 @@ def use_fused_adam(optimizer) -> list:
 
 
 def frozen_copy(
-    source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig
+    source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
+    adapters: lora.LoraSpec | None = None,
 ) -> torch.nn.Module:
-    """A non-trainable stage with ``source``'s weights and layout (reference policy, or behavior snapshot)."""
+    """A non-trainable stage with ``source``'s weights and layout (reference policy, or behavior snapshot); with
+    ``adapters``, ``source``'s adapters too."""
     copy = _stage(arch, ctx, model_cfg, source.config.sequence_parallel, trained=False).eval()
+    if adapters is not None:
+        lora.attach_lora(copy, adapters)
     copy_weights(source, copy)
     for param in copy.parameters():
         param.requires_grad_(False)

@@ -28,7 +28,7 @@ from megatron_offgrpo.train._batch import (
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 from megatron_offgrpo.train._checkpoint import TrainerState, load_checkpoint, resume_schedule, save_checkpoint
-from megatron_offgrpo.train._policy import Policy, build_policy, copy_weights, frozen_copy
+from megatron_offgrpo.train._policy import Policy, adapter_spec, build_policy, copy_weights, frozen_copy
 from megatron_offgrpo.train._router_load import RouterLoad
 from megatron_offgrpo.train._step import Learned, policy_step, sequence_shard, token_logprobs
 from megatron_offgrpo.train._teacher import Teacher
@@ -65,14 +65,15 @@ class TrainerSide:
                             etp=config.parallel.etp)
         torch.use_deterministic_algorithms(config.train.deterministic)
         arch = load_arch(config.model.hf_path)
+        adapters = adapter_spec(config, arch)
         policy = build_policy(arch, ctx, config.model, config.optim, config.train.steps,
-                              config.parallel.sequence_parallel)
+                              config.parallel.sequence_parallel, adapters)
         side = cls(config, ctx, arch, policy, config.algo.objective_params(config.rollout.drgrpo_constant()),
                    config.algo.advantage_params())
         if config.rollout.behavior_logprobs == "recompute":
-            side.snapshot = frozen_copy(policy.model, arch, ctx, config.model)
+            side.snapshot = frozen_copy(policy.model, arch, ctx, config.model, adapters)
         if config.algo.kl_beta > 0:
-            side.reference = frozen_copy(policy.model, arch, ctx, config.model)
+            side.reference = frozen_copy(policy.model, arch, ctx, config.model, adapters)
         if config.distill.on:
             side.teacher = Teacher.build(config, ctx, arch)
         if arch.is_moe:
