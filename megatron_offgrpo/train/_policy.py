@@ -36,10 +36,10 @@ class Policy:
 
 def _stage(arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
            sequence_parallel: bool | None, trained: bool) -> torch.nn.Module:
-    config = precision.precision_transformer_config(arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe,
-                                          model_cfg.fp8_amax_history, model_cfg.fp8_margin, ctx.ep_size,
-                                          model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size,
-                                          sequence_parallel)
+    config = precision.precision_transformer_config(
+        arch, ctx.tp_size, ctx.pp_size, model_cfg.precision, model_cfg.fp8_recipe, model_cfg.fp8_amax_history,
+        model_cfg.fp8_margin, ctx.ep_size, model_cfg.moe_aux_loss_coef, model_cfg.router_replay, ctx.expert_tp_size,
+        sequence_parallel)
     # the fused weight-gradient GEMMs add into DDP's main_grad, which only the trained stage has
     config.gradient_accumulation_fusion = trained and grad_accum_fusion(model_cfg)
     stage = build_gpt_stage(arch, config, ctx.is_first_stage, ctx.is_last_stage)
