@@ -20,9 +20,11 @@ layer's global number, then sliced: the same adapter at any TP/PP layout. B star
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import zlib
+from typing import Iterator
 import torch
 
 COLUMN_PARALLEL: tuple[str, ...] = ("linear_qkv", "linear_fc1")
@@ -61,6 +63,7 @@ class LoraAdapter(torch.nn.Module):
         self.weight_a = torch.nn.Parameter(weight_a)
         self.weight_b = torch.nn.Parameter(weight_b)
         self.rank, self.scaling, self.column_parallel = weight_a.shape[0], scaling, column_parallel
+        self.enabled = True  # off: the base alone (``scored_with``: the KL reference without a copy of the base)
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
 
 
@@ -119,6 +122,8 @@ def _adapted_forward(module: torch.nn.Module, base_forward, x: torch.Tensor, *ar
     out, bias = base_forward(x, *args, **kwargs)
     if isinstance(out, tuple):  # TE's fused norm + linear with return_layernorm_output: the adapter reads the norm
         out, x = out
+    if not adapter.enabled:
+        return out, bias
     sequence_parallel = bool(getattr(module, "sequence_parallel", False))
     tp_group = getattr(module, "tp_group", None)
     delta = (_column_delta if adapter.column_parallel else _row_delta)(adapter, x, sequence_parallel, tp_group)
@@ -188,6 +193,29 @@ def attach_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
 def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The adapters' parameters by name (``...<linear>.lora.weight_a``); empty without LoRA."""
     return {name: param for name, param in model.named_parameters() if f".{ADAPTER}.weight_" in name}
+
+
+@contextlib.contextmanager
+def scored_with(model: torch.nn.Module, values: dict[str, torch.Tensor] | None) -> Iterator[torch.nn.Module]:
+    """``model`` with other adapter values for a forward without gradients: ``values`` (a copy of
+    ``adapter_parameters`` taken earlier: the version the engine serves) or, with None, no adapters (the base: the
+    initial policy). What a frozen copy of the whole stage gave, for the size of the adapters."""
+    params = adapter_parameters(model)
+    adapters = [m for m in model.modules() if isinstance(m, LoraAdapter)]
+    kept = {name: param.data for name, param in params.items()}
+    try:
+        if values is None:
+            for adapter in adapters:
+                adapter.enabled = False
+        else:
+            for name, param in params.items():
+                param.data = values[name]
+        yield model
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
+        for name, param in params.items():
+            param.data = kept[name]
 
 
 def lora_spec(arch, rank: int, alpha: float, dropout: float, targets: list[str] | None, seed: int) -> LoraSpec | None:

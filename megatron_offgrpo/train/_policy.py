@@ -6,6 +6,7 @@ behavior log-probs, refreshed with the engine).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -148,15 +149,50 @@ def use_fused_adam(optimizer) -> list:
     return switched
 
 
+@dataclasses.dataclass
+class FrozenPolicy:
+    """A frozen policy to score tokens with (the KL reference, the behavior snapshot).
+
+    Attributes:
+        model: a whole stage of its own (full fine-tuning), or, with LoRA, the trained stage itself, scored under
+            ``adapters``: no second copy of the base, only of the adapters.
+        adapters: LoRA: the adapter values to score with (``model.lora.scored_with``: a copy taken by ``follow``, or
+            None for the base alone: the initial policy).
+        shares_base: whether ``model`` is the trained stage.
+    """
+
+    model: torch.nn.Module
+    adapters: dict[str, torch.Tensor] | None = None
+    shares_base: bool = False
+
+    def scoring(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """The model to score with, for the length of a ``with``."""
+        return lora.scored_with(self.model, self.adapters) if self.shares_base else contextlib.nullcontext(self.model)
+
+    def follow(self, source: torch.nn.Module) -> None:
+        """Take ``source``'s current weights (the snapshot, after a refresh)."""
+        if self.shares_base:
+            self.adapters = {name: p.detach().clone() for name, p in lora.adapter_parameters(source).items()}
+        else:
+            copy_weights(source, self.model)
+
+
+def frozen_policy(source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
+                  initial: bool) -> FrozenPolicy:
+    """``source``'s policy frozen now: the reference (``initial``: with LoRA, the base alone) or the snapshot."""
+    if lora.adapter_parameters(source):
+        frozen = FrozenPolicy(source, None, shares_base=True)
+        if not initial:
+            frozen.follow(source)
+        return frozen
+    return FrozenPolicy(frozen_copy(source, arch, ctx, model_cfg))
+
+
 def frozen_copy(
-    source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig,
-    adapters: lora.LoraSpec | None = None,
+    source: torch.nn.Module, arch: QwenArch, ctx: ParallelContext, model_cfg: ModelConfig
 ) -> torch.nn.Module:
-    """A non-trainable stage with ``source``'s weights and layout (reference policy, or behavior snapshot); with
-    ``adapters``, ``source``'s adapters too."""
+    """A non-trainable stage with ``source``'s weights and layout."""
     copy = _stage(arch, ctx, model_cfg, source.config.sequence_parallel, trained=False).eval()
-    if adapters is not None:
-        lora.attach_lora(copy, adapters)
     copy_weights(source, copy)
     for param in copy.parameters():
         param.requires_grad_(False)

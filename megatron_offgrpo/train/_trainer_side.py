@@ -28,7 +28,7 @@ from megatron_offgrpo.train._batch import (
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
 from megatron_offgrpo.train._checkpoint import TrainerState, load_checkpoint, resume_schedule, save_checkpoint
-from megatron_offgrpo.train._policy import Policy, adapter_spec, build_policy, copy_weights, frozen_copy
+from megatron_offgrpo.train._policy import FrozenPolicy, Policy, adapter_spec, build_policy, frozen_policy
 from megatron_offgrpo.train._router_load import RouterLoad
 from megatron_offgrpo.train._step import Learned, policy_step, sequence_shard, token_logprobs
 from megatron_offgrpo.train._teacher import Teacher
@@ -53,8 +53,8 @@ class TrainerSide:
     policy: Policy
     objective: ObjectiveParams
     advantage: AdvantageParams
-    snapshot: torch.nn.Module | None = None
-    reference: torch.nn.Module | None = None
+    snapshot: FrozenPolicy | None = None
+    reference: FrozenPolicy | None = None
     teacher: Teacher | None = None
     router_load: RouterLoad | None = None
 
@@ -71,9 +71,9 @@ class TrainerSide:
         side = cls(config, ctx, arch, policy, config.algo.objective_params(config.rollout.drgrpo_constant()),
                    config.algo.advantage_params())
         if config.rollout.behavior_logprobs == "recompute":
-            side.snapshot = frozen_copy(policy.model, arch, ctx, config.model, adapters)
+            side.snapshot = frozen_policy(policy.model, arch, ctx, config.model, initial=False)
         if config.algo.kl_beta > 0:
-            side.reference = frozen_copy(policy.model, arch, ctx, config.model, adapters)
+            side.reference = frozen_policy(policy.model, arch, ctx, config.model, initial=True)
         if config.distill.on:
             side.teacher = Teacher.build(config, ctx, arch)
         if arch.is_moe:
@@ -113,11 +113,13 @@ class TrainerSide:
         """Exact behavior log-probs (from the snapshot of the pushed weights) and reference log-probs, in place."""
         temperature = self.config.rollout.temperature
         if self.snapshot is not None:
-            for mb, logp in zip(microbatches, token_logprobs(self.snapshot, self.ctx, microbatches, temperature)):
-                mb.behavior_logp = torch.where(mb.loss_mask, logp, mb.behavior_logp)
+            with self.snapshot.scoring() as model:
+                for mb, logp in zip(microbatches, token_logprobs(model, self.ctx, microbatches, temperature)):
+                    mb.behavior_logp = torch.where(mb.loss_mask, logp, mb.behavior_logp)
         if self.reference is not None:
-            for mb, logp in zip(microbatches, token_logprobs(self.reference, self.ctx, microbatches, temperature)):
-                mb.ref_logp = logp
+            with self.reference.scoring() as model:
+                for mb, logp in zip(microbatches, token_logprobs(model, self.ctx, microbatches, temperature)):
+                    mb.ref_logp = logp
 
     def weight_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The policy as HF-named buckets, yielded on global rank 0; every rank must iterate (collective)."""
@@ -126,7 +128,7 @@ class TrainerSide:
     def weights_pushed(self) -> None:
         """The engine now serves the current weights: the snapshot follows (exact behavior log-probs)."""
         if self.snapshot is not None:
-            copy_weights(self.policy.model, self.snapshot)
+            self.snapshot.follow(self.policy.model)
 
     def probe_logprobs(self, probe_ids: list[int]) -> list[float]:
         """The policy's log-probs of ``probe_ids`` on every rank (collective): what a refreshed engine must match."""

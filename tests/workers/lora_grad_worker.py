@@ -67,12 +67,31 @@ def _set_b(adapters, ctx) -> None:
         adapter.weight_b.copy_(whole.to(adapter.weight_b.dtype))
 
 
+def _check_reference(side, model) -> None:
+    """The KL reference with LoRA is the trained stage with its adapters off: exactly the stage with B = 0."""
+    probe = list(range(3, 40))
+    with lora.scored_with(model, None):
+        off = side.probe_logprobs(probe)
+    kept = {name: p.detach().clone() for name, p in lora.adapter_parameters(model).items()}
+    with torch.no_grad():
+        for name, param in lora.adapter_parameters(model).items():
+            if name.endswith("weight_b"):
+                param.zero_()
+        zero = side.probe_logprobs(probe)
+        for name, param in lora.adapter_parameters(model).items():
+            param.copy_(kept[name])
+    now = side.probe_logprobs(probe)
+    assert off == zero, f"adapters off is not the base: {off[:3]} {zero[:3]}"
+    assert off != now or not any(now), "the adapters change nothing"  # log-probs are filled on the rank that reports
+
+
 def main() -> None:
     out, hf_dir, *overrides = sys.argv[1:]
     arch = load_arch(hf_dir)
     config = load_config(None, [f"model.hf_path={hf_dir}", "model.init=hf", "rollout.engine=transformers",
                                 f"rollout.group_size={G}", "rollout.prompts_per_step=2", "optim.lr=1e-3",
-                                "train.deterministic=true", "lora.rank=4", "lora.alpha=8",
+                                "train.deterministic=true", "lora.rank=4", "lora.alpha=8", "algo.kl_beta=0.05",
+                                "rollout.behavior_logprobs=recompute",
                                 f"train.out_dir={Path(out).parent / 'run'}", *overrides])
     side = TrainerSide.build(config)
     model, ctx = side.policy.model, side.ctx
@@ -89,6 +108,7 @@ def main() -> None:
         assert torch.equal(before, dict(model.named_parameters())[name]), f"base weight {name} changed"
     state_params = sum(len(opt.optimizer.state) for opt in getattr(side.policy.optimizer, "chained_optimizers",
                                                                    [side.policy.optimizer]))
+    _check_reference(side, model)
     grads, values = {}, {}
     for name, adapter in adapters:
         a_dim, b_dim = (None, 0) if adapter.column_parallel else (1, None)
