@@ -74,3 +74,18 @@ def test_moe_attention_adapters_match_one_process_at_tp2_and_ep2(moe_dir, tmp_pa
         assert split["metrics"]["loss"] == pytest.approx(single["metrics"]["loss"], rel=1e-5)
         for name, grad in single["grads"].items():
             torch.testing.assert_close(split["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=f"{layout} {name}")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [[], ["parallel.tp=2"], ["parallel.pp=2"]], ids=["1", "tp2", "pp2"])
+def test_a_resumed_lora_run_takes_the_next_step_exactly(hf_dir, tmp_path, layout):
+    """kill -9 after a checkpoint, resumed: the adapters and their Adam moments come back from the dist checkpoint
+    (the base from model.hf_path), and the next step is bit-identical."""
+    nproc = 2 if layout else 1
+    first = tmp_path / "first.pt"
+    run_torchrun(WORKER, nproc, [str(first), hf_dir, *layout])
+    (checkpoint,) = (tmp_path / "run" / "checkpoints").glob("step_*")
+    proc = run_torchrun(WORKER, nproc, [str(tmp_path / "again.pt"), hf_dir, "resume", str(checkpoint),
+                                        str(first.with_suffix(".second.pt")), *layout])
+    assert "RESUMED EXACTLY" in proc.stdout, proc.stdout[-3000:]

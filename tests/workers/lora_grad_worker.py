@@ -85,8 +85,38 @@ def _check_reference(side, model) -> None:
     assert off != now or not any(now), "the adapters change nothing"  # log-probs are filled on the rank that reports
 
 
+def _save_then_step(side, samples, run_dir: Path, hf_dir: str) -> dict:
+    """Save a checkpoint after the first step, take a second: what a resumed run must take again exactly."""
+    from megatron_offgrpo.train._checkpoint import TrainerState, save_checkpoint
+    from megatron_offgrpo.train._weights import model_card
+
+    model, policy = side.policy.model, side.policy
+    state = TrainerState(step=1, version=0, scheduler=policy.scheduler.state_dict())
+    save_checkpoint(run_dir, model, policy.optimizer, state, card=model_card(model, side.arch, side.ctx, Path(hf_dir)))
+    loss = side.learn(samples).metrics["loss"]
+    return {"loss": loss, "values": {n: p.detach().clone() for n, p in lora.adapter_parameters(model).items()}}
+
+
+def _resume_step(side, samples, checkpoint: Path, expected: Path) -> None:
+    """A fresh process loads the checkpoint and takes the second step: the same loss, bit-identical adapters."""
+    from megatron_offgrpo.train._checkpoint import load_checkpoint, resume_schedule
+
+    model, policy = side.policy.model, side.policy
+    state = load_checkpoint(checkpoint, model, policy.optimizer)
+    resume_schedule(policy.scheduler, state.scheduler)
+    want = torch.load(expected)[side.ctx.rank]
+    loss = side.learn(samples).metrics["loss"]
+    assert loss == want["loss"], f"loss after resume {loss} != {want['loss']}"
+    for name, param in lora.adapter_parameters(model).items():
+        assert torch.equal(param, want["values"][name]), f"{name} differs after resume"
+    print(f"RESUMED EXACTLY tp={side.ctx.tp_size} pp={side.ctx.pp_size}")
+
+
 def main() -> None:
     out, hf_dir, *overrides = sys.argv[1:]
+    resume = overrides[:1] == ["resume"]  # resume CHECKPOINT EXPECTED: the second half of the exact-resume check
+    checkpoint, expected, overrides = (Path(overrides[1]), Path(overrides[2]), overrides[3:]) if resume else (
+        None, None, overrides)
     arch = load_arch(hf_dir)
     config = load_config(None, [f"model.hf_path={hf_dir}", "model.init=hf", "rollout.engine=transformers",
                                 f"rollout.group_size={G}", "rollout.prompts_per_step=2", "optim.lr=1e-3",
@@ -103,6 +133,8 @@ def main() -> None:
     buffer_numel = sum(b.numel_unpadded if hasattr(b, "numel_unpadded") else b.grad_data.numel()
                        for b in side.policy.ddp.buffers)
     samples = fixed_samples(arch.vocab_size, arch.num_layers, 0, 0)
+    if resume:
+        return _resume_step(side, samples, checkpoint, expected)
     metrics = side.learn(samples).metrics
     for name, before in base_before.items():
         assert torch.equal(before, dict(model.named_parameters())[name]), f"base weight {name} changed"
@@ -117,6 +149,8 @@ def main() -> None:
         grads[f"{name}.b"] = _whole(adapter.weight_b.main_grad, b_dim, ctx, gated)
         values[f"{name}.a"] = _whole(adapter.weight_a, a_dim, ctx, False)
         values[f"{name}.b"] = _whole(adapter.weight_b, b_dim, ctx, gated)
+    second = [None] * dist.get_world_size()
+    dist.all_gather_object(second, _save_then_step(side, samples, Path(out).parent / "run", hf_dir))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (grads, values))
     if ctx.rank == 0:
@@ -125,6 +159,7 @@ def main() -> None:
         torch.save({"metrics": metrics, "grads": merged_grads, "values": merged_values,
                     "trained_numel": sum(p.numel() for p in trained), "buffer_numel": buffer_numel,
                     "state_params": state_params}, out)
+        torch.save(second, Path(out).with_suffix(".second.pt"))
     print(f"DONE tp={ctx.tp_size} pp={ctx.pp_size} dp={ctx.dp_size} loss={metrics['loss']:.6f}")
 
 
