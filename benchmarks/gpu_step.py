@@ -42,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -56,16 +57,20 @@ VARIANTS = {"eager": dict(compile=False, grad_accum_fusion=False),
             "compiled": dict(compile=True, grad_accum_fusion=False),
             "graphed": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=False),
             "graphed-fused": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=True),
-            "graphed-foreach-adam": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=False)}
+            "graphed-foreach-adam": dict(compile=True, compile_mode="reduce-overhead", grad_accum_fusion=False),
+            "lora-r1": dict(compile=False, grad_accum_fusion=False),
+            "lora-r16": dict(compile=False, grad_accum_fusion=False),
+            "lora-r64": dict(compile=False, grad_accum_fusion=False)}
 """Step variant -> its ``model.`` keys. ``graphed-foreach-adam`` also puts megatron's torch AdamW back on torch's
-multi-tensor path, as megatron builds it (the trainer switches it to the fused kernel: ``use_fused_adam``)."""
+multi-tensor path, as megatron builds it (the trainer switches it to the fused kernel: ``use_fused_adam``).
+``lora-rN``: eager layers with rank-N adapters on all four linears (alpha 32), the base frozen (``lora.rank=N``)."""
 FULL = dict(config=ASSETS / "qwen2.5-0.5b-config", precision="bf16", steps=5, warmup=2, seq=2048, prompt=512,
             samples=4, micro_batches=4, loss_tokens=16384, repeats=10,
             variants="eager,fused,compiled,graphed,graphed-fused")
 TINY = dict(config=ASSETS / "tiny-qwen2", precision="fp32", steps=2, warmup=1, seq=32, prompt=8,
             samples=4, micro_batches=2, loss_tokens=256, repeats=2, variants="eager")
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "layers", "loss impl", "tokens/step", "loss tokens/step",
-                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "GPU busy", "host syncs/step", "loss"]
+                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "GPU busy", "host syncs/step", "peak GiB", "loss"]
 
 
 
@@ -96,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated step variants, one row each: eager, fused (model.grad_accum_fusion), "
                              "compiled (model.compile: torch.compile of each decoder layer), graphed (compiled with "
                              "compile_mode=reduce-overhead: CUDA graphs), graphed-fused, graphed-foreach-adam "
-                             "(megatron's multi-tensor AdamW); default the first five (--tiny: eager)")
+                             "(megatron's multi-tensor AdamW), lora-r1, lora-r16, lora-r64 (LoRA of that rank, the "
+                             "base frozen); default the first five (--tiny: eager)")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-device peak for MFU")
     parser.add_argument("--lr", type=float, default=1e-6, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=1234)
@@ -119,17 +125,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def step_flops(arch, positions: int, seq: int, loss_tokens: int) -> float:
-    """FLOPs of one training step (forward + backward), by the formula in the module docstring."""
+def step_flops(arch, positions: int, seq: int, loss_tokens: int, frozen_base: bool = False) -> float:
+    """FLOPs of one training step (forward + backward), by the formula in the module docstring; ``frozen_base``
+    (LoRA): 4 in place of 6 per weight (no weight-gradient GEMM; the adapters' own FLOPs, r / H of the rest, left
+    out)."""
     q, kv, hidden = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.hidden_size
     if arch.is_moe:  # the router, then the top-k experts a token is sent to
         mlp = hidden * arch.num_experts + arch.moe_top_k * 3 * hidden * arch.moe_intermediate_size
     else:
         mlp = 3 * hidden * arch.intermediate_size
     per_layer = hidden * (q + 2 * kv) + q * hidden + mlp
-    body = 6 * arch.num_layers * per_layer * positions
+    per_weight = 4 if frozen_base else 6
+    body = per_weight * arch.num_layers * per_layer * positions
     attention = 12 * arch.num_layers * q * seq * positions
-    head = 6 * arch.vocab_size * hidden * loss_tokens
+    head = per_weight * arch.vocab_size * hidden * loss_tokens
     return float(body + attention + head)
 
 
@@ -173,17 +182,24 @@ def device_batches(samples, args, device) -> tuple[list, int, int]:
 def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
     """Build the policy (``variant``: eager, or compiled layers) and time its steps: the row of the step table, and
     the trained output layer [V, H]."""
+    import torch
+
     from megatron_offgrpo.algo import ObjectiveParams
     from megatron_offgrpo.config import ModelConfig, OptimConfig
     from megatron_offgrpo.kernels import resolve_impl
-    from megatron_offgrpo.model import output_weight
+    from megatron_offgrpo.model import lora, output_weight
     from megatron_offgrpo.runtime import have_te
     from megatron_offgrpo.train import build_policy, policy_step, use_fused_adam
 
     model_cfg = ModelConfig(hf_path=str(args.config), init="random", precision=args.precision,
                             fp8_recipe=args.fp8_recipe, fp8_amax_history=args.fp8_amax_history,
                             fp8_margin=args.fp8_margin, **VARIANTS[variant])
-    policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps)
+    adapters = lora.lora_spec(arch, int(variant[len("lora-r"):]), 32.0, 0.0, None, args.seed) if (
+        variant.startswith("lora-r")) else None
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    policy = build_policy(arch, ctx, model_cfg, OptimConfig(lr=args.lr), args.warmup + args.steps,
+                          adapters=adapters)
     if variant.endswith("foreach-adam"):
         for torch_adam in use_fused_adam(policy.optimizer):
             for group in torch_adam.param_groups:
@@ -203,10 +219,14 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
     syncs = _count_syncs(step, ctx.device, args.out / f"profile-{variant}.txt" if args.profile else None)
     if not all(math.isfinite(loss) for loss in timed_losses):
         raise SystemExit(f"gpu_step: non-finite training loss {timed_losses}")
+    on_cuda = ctx.device.type == "cuda"
     positions = sum(mb.tokens.numel() for mb in mbs)
     loss_tokens = int(sum(mb.loss_mask.sum() for mb in mbs))
-    tflops = step_flops(arch, positions, mbs[0].tokens.shape[1], loss_tokens) / seconds / 1e12
-    on_cuda = ctx.device.type == "cuda"
+    tflops = step_flops(arch, positions, mbs[0].tokens.shape[1], loss_tokens, adapters is not None) / seconds / 1e12
+    # CUDA: the allocator's peak since the build (weights, grads, optimizer state, activations); CPU: this process's
+    # peak RSS, which only a process of its own per variant makes comparable (benchmarks/lora.py runs them so)
+    peak = (torch.cuda.max_memory_allocated() if on_cuda else
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
     spec = ("transformer-engine" + (", grouped-GEMM experts" if arch.is_moe else "")) if have_te() else "local"
     row = {"model": _model_name(args, arch), "device": _device_name(ctx.device), "precision": args.precision,
             "layer spec": spec, "layers": variant,
@@ -216,7 +236,7 @@ def train_row(args, ctx, arch, variant: str) -> tuple[dict, object]:
             "MFU": f"{100 * tflops / args.peak_tflops:.1f}%" if on_cuda else "n/a (CPU)",
             "GPU busy": f"{100 * busy:.1f}%" if busy is not None else "n/a (CPU)",
             "host syncs/step": syncs if syncs is not None else "n/a (CPU)",
-            "loss": f"{timed_losses[-1]:.6g}"}
+            "peak GiB": round(peak, 2), "loss": f"{timed_losses[-1]:.6g}"}
     return row, output_weight(policy.model).detach()
 
 

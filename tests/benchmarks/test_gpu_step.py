@@ -17,7 +17,7 @@ from tests.helpers import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_step.py"
 STEP_COLUMNS = ["model", "device", "precision", "layer spec", "layers", "loss impl", "tokens/step", "loss tokens/step",
-                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "GPU busy", "host syncs/step", "loss"]
+                "step s (median)", "tokens/s", "TFLOP/s", "MFU", "GPU busy", "host syncs/step", "peak GiB", "loss"]
 LOSS_COLUMNS = ["impl", "N x V", "fwd+bwd ms (median)", "peak extra MiB", "loss", "loss diff vs torch",
                 "grad rel diff vs torch", "status"]
 
