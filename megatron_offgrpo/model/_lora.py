@@ -119,9 +119,13 @@ def _row_delta(adapter: LoraAdapter, x: torch.Tensor, sequence_parallel: bool, t
 
 def _adapted_forward(module: torch.nn.Module, base_forward, x: torch.Tensor, *args, **kwargs):
     adapter: LoraAdapter = getattr(module, ADAPTER)
-    out, bias = base_forward(x, *args, **kwargs)
-    if isinstance(out, tuple):  # TE's fused norm + linear with return_layernorm_output: the adapter reads the norm
-        out, x = out
+    result = base_forward(x, *args, **kwargs)
+    # TE's fused norm + linear with return_layernorm_output also returns the norm's output, which A reads: (out, bias,
+    # normed) when TE returns the bias, else megatron's (out, None) holds (out, normed) as its first item
+    if len(result) == 3:
+        out, bias, x = result
+    else:
+        (out, x), bias = (result[0], result[1]) if isinstance(result[0], tuple) else ((result[0], x), result[1])
     if not adapter.enabled:
         return out, bias
     sequence_parallel = bool(getattr(module, "sequence_parallel", False))
