@@ -12,8 +12,9 @@ Variants (``--variants``), each run at every v from the same warm-ups: ``grpo`` 
 with refill and its clip-higher ``algo.eps_high=0.28``), and ``grpo-async`` (the recipe in ``rollout.mode=async``,
 staleness bound v: the learning side of ``benchmarks/async_rollout.py``). ``distill`` (on-policy distillation alone,
 ``distill.reward_weight=0``) and ``grpo-distill`` (beside the reward) take as their teacher the same seed's ``grpo``
-run at the largest v (its trained policy, ``RUN/hf``), the student its warm-up: list ``grpo`` before them. The
-default runs the first three.
+run at the largest v (its trained policy, ``RUN/hf``), the student its warm-up: list ``grpo`` before them.
+``lora-r1`` and ``lora-r16``: the recipe with LoRA adapters of that rank (alpha 32, the base frozen, adapter-only
+refresh) at 10x its learning rate. The default runs the first three.
 
 Usage: python benchmarks/onpolicy_vs_offpolicy.py [--vs 1 4] [--variants grpo gspo dapo] [--seeds 3] [--steps 40]
 [--target 0.6]
@@ -37,6 +38,10 @@ VARIANTS = {
     "grpo-async": ["rollout.mode=async"],
     "distill": ["distill.teacher_path={teacher}", "distill.reward_weight=0.0"],
     "grpo-distill": ["distill.teacher_path={teacher}", "distill.reward_weight=1.0"],
+    # LoRA at alpha 32: 10x the recipe's learning rate ("LoRA Without Regret": the best LoRA rate for RL is about
+    # 10x full fine-tuning's, the same at every rank for a fixed alpha)
+    "lora-r1": ["lora.rank=1", "optim.lr=3e-3"],
+    "lora-r16": ["lora.rank=16", "optim.lr=3e-3"],
 }
 """Variant -> the overrides of ``configs/tiny-cpu.yaml`` that make it ({teacher}: the seed's grpo policy)."""
 
