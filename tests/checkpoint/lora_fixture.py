@@ -1,7 +1,7 @@
-"""LoRA adapters for the export tests, built by hand to the model room's contract (``model.lora``): under each adapted
-linear ``P`` a child ``P.lora`` with ``weight_a`` [r, in], ``weight_b`` [out, r] (this TP rank's shards: a
-column-parallel layer's B split as its weight's rows, a row-parallel layer's A as its weight's columns) and a float
-``scaling``. Only what the export reads: no forward, no checkpoint entries.
+"""LoRA adapters for the export tests: the model room's (``model.lora``: under each adapted linear ``P`` a child
+``P.lora`` with ``weight_a`` [r, in], ``weight_b`` [out, r], this TP rank's shards, and a float ``scaling``) holding
+the test's own whole random factors, sharded (a column-parallel layer's B as its weight's rows, a row-parallel
+layer's A as its weight's columns).
 
 The oracle is megatron's own arithmetic on whole tensors: ``merged_hf`` adds ``s B A`` to each full megatron weight
 and names the result through the base weight map alone, so the adapter mapping under test is not used to check
@@ -44,7 +44,7 @@ def _megatron_shapes(arch) -> dict[str, tuple[int, int]]:
 
 
 class HandAdapter(torch.nn.Module):
-    """One linear's adapter shards, as ``model.lora.LoraAdapter`` holds them."""
+    """One linear's adapter shards as the contract names them, without the model room (the card's test)."""
 
     def __init__(self, weight_a: torch.Tensor, weight_b: torch.Tensor, scaling: float):
         super().__init__()
@@ -53,18 +53,25 @@ class HandAdapter(torch.nn.Module):
         self.scaling = scaling
 
 
+@torch.no_grad()
 def attach(model: torch.nn.Module, card: adapters.LoraCard, fulls, tp: int = 1, tp_rank: int = 0,
            layer_offset: int = 0) -> None:
-    """Give a stage (stage-local layers from global ``layer_offset``) its rank's shards of ``fulls``."""
+    """Give a stage (stage-local layers from global ``layer_offset``) the model room's adapters
+    (``model.lora.attach_lora``: forward and checkpoint entries), then this rank's shards of ``fulls`` as their values
+    (sharded as ``adapters.adapter_split`` says; a shape the model room disagrees with fails the copy)."""
+    from megatron_offgrpo.model import lora
+
+    lora.attach_lora(model, lora.LoraSpec(card.rank, card.alpha, card.dropout, card.targets))
     for index in range(len(model.decoder.layers)):
         for target in card.targets:
             path = f"decoder.layers.{index}.{adapters.TARGETS[target]}"
             a, b = fulls[f"decoder.layers.{index + layer_offset}.{adapters.TARGETS[target]}.weight"]
-            like = model.get_submodule(path).weight
-            shards = [M.shard_for_tp(full, adapters.adapter_split(f"{path}.lora.weight_{f}"), tp, tp_rank)
-                      for f, full in (("a", a), ("b", b))]
-            model.get_submodule(path).add_module("lora", HandAdapter(*(s.to(like.dtype) for s in shards),
-                                                                     card.scaling))
+            adapter = model.get_submodule(f"{path}.lora")
+            for factor, full in (("a", a), ("b", b)):
+                shard = M.shard_for_tp(full, adapters.adapter_split(f"{path}.lora.weight_{factor}"), tp, tp_rank)
+                param = getattr(adapter, f"weight_{factor}")
+                assert param.shape == shard.shape, f"{path}.lora.weight_{factor}: {param.shape} != {shard.shape}"
+                param.copy_(shard)
 
 
 def merged_hf(hf_state: dict[str, torch.Tensor], arch, card: adapters.LoraCard, fulls) -> dict[str, torch.Tensor]:

@@ -198,13 +198,16 @@ def _assert_exports(exported: dict[str, dict[str, torch.Tensor]], hf_dir, arch) 
 
 
 @pytest.mark.parametrize("variant", ["qwen2_tied", "qwen3_untied", "qwen3_moe"])
-def test_a_live_lora_model_streams_merged_and_adapter_only(hf_models, moe_models, variant):
+def test_a_live_lora_model_streams_merged_and_adapter_only(hf_models, moe_models, variant, tmp_path):
     """One process, TP1: the trainer's export of a model with adapters, both ways; a full export never drops the
-    adapter nor leaks its factors, and an adapter export of a model without adapters is refused."""
+    adapter nor leaks its factors; the PEFT adapter on the HF base scores the probe as the megatron model with its
+    adapters does; an adapter export of a model without adapters is refused."""
     from checkpoint_tools._mapping import hf_names
+    from megatron_offgrpo.model import expose_hidden_states
     from megatron_offgrpo.runtime import destroy_parallel, init_parallel
+    from megatron_offgrpo.train._trainer_side import probe_logprobs
     from megatron_offgrpo.train._weights import export_buckets
-    from tests.workers.lora_export_worker import export_both, lora_stage
+    from tests.workers.lora_export_worker import PROBE, card_for, export_both, lora_stage
 
     hf_dir = {**hf_models, **moe_models}[variant]
     ctx = init_parallel(1, 1, 1234, backend="gloo")
@@ -213,6 +216,9 @@ def test_a_live_lora_model_streams_merged_and_adapter_only(hf_models, moe_models
         exported = export_both(stage, arch, ctx)
         assert list(exported["merge"]) == hf_names(arch)  # in the order the streaming writer declares
         _assert_exports(exported, hf_dir, arch)
+        trainer_logp = torch.tensor(probe_logprobs(expose_hidden_states(stage), ctx, PROBE), dtype=torch.float64)
+        adapter = adapters.write_peft(tmp_path / "peft", card_for(arch), arch, exported["only"].items())
+        assert (_peft_logp(hf_dir, adapter, PROBE) - trainer_logp).abs().max() < 1e-5  # megatron's LoRA == PEFT's
         bare = dist_ckpt.cpu_stage(arch, torch.float32)
         with pytest.raises(ValueError, match="no LoRA adapters"):
             next(export_buckets(bare, arch, ctx, adapter="only"))
@@ -220,16 +226,72 @@ def test_a_live_lora_model_streams_merged_and_adapter_only(hf_models, moe_models
         destroy_parallel()
 
 
+def _peft_logp(hf_dir, adapter_dir, probe: list[int]) -> torch.Tensor:
+    """log p(probe[t] | probe[:t]), t >= 1, of the HF base with the PEFT adapter, in fp32."""
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    logp = _log_probs(model, torch.tensor([probe]))[0, :-1]
+    return logp.gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def _convert(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "convert", "megatron-to-hf", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.multiproc
 def test_a_lora_model_at_tp2_pp2_exports_what_one_process_computes(hf_models, tmp_path):
     """TP2 x PP2 (gloo): A of row-parallel and B of column-parallel layers gathered over TP (fc1's B by gate/up
-    halves), stages sending to rank 0; merged shard by shard before the gather."""
+    halves), stages sending to rank 0, merged shard by shard before the gather; the PEFT directory of that adapter
+    scores the probe on the HF base as the trainer's megatron model does; ``offgrpo convert`` exports the TP2/PP2 dist
+    checkpoint of the same model, merged and adapter only, to the same tensors."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from megatron_offgrpo.model import load_arch
     from tests.helpers import REPO, run_torchrun
+    from tests.workers.lora_export_worker import card_for
 
     hf_dir = hf_models["qwen2_untied"]
+    arch = load_arch(hf_dir)
     run_torchrun(REPO / "tests" / "workers" / "lora_export_worker.py", 4, [str(hf_dir), str(tmp_path), "2", "2"])
     exported = {mode: load_file(tmp_path / f"{mode}.safetensors") for mode in ("merge", "only")}
-    _assert_exports(exported, hf_dir, load_arch(hf_dir))
+    _assert_exports(exported, hf_dir, arch)
+    adapter = adapters.write_peft(tmp_path / "peft", card_for(arch), arch, exported["only"].items())
+    trainer = json.loads((tmp_path / "probe.json").read_text())
+    peft_logp = _peft_logp(hf_dir, adapter, trainer["probe"])
+    assert (peft_logp - torch.tensor(trainer["logp"])).abs().max() < 1e-5
+
+    ckpt = tmp_path / "ckpt"
+    assert dist_ckpt.read_model_card(ckpt).lora == card_for(arch)
+    for what, out in (("adapter", tmp_path / "convert-adapter"), ("merged", tmp_path / "convert-merged")):
+        proc = _convert("--ckpt", str(ckpt), "--out", str(out), "--what", what, "--base-model", str(hf_dir))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(tmp_path / "convert-adapter" / "adapter_model.safetensors")
+    assert got.keys() == exported["only"].keys() and all(torch.equal(got[k], exported["only"][k]) for k in got)
+    config = json.loads((tmp_path / "convert-adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(hf_dir) and config["r"] == 4
+    merged = _hf_state(tmp_path / "convert-merged")
+    assert merged.keys() == exported["merge"].keys()
+    assert all(torch.allclose(merged[k], exported["merge"][k], rtol=0, atol=1e-6) for k in merged)
+    assert (_peft_logp(hf_dir, tmp_path / "convert-adapter", trainer["probe"]) - peft_logp).abs().max() == 0
+
+    bare = tmp_path / "no-lora"  # the same checkpoint, its card without the adapter: nothing to export as one
+    shutil.copytree(ckpt, bare)
+    body = json.loads((bare / dist_ckpt.CARD).read_text())
+    del body["lora"]
+    (bare / dist_ckpt.CARD).write_text(json.dumps(body))
+    proc = _convert("--ckpt", str(bare), "--out", str(tmp_path / "x"), "--what", "adapter")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no LoRA adapter" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists()

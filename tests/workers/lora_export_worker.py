@@ -1,14 +1,17 @@
-"""torchrun worker: the streaming export of a LoRA model at this torchrun's TP x PP, merged and adapter only.
+"""torchrun worker: a LoRA model at this torchrun's TP x PP, exported merged and adapter only, scored, and saved.
 
-Every rank builds its stage from the HF directory (local spec, CPU, fp32), attaches its shards of the test's whole
-adapter factors (``lora_fixture``: rank 4, alpha 8, seed 1, every target the arch has), and streams both exports
-through the trainer's ``export_buckets`` (TP gathers, PP stages sending to rank 0); rank 0 writes them to
-``OUT/merge.safetensors`` and ``OUT/only.safetensors`` for the test to hold against one process's whole-tensor math.
+Every rank builds its stage from the HF directory (local spec, CPU, fp32), attaches the model room's adapters holding
+its shards of the test's whole factors (``lora_fixture``: rank 4, alpha 8, seed 1, every target the arch has), and
+streams both exports through the trainer's ``export_buckets`` (TP gathers, PP stages sending to rank 0). Rank 0 writes
+``OUT/merge.safetensors``, ``OUT/only.safetensors``, the trainer's log-probs of ``PROBE`` (``OUT/probe.json``), and
+the model is saved as a dist checkpoint with the trainer's card (``OUT/ckpt``), for the test to hold against one
+process's whole-tensor math, PEFT's forward and ``offgrpo convert``.
 Args: HF_DIR OUT TP PP
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -19,8 +22,11 @@ from checkpoint_tools import adapters, dist_ckpt, load_hf_into_stage, open_safet
 from checkpoint_tools import _mapping as M
 from megatron_offgrpo.model import load_arch
 from megatron_offgrpo.runtime import destroy_parallel, init_parallel
-from megatron_offgrpo.train._weights import export_buckets
+from megatron_offgrpo.train._trainer_side import probe_logprobs
+from megatron_offgrpo.train._weights import export_buckets, model_card
 from tests.checkpoint.lora_fixture import ALL, ATTENTION, attach, full_adapters
+
+PROBE = [3, 17, 250, 9, 128, 64, 5, 77, 200, 1, 42, 99, 7, 31]
 
 
 def card_for(arch) -> adapters.LoraCard:
@@ -54,11 +60,26 @@ def main() -> None:
     ctx = init_parallel(tp, pp, 1234, backend="gloo")
     stage, arch = lora_stage(hf_dir, ctx)
     exported = export_both(stage, arch, ctx)
+    from megatron_offgrpo.model import expose_hidden_states
+
+    logp = probe_logprobs(expose_hidden_states(stage), ctx, PROBE)  # as the trainer's stage: hidden states out
+    save_dist(stage, arch, ctx, hf_dir, out / "ckpt")
     if ctx.rank == 0:
         for mode, tensors in exported.items():
             save_file(tensors, out / f"{mode}.safetensors")
+        (out / "probe.json").write_text(json.dumps({"probe": PROBE, "logp": logp}))
         print("LORA_EXPORT written", flush=True)
     destroy_parallel()
+
+
+def save_dist(stage, arch, ctx, hf_dir: Path, directory: Path) -> None:
+    """The stage's model part as the trainer saves it (megatron dist checkpoint, adapters' own shardings) and the
+    trainer's card (collective)."""
+    from checkpoint_tools._dist_write import _save
+
+    _save(stage, directory, ctx.tp_size, ctx.pp_size)
+    if ctx.rank == 0:
+        dist_ckpt.write_model_card(directory, model_card(stage, arch, ctx, hf_dir), [hf_dir])
 
 
 if __name__ == "__main__":
