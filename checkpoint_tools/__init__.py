@@ -5,6 +5,9 @@ On the door, what most users need: the live load and export of a model stage (``
 (``open_safetensors_dir``, ``write_hf``), the HF shapes of a model (``hf_shapes``, ``expected_hf_shapes``) and the one
 ``CheckpointError``. The cohesive sets beside them, each one name for a whole module:
 
+- ``adapters``: LoRA adapters: megatron's factors -> PEFT's (``adapter_to_peft``), the merge (``merge_shard``), their
+  description (``LoraCard``, ``card_of_model``), the PEFT directory (``write_peft``, ``peft_shapes``); the streaming
+  export's ``adapter=`` ("merge" | "only", ``AdapterExport``) chooses merged HF weights or the PEFT adapter;
 - ``dist_ckpt``: megatron dist checkpoints, the trainer's format: ``DIST_MODEL_KEY``, the card (``DistModelCard``,
   ``read_model_card`` / ``write_model_card``), ``resolve_checkpoint``, ``checkpoint_kind``, ``load_model_part``, the
   export (``dist_checkpoint_to_hf_dir``, ``megatron_to_hf_any``);
@@ -19,6 +22,7 @@ On the door, what most users need: the live load and export of a model stage (``
 The offline conversions run as ``python -m checkpoint_tools.hf_to_megatron`` / ``megatron_to_hf`` / ``roundtrip``.
 """
 
+from checkpoint_tools import _adapter as adapters  # adapters.LoraCard, adapters.write_peft(...), ...
 from checkpoint_tools import _check as checks  # checks.hf_dir_errors(...), checks.dist_dir_errors(...)
 from checkpoint_tools import _dist as dist_ckpt  # dist_ckpt.DistModelCard, dist_ckpt.resolve_checkpoint(...), ...
 from checkpoint_tools import _io as files  # files.atomic_output_dir(...), files.write_manifest(...), ...
@@ -32,6 +36,7 @@ from checkpoint_tools._shapes import expected_hf_shapes, hf_shapes
 __all__ = [
     "CheckpointError",
     "Named",
+    "adapters",
     "checks",
     "dist_ckpt",
     "expected_hf_shapes",

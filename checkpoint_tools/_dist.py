@@ -15,7 +15,8 @@ writes its checkpoints' description through this module's public API (``DistMode
 
 ``hf-to-megatron`` writes the same format (``_dist_write``: model part only, in Megatron-LM's ``--load`` layout).
 A dist checkpoint directory, besides megatron's files (``metadata.json``, ``common.pt``, ``*.distcp``):
-    offgrpo_model.json   {"format", "hf_config", "params_dtype", "layout"}: rebuilds the model without the recipe
+    offgrpo_model.json   {"format", "hf_config", "params_dtype", "layout"[, "lora"]}: rebuilds the model without the
+                         recipe ("lora": {"rank", "alpha", "targets", "dropout"} when the model has adapters)
     hf_extra/            generation config and tokenizer files carried to the HF export
 """
 
@@ -26,10 +27,11 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
+from checkpoint_tools._adapter import AdapterExport, LoraCard, write_peft
 from checkpoint_tools._check import dist_dir_errors
 from checkpoint_tools._convert import META, megatron_to_hf_dir, write_hf
 from checkpoint_tools._io import CheckpointError, check_output, copy_extra_files
@@ -55,11 +57,14 @@ class DistModelCard:
         params_dtype: dtype name of the saved parameters ("float32", "bfloat16"), and of the HF export.
         layout: {"tp", "pp", "dp", "ep", "etp"} of the run that saved it (informational: loading reshards; "ep" and
             "etp" absent from checkpoints written before MoE support, "etp" from those before ``parallel.etp``).
+        lora: the model's LoRA adapters (rank, alpha, targets), whose factors the checkpoint holds beside the frozen
+            base; None (absent from the file): no adapters.
     """
 
     hf_config: dict
     params_dtype: str
     layout: dict
+    lora: LoraCard | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,7 +83,10 @@ def write_model_card(directory: Path, card: DistModelCard, extra_dirs: Sequence[
     for src in extra_dirs:
         if src.is_dir():
             copy_extra_files(src, directory / HF_EXTRA)
-    body = {"format": CARD_FORMAT, **dataclasses.asdict(card)}
+    body = {"format": CARD_FORMAT, "hf_config": card.hf_config, "params_dtype": card.params_dtype,
+            "layout": card.layout}
+    if card.lora is not None:  # absent, not null, without adapters: the cards of earlier versions read the same
+        body["lora"] = card.lora.to_dict()
     (directory / CARD).write_text(json.dumps(body, indent=1))
 
 
@@ -90,8 +98,9 @@ def read_model_card(directory: Path) -> DistModelCard:
                               "the current offgrpo to write a checkpoint that carries its model)")
     try:
         body = json.loads(path.read_text())
-        card = DistModelCard(body["hf_config"], body["params_dtype"], body["layout"])
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        lora = LoraCard.from_dict(body["lora"]) if body.get("lora") is not None else None
+        card = DistModelCard(body["hf_config"], body["params_dtype"], body["layout"], lora)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: corrupt model card ({type(exc).__name__}: {exc})") from None
     if not isinstance(getattr(torch, card.params_dtype, None), torch.dtype):
         raise CheckpointError(f"{path}: params_dtype={card.params_dtype!r} is not a torch dtype")
@@ -172,9 +181,14 @@ def cpu_stage(arch: QwenArch, dtype: torch.dtype, tp: int = 1, pp: int = 1, ep: 
     return build_gpt_stage(arch, config, pre_process=pre_process, post_process=post_process, use_te=False)
 
 
-def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype) -> torch.nn.Module:
-    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights; the process group must exist."""
+def _load_model(ckpt: Path, arch: QwenArch, dtype: torch.dtype, lora: LoraCard | None) -> torch.nn.Module:
+    """The whole model (TP1/PP1, local spec, on CPU) with the checkpoint's weights, and its adapters when the card
+    lists them (their factors are part of the model's sharded state dict); the process group must exist."""
     model = cpu_stage(arch, dtype)  # CPU: the export streams from host memory
+    if lora is not None:  # the model room owns the adapter modules and their checkpoint entries; values: the load's
+        from megatron_offgrpo.model import lora as model_lora
+
+        model_lora.attach_lora(model, model_lora.LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.targets))
     load_model_part(model, ckpt)
     return model.eval()
 
@@ -207,42 +221,75 @@ def _single_process_group() -> bool:
     return True
 
 
-def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3,
-                              overwrite: bool = False) -> Path:
-    """Export a trainer checkpoint of any TP x PP x DP layout to a HF directory at ``out`` (atomic, one process).
+ExportKind = Literal["merged", "adapter"]
+"""What a checkpoint export writes: the HF model (``merged``: any LoRA adapter merged into its weights) or the LoRA
+adapter alone as a PEFT directory (``adapter``)."""
 
-    Raises:
-        CheckpointError: ``ckpt`` is not a complete trainer checkpoint. FileExistsError: ``out`` exists.
-    """
-    ckpt, out = resolve_checkpoint(ckpt), Path(out)
+
+def _checked_dist(ckpt: str | Path, out: Path, overwrite: bool, what: ExportKind) -> tuple[Path, DistModelCard]:
+    """The dist checkpoint ``ckpt`` names and its card, once everything that can be refused before the load is
+    checked (in a second: not megatron's load failing halfway)."""
+    ckpt = resolve_checkpoint(ckpt)
     if checkpoint_kind(ckpt) != "dist":
         raise CheckpointError(f"{ckpt}: a checkpoint_tools directory, not a dist checkpoint")
     card = read_model_card(ckpt)
-    arch = arch_from_hf_config(card.hf_config)
+    if what == "adapter" and card.lora is None:
+        raise CheckpointError(f"{ckpt}: --what adapter: this checkpoint has no LoRA adapter (its {CARD} lists none); "
+                              "its model exports with --what merged")
     check_output(out, ckpt, overwrite)
-    if errors := dist_dir_errors(ckpt):  # from the metadata, in a second: not megatron's load failing halfway
-        raise CheckpointError("; ".join(errors))  # before the load: fail in a second, not after reading the model
+    if errors := dist_dir_errors(ckpt):
+        raise CheckpointError("; ".join(errors))
+    return ckpt, card
+
+
+def dist_checkpoint_to_hf_dir(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3,
+                              overwrite: bool = False, what: ExportKind = "merged",
+                              base_model: str | None = None) -> Path:
+    """Export a trainer checkpoint of any TP x PP x DP layout to a HF directory at ``out`` (atomic, one process):
+    the model, any LoRA adapter merged in (``what="merged"``), or the adapter as a PEFT directory (``"adapter"``,
+    ``base_model`` written as its ``base_model_name_or_path``).
+
+    Raises:
+        CheckpointError: ``ckpt`` is not a complete trainer checkpoint, or ``what="adapter"`` and it has no adapter.
+        FileExistsError: ``out`` exists.
+    """
+    out = Path(out)
+    ckpt, card = _checked_dist(ckpt, out, overwrite, what)
+    arch = arch_from_hf_config(card.hf_config)
     start = time.perf_counter()
     started = _single_process_group()
     try:
-        model = _load_model(ckpt, arch, card.dtype)
-        pairs = (pair for bucket in stream_hf_buckets(model, arch) for pair in bucket)
-        write_hf(out, arch, card.hf_config, pairs, lambda _: card.dtype, ckpt / HF_EXTRA, max_shard_bytes, overwrite)
+        model = _load_model(ckpt, arch, card.dtype, card.lora)
+        adapter: AdapterExport = "only" if what == "adapter" else "merge"
+        pairs = (pair for bucket in stream_hf_buckets(model, arch, adapter=adapter) for pair in bucket)
+        if what == "adapter":
+            write_peft(out, card.lora, arch, pairs, base_model, overwrite)
+        else:
+            write_hf(out, arch, card.hf_config, pairs, lambda _: card.dtype, ckpt / HF_EXTRA, max_shard_bytes,
+                     overwrite)
     finally:
         if started:
             from megatron_offgrpo.runtime import destroy_parallel
 
             destroy_parallel()
     layout = card.layout
-    logger.info("dist checkpoint (saved at tp=%s pp=%s dp=%s ep=%s etp=%s) -> HF in %.2f s: %s", layout.get("tp"),
+    logger.info("dist checkpoint (saved at tp=%s pp=%s dp=%s ep=%s etp=%s) -> %s in %.2f s: %s", layout.get("tp"),
                 layout.get("pp"), layout.get("dp"), layout.get("ep", 1), layout.get("etp", layout.get("tp")),
-                time.perf_counter() - start, out)
+                "PEFT adapter" if what == "adapter" else "HF", time.perf_counter() - start, out)
     return out
 
 
 def megatron_to_hf_any(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 * 1024**3,
-                       overwrite: bool = False) -> Path:
-    """``megatron-to-hf`` for either kind of checkpoint (detected from its files)."""
+                       overwrite: bool = False, what: ExportKind = "merged", base_model: str | None = None) -> Path:
+    """``megatron-to-hf`` for either kind of checkpoint (detected from its files); ``what``, ``base_model``: as
+    ``dist_checkpoint_to_hf_dir`` (a checkpoint_tools directory of an earlier version has no adapter).
+
+    Raises:
+        CheckpointError: ``what="adapter"`` for a checkpoint without an adapter, and as the exports raise.
+    """
     if checkpoint_kind(ckpt) == "dist":
-        return dist_checkpoint_to_hf_dir(ckpt, out, max_shard_bytes, overwrite)
+        return dist_checkpoint_to_hf_dir(ckpt, out, max_shard_bytes, overwrite, what, base_model)
+    if what == "adapter":
+        raise CheckpointError(f"{ckpt}: --what adapter: a checkpoint_tools directory of an earlier version has no "
+                              "LoRA adapter; its model exports with --what merged")
     return megatron_to_hf_dir(ckpt, out, max_shard_bytes, overwrite)

@@ -19,6 +19,7 @@ from typing import Iterable, Iterator, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
+from checkpoint_tools import _adapter as A
 from checkpoint_tools import _mapping as M
 from megatron_offgrpo.model import QwenArch
 
@@ -65,8 +66,25 @@ def _by_canonical_name(named: Iterable[tuple[str, T]], arch: QwenArch, pp: int, 
 def _stage_params(
     model: torch.nn.Module, arch: QwenArch, pp: int, pp_rank: int
 ) -> list[tuple[str, list[torch.nn.Parameter]]]:
-    """(local-spec megatron name, its parameters) of a stage, canonical order (``_by_canonical_name``)."""
-    return _by_canonical_name(model.named_parameters(), arch, pp, pp_rank)
+    """(local-spec megatron name, its parameters) of a stage, canonical order (``_by_canonical_name``); adapter
+    factors are not among them (``_stage_adapters``)."""
+    return _by_canonical_name(((n, p) for n, p in model.named_parameters() if not A.is_adapter(n)), arch, pp,
+                              pp_rank)
+
+
+def _stage_adapters(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The adapted base weights of a stage (local-spec megatron name, stage-local layer) -> their adapter module
+    (``weight_a``, ``weight_b``, ``scaling``).
+
+    Raises:
+        UnknownTensorError: naming an adapter parameter on a linear that cannot carry one.
+    """
+    adapters = {}
+    for name, _ in model.named_parameters():
+        if A.is_adapter(name):
+            base, _, _ = A.parse_adapter(name)
+            adapters[base] = model.get_submodule(name.rsplit(".", 1)[0])
+    return adapters
 
 
 def _hf_shards(
@@ -141,6 +159,20 @@ def _gather_full(params: list[torch.Tensor], kind: str, tp_group, expert_tp_grou
     return None if ep_stacks is None else torch.cat(ep_stacks)
 
 
+def _adapter_pairs(base: str, adapter: torch.nn.Module, arch: QwenArch, offset: int, tp_group, exporter: bool,
+                   dtype: torch.dtype | None) -> Named:
+    """The PEFT pairs of one adapted linear on the exporting rank (empty elsewhere): each factor TP-gathered as it is
+    split (``adapter_split``), then named as PEFT names it (``adapter_to_peft``)."""
+    pairs: Named = []
+    for factor in ("a", "b"):
+        name = f"{base.removesuffix('.weight')}.{A.ADAPTER}.weight_{factor}"
+        full = _gather_full([getattr(adapter, f"weight_{factor}")], A.adapter_split(name), tp_group, None, None)
+        if full is not None and exporter:
+            pairs += [(peft_name, (t.to(dtype) if dtype is not None else t).contiguous())
+                      for peft_name, t in A.adapter_to_peft(name, full, arch, layer_offset=offset)]
+    return pairs
+
+
 @torch.no_grad()
 def stream_hf_buckets(
     model: torch.nn.Module,
@@ -154,6 +186,7 @@ def stream_hf_buckets(
     expert_tp_group=None,
     dense: bool = True,
     experts: bool = True,
+    adapter: A.AdapterExport = "merge",
 ) -> Iterator[Named]:
     """Yield lists of HF ``(name, tensor)`` of about ``bucket_bytes`` from a live model stage.
 
@@ -170,14 +203,31 @@ def stream_hf_buckets(
             replica its dense ones, a rank of an expert-data-parallel replica its experts. The two differ when the
             experts are replicated inside a TP group (etp < tp without EP to match: tp=2, etp=1, ep=1), where the TP
             ranks gather the dense weights together but each holds whole copies of the experts.
+        adapter: "merge": the HF weights, each adapted one ``W + s B A`` (merged shard by shard in fp32, rounded
+            once to ``dtype``); "only": the adapters alone, PEFT-named. Their megatron names never leave.
+
+    Raises:
+        ValueError: ``adapter="only"`` on a model without adapters.
     """
     offset = M.layers_of_stage(arch, pp, pp_rank).start
     exporter = all(group is None or dist.get_rank(group) == 0 for group in (tp_group, ep_group))
+    adapters, grouped = _stage_adapters(model), _stage_params(model, arch, pp, pp_rank)
+    if adapter == "only" and not adapters:  # every stage holds layers, so every stage of a LoRA model has adapters
+        raise ValueError("adapter export: the model has no LoRA adapters (lora.rank=0 or a checkpoint without LoRA)")
+    if stray := sorted(set(adapters) - {name for name, _ in grouped}):  # never dropped silently
+        raise M.UnknownTensorError(f"adapters on {stray[:3]}: not weights of this {arch.hf_architecture} model")
 
     def per_parameter() -> Iterator[Named]:
-        for name, params in _stage_params(model, arch, pp, pp_rank):
+        for name, params in grouped:
             if not (experts if M.is_expert_kind(M.split_kind(name)) else dense):
                 continue
+            lora = adapters.get(name)
+            if adapter == "only":
+                if lora is not None:
+                    yield _adapter_pairs(name, lora, arch, offset, tp_group, exporter, dtype)
+                continue
+            if lora is not None:  # merged on every TP rank's shard before the gather: one shard-sized product each
+                params = [A.merge_shard(params[0], lora.weight_a, lora.weight_b, lora.scaling, dtype)]
             full = _gather_full(params, M.split_kind(name), tp_group, expert_tp_group, ep_group)
             if full is not None and exporter:
                 yield [(hf_name, (tensor.to(dtype) if dtype is not None else tensor).contiguous())

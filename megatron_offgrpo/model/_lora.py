@@ -135,9 +135,12 @@ def _adapted_forward(module: torch.nn.Module, base_forward, x: torch.Tensor, *ar
 
 
 def _adapted_sharded_state_dict(module: torch.nn.Module, base_method, prefix: str = "", sharded_offsets=(),
-                                metadata=None):
+                                metadata=None, gated: bool = False):
     """The base layer's entries, and the adapter's with its own split axis (the base method would call them
-    replicated)."""
+    replicated). ``gated`` (a SwiGLU fc1): B's rows on a rank are its ``[gate_r; up_r]``, as the base weight's, so B
+    is stored as megatron's MLP stores that weight (gate and up halves each split over TP); a plain row split would
+    store ``[gate_0; up_0; gate_1; ...]`` and another TP size would read gate rows as up rows."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
     entries = base_method(prefix, sharded_offsets, metadata)
@@ -146,6 +149,10 @@ def _adapted_sharded_state_dict(module: torch.nn.Module, base_method, prefix: st
     entries.update(make_sharded_tensors_for_checkpoint(
         {"weight_a": adapter.weight_a, "weight_b": adapter.weight_b}, f"{prefix}{ADAPTER}.", axis, sharded_offsets,
         tp_group=getattr(module, "tp_group", None), dp_cp_group=(metadata or {}).get("dp_cp_group")))
+    if gated:
+        key = f"{prefix}{ADAPTER}.weight_b"
+        entries[key] = apply_swiglu_sharded_factory(entries[key], sharded_offsets,
+                                                    (metadata or {}).get("singleton_local_shards", False))
     return entries
 
 
@@ -168,7 +175,9 @@ def _attach(module: torch.nn.Module, spec: LoraSpec, target: str, layer_number: 
     if hasattr(module, "return_layernorm_output"):  # TE's LayerNormColumnParallelLinear: A reads the norm's output
         module.return_layernorm_output = True
     module.forward = functools.partial(_adapted_forward, module, module.forward)
-    module.sharded_state_dict = functools.partial(_adapted_sharded_state_dict, module, module.sharded_state_dict)
+    gated = target == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
+    module.sharded_state_dict = functools.partial(_adapted_sharded_state_dict, module, module.sharded_state_dict,
+                                                  gated=gated)
 
 
 def attach_lora(model: torch.nn.Module, spec: LoraSpec) -> list[str]:
