@@ -238,7 +238,7 @@ def write_peft(out: str | Path, card: LoraCard, arch: QwenArch, tensors: Iterabl
 
 def card_of_model(model: torch.nn.Module) -> LoraCard | None:
     """The ``LoraCard`` of a live model stage from its adapter modules (``lora`` children with ``weight_a``,
-    ``weight_b`` and a float ``scaling``); None without adapters.
+    ``weight_b`` and a float ``alpha``); None without adapters.
 
     Raises:
         ValueError: adapters of different ranks or scalings (one card describes one rank and alpha).
@@ -247,10 +247,10 @@ def card_of_model(model: torch.nn.Module) -> LoraCard | None:
                 if name.endswith(f".{ADAPTER}") and hasattr(module, "weight_a")]
     if not adapters:
         return None
-    shapes = {(int(m.weight_a.shape[0]), float(m.scaling)) for _, m in adapters}
+    shapes = {(int(m.weight_a.shape[0]), float(m.alpha)) for _, m in adapters}
     if len(shapes) > 1:
-        raise ValueError(f"adapters of several (rank, scaling): {sorted(shapes)}; one card describes one of each")
-    (rank, scaling), = shapes
+        raise ValueError(f"adapters of several (rank, alpha): {sorted(shapes)}; one card describes one of each")
+    (rank, alpha), = shapes
     targets = {parse_adapter(f"{name}.weight_a")[1] for name, _ in adapters}
     dropout = getattr(getattr(adapters[0][1], "dropout", None), "p", 0.0)  # an nn.Identity: no dropout
-    return LoraCard(rank, scaling * rank, tuple(t for t in TARGETS if t in targets), float(dropout))
+    return LoraCard(rank, alpha, tuple(t for t in TARGETS if t in targets), float(dropout))

@@ -57,12 +57,13 @@ class LoraSpec:
 class LoraAdapter(torch.nn.Module):
     """The two factors of one linear's adapter, this rank's shards (shapes in the module docstring)."""
 
-    def __init__(self, weight_a: torch.Tensor, weight_b: torch.Tensor, scaling: float, dropout: float,
+    def __init__(self, weight_a: torch.Tensor, weight_b: torch.Tensor, alpha: float, dropout: float,
                  column_parallel: bool):
         super().__init__()
         self.weight_a = torch.nn.Parameter(weight_a)
         self.weight_b = torch.nn.Parameter(weight_b)
-        self.rank, self.scaling, self.column_parallel = weight_a.shape[0], scaling, column_parallel
+        self.rank, self.alpha, self.column_parallel = weight_a.shape[0], alpha, column_parallel
+        self.scaling = alpha / self.rank
         self.enabled = True  # off: the base alone (``scored_with``: the KL reference without a copy of the base)
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
 
@@ -167,7 +168,7 @@ def _attach(module: torch.nn.Module, spec: LoraSpec, target: str, layer_number: 
     out_local, in_local = weight.shape
     weight_a = _draw_a(spec, layer_number, target, in_local, tp_size, tp_rank, column, weight)
     weight_b = torch.zeros(out_local, spec.rank, dtype=weight.dtype, device=weight.device)
-    adapter = LoraAdapter(weight_a, weight_b, spec.scaling, spec.dropout, column)
+    adapter = LoraAdapter(weight_a, weight_b, spec.alpha, spec.dropout, column)
     sequence_parallel = bool(getattr(module, "sequence_parallel", False))
     _mark(adapter.weight_a, None if column else 1, sequence_parallel)
     _mark(adapter.weight_b, 0 if column else None, sequence_parallel)

@@ -43,16 +43,6 @@ def _megatron_shapes(arch) -> dict[str, tuple[int, int]]:
             "linear_fc1": (2 * arch.intermediate_size, h), "linear_fc2": (h, arch.intermediate_size)}
 
 
-class HandAdapter(torch.nn.Module):
-    """One linear's adapter shards as the contract names them, without the model room (the card's test)."""
-
-    def __init__(self, weight_a: torch.Tensor, weight_b: torch.Tensor, scaling: float):
-        super().__init__()
-        self.weight_a = torch.nn.Parameter(weight_a.clone())
-        self.weight_b = torch.nn.Parameter(weight_b.clone())
-        self.scaling = scaling
-
-
 @torch.no_grad()
 def attach(model: torch.nn.Module, card: adapters.LoraCard, fulls, tp: int = 1, tp_rank: int = 0,
            layer_offset: int = 0) -> None:

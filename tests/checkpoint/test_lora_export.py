@@ -151,7 +151,7 @@ def test_the_model_card_carries_the_adapter_and_old_cards_still_read(tmp_path):
 
 
 def test_the_card_of_a_live_model_from_its_adapter_modules():
-    from tests.checkpoint.lora_fixture import HandAdapter
+    from megatron_offgrpo.model import lora
 
     model = torch.nn.Module()
     model.decoder = torch.nn.Module()
@@ -160,10 +160,10 @@ def test_the_card_of_a_live_model_from_its_adapter_modules():
     layer.self_attention = torch.nn.Module()
     layer.self_attention.linear_proj = torch.nn.Linear(4, 4)
     assert adapters.card_of_model(model) is None
-    layer.self_attention.linear_proj.lora = HandAdapter(torch.zeros(2, 4), torch.zeros(4, 2), 1.5)
+    layer.self_attention.linear_proj.lora = lora.LoraAdapter(torch.zeros(2, 4), torch.zeros(4, 2), 3.0, 0.0, False)
     assert adapters.card_of_model(model) == adapters.LoraCard(2, 3.0, ("linear_proj",))
     layer.self_attention.linear_qkv = torch.nn.Linear(4, 4)
-    layer.self_attention.linear_qkv.lora = HandAdapter(torch.zeros(2, 4), torch.zeros(4, 2), 1.0)
+    layer.self_attention.linear_qkv.lora = lora.LoraAdapter(torch.zeros(2, 4), torch.zeros(4, 2), 2.0, 0.0, True)
     with pytest.raises(ValueError, match="several"):
         adapters.card_of_model(model)
 
