@@ -32,7 +32,8 @@ from megatron_offgrpo.train._policy import FrozenPolicy, Policy, adapter_spec, b
 from megatron_offgrpo.train._router_load import RouterLoad
 from megatron_offgrpo.train._step import Learned, policy_step, sequence_shard, token_logprobs
 from megatron_offgrpo.train._teacher import Teacher
-from megatron_offgrpo.train._weights import export_buckets, export_hf_dir, hf_extra_dirs, model_card
+from megatron_offgrpo.train._weights import (export_adapter_dir, export_buckets, export_hf_dir, hf_extra_dirs,
+                                             model_card)
 
 
 @dataclasses.dataclass
@@ -143,6 +144,13 @@ class TrainerSide:
         """The current policy as a HF directory at ``out`` (atomic, replaces an older one; collective; rank 0
         returns it)."""
         return export_hf_dir(self.policy.model, self.arch, self.ctx, out, Path(self.config.model.hf_path))
+
+    def export_adapter(self, out: Path) -> Path | None:
+        """LoRA: the policy's adapter as a PEFT directory at ``out`` (``peft.PeftModel.from_pretrained`` on the base
+        at ``model.hf_path``); None without LoRA, and on ranks other than 0 (collective)."""
+        if not self.config.lora.rank:
+            return None
+        return export_adapter_dir(self.policy.model, self.arch, self.ctx, out, self.config.model.hf_path)
 
     def save(self, step: int, version: int, rollout_state: object = None, log_tail: dict | None = None) -> None:
         """Checkpoint after ``step`` steps, the engine serving ``version``, with the rollout side's ``rollout_state``

@@ -136,6 +136,8 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
         _persist(trainer, rollout, log, step + 1, version)
     if trainer.export_hf(run_dir / "hf") is not None:  # the trained policy, loadable by transformers
         logger.info("policy exported to %s", run_dir / "hf")
+    if trainer.export_adapter(run_dir / "adapter") is not None:  # LoRA: the adapter alone, for PEFT on the base
+        logger.info("adapter exported to %s", run_dir / "adapter")
     summary = None
     if rollout is not None:
         rollout.close()
