@@ -134,3 +134,20 @@ def test_an_adapter_engine_runs_vllm_lora_with_one_slot(tmp_path):
     argv = launcher.server_command(fleet, 0, 8000, gpus=0, lora_dir=tmp_path / "adapter-v0")[0]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
     assert [(m.name, m.path) for m in args.lora_modules] == [(adapters.LORA_NAME, str(tmp_path / "adapter-v0"))]
+
+
+def test_fleet_start_lora_flags():
+    """``--lora-rank`` turns the adapter on (alpha defaults to the rank, targets to every projection); a bad value is
+    one error line naming the flags, found with the other flag errors before any server starts."""
+    from megatron_offgrpo.cli import fleet as fleet_cli
+    from megatron_offgrpo.transports import adapters
+
+    parse = fleet_cli.build_parser().parse_args
+    base = ["start", "--model", "m"]
+    assert fleet_cli.lora_spec(parse(base)) is None
+    spec = fleet_cli.lora_spec(parse(base + ["--lora-rank", "4", "--lora-targets", "q_proj, v_proj"]))
+    assert spec == adapters.AdapterSpec(4, 4.0, ("q_proj", "v_proj"))
+    assert fleet_cli.lora_spec(parse(base + ["--lora-rank", "2"])).target_modules == adapters.TARGETS
+    errors = fleet_cli.flag_errors(parse(base + ["--lora-rank", "4", "--lora-targets", "lm_head"]))
+    assert len(errors) == 1 and "lm_head" in errors[0]
+    assert errors[0].startswith("--lora-rank/--lora-alpha/--lora-targets:")
