@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from megatron_offgrpo.fleet import FleetSpec, fleet_status, processes, records, start_fleet, stop_fleet
+from megatron_offgrpo.transports import adapters
 
 PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 """Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
@@ -52,9 +53,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--new-token", action="store_true", help=f"generate a random token even when ${records.TOKEN_ENV} is set"
     )
     start.add_argument("--token", help=argparse.SUPPRESS)  # refused: a command line is readable by every local user
-    start.add_argument(
-        "--dtype", default=None, help="vLLM dtype (default: the model's torch_dtype; float32 stays float32)"
-    )
+    start.add_argument("--dtype", default=None, help="vLLM dtype (default: the model's torch_dtype; float32 stays "
+                       "float32)")
     start.add_argument(
         "--max-model-len",
         type=int,
@@ -77,6 +77,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="MoE models with model.router_replay: return the experts each token is routed to (GPU: vLLM's "
         "--enable-return-routed-experts; CPU: recorded in eager mode, prefix caching off)",
     )
+    _lora_flags(start)
     start.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every server to be healthy")
     start.add_argument(
         "--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable), e.g. --vllm-arg=--seed=1"
@@ -130,6 +131,31 @@ def start_token(args: argparse.Namespace) -> str:
     return secrets.token_urlsafe(32)
 
 
+def _lora_flags(start: argparse.ArgumentParser) -> None:
+    """The policy's LoRA adapter (``lora.sync=adapter``): the servers serve it in one slot, all-zero at version 0."""
+    start.add_argument("--lora-rank", type=int, default=None,
+                       help="serve the policy's LoRA adapter of this rank (the run's lora.rank; lora.sync=adapter); "
+                       "refreshes then send only the adapter")
+    start.add_argument("--lora-alpha", type=float, default=None, help="the run's lora.alpha (default: the rank)")
+    start.add_argument("--lora-targets", default=",".join(adapters.TARGETS),
+                       help="the run's lora.targets, comma-separated HF module names (default: all projections)")
+
+
+def lora_spec(args: argparse.Namespace) -> adapters.AdapterSpec | None:
+    """The adapter of ``--lora-*`` (None without ``--lora-rank``).
+
+    Raises:
+        ValueError: a bad value, naming the flag.
+    """
+    if args.lora_rank is None:
+        return None
+    alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    try:
+        return adapters.AdapterSpec(args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",")))
+    except ValueError as exc:
+        raise ValueError(f"--lora-rank/--lora-alpha/--lora-targets: {exc}") from None
+
+
 def flag_errors(args: argparse.Namespace) -> list[str]:
     """``fleet start``'s numeric flags out of range, each naming its flag (checked before any server starts)."""
     errors = []
@@ -149,6 +175,10 @@ def flag_errors(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-num-seqs={args.max_num_seqs}: must be >= 1")
     if not args.timeout > 0:
         errors.append(f"--timeout={args.timeout}: must be > 0")
+    try:
+        lora_spec(args)
+    except ValueError as exc:
+        errors.append(str(exc))
     return errors
 
 
@@ -176,6 +206,7 @@ def _start(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         cpu_bind=args.cpu_bind,
         record_routing=args.record_routing,
+        lora=lora_spec(args),
         extra_args=tuple(args.vllm_arg),
         python=args.python,
     )

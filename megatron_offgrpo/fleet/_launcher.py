@@ -34,7 +34,7 @@ from megatron_offgrpo.fleet._server_size import (
     size_server,
 )
 from megatron_offgrpo.runtime import tune_cpu_memory
-from megatron_offgrpo.transports import WORKER_EXTENSION
+from megatron_offgrpo.transports import WORKER_EXTENSION, adapters
 
 logger = logging.getLogger(__name__)
 EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
@@ -65,6 +65,10 @@ class FleetSpec:
             ``model.router_replay``). GPU servers return them with each answer (vLLM's
             ``--enable-return-routed-experts``; graphs and prefix caching stay on). vLLM CPU cannot, so its workers
             record them in eager mode with prefix caching off: each request computes its whole prompt itself.
+        lora: the policy's LoRA adapter when refreshes send only it (``lora.sync=adapter``): vLLM's LoRA on, one
+            adapter slot of its rank, first loaded from an all-zero adapter written to ``<state_dir>/adapter-v0``
+            (the base's outputs), served to requests that name ``adapters.LORA_NAME`` (the clients do: the state
+            records the spec). None: no LoRA.
         extra_args: more vLLM CLI arguments. python: interpreter that runs the servers.
     """
 
@@ -83,6 +87,7 @@ class FleetSpec:
     enforce_eager: bool = True
     logprobs_mode: str = "processed_logprobs"
     record_routing: bool = False
+    lora: adapters.AdapterSpec | None = None
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
 
@@ -193,18 +198,23 @@ def _gpu_memory() -> int | None:
 
 
 def server_command(
-    spec: FleetSpec, index: int, port: int, gpus: int
+    spec: FleetSpec, index: int, port: int, gpus: int, lora_dir: Path | None = None
 ) -> tuple[list[str], dict[str, str], list[int] | None]:
     """(argv, environment, CPU cores to pin or None) of server ``index``: the engine's settings as the in-process
-    engine gets them (``VllmSettings``), then what only a server has (address, name, token guard, placement)."""
+    engine gets them (``VllmSettings``), then what only a server has (address, name, token guard, placement, and
+    with ``spec.lora`` its first adapter, the PEFT directory ``lora_dir``)."""
     size = spec.size()
     settings = VllmSettings.build(spec.model_dir, size.dtype, size.max_model_len, size.max_num_seqs,
                                   size.kv_cache_bytes, on_gpu=bool(gpus), record_routing=spec.record_routing,
                                   enforce_eager=spec.enforce_eager or (spec.record_routing and not gpus),
-                                  logprobs_mode=spec.logprobs_mode)
+                                  logprobs_mode=spec.logprobs_mode, lora=spec.lora)
     argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", *settings.server_argv(), "--host", spec.host,
             "--port", str(port), "--served-model-name", spec.served_model_name, "--middleware", MIDDLEWARE,
             "--enable-scale-out"]
+    if spec.lora is not None:
+        if lora_dir is None:
+            raise ValueError("server_command: a fleet with lora needs its first adapter's directory (lora_dir)")
+        argv += ["--lora-modules", f"{adapters.LORA_NAME}={Path(lora_dir).resolve()}"]
     env = _server_env(spec)
     cores = None
     if gpus:
@@ -347,10 +357,15 @@ def _spawn_fleet(spec: FleetSpec, state_dir: Path, gpus: int) -> FleetState:
         token_file=str(token_file),
         servers=[],
         size=dataclasses.asdict(spec.size()),
+        lora=None if spec.lora is None else spec.lora.to_wire(),
     )
+    lora_dir = None
+    if spec.lora is not None:  # version 0: PEFT starts B at zero, so the all-zero adapter serves the base's outputs
+        lora_dir = adapters.write_adapter_dir(state_dir / "adapter-v0", spec.lora, adapters.zero_adapter(
+            spec.lora, read_hf_config(spec.model_dir)), state.model_dir)
     for index in range(spec.num_servers):
         port = spec.base_port + index if spec.base_port else free_port(spec.host)
-        argv, env, cores = server_command(spec, index, port, gpus)
+        argv, env, cores = server_command(spec, index, port, gpus, lora_dir)
         log = state_dir / f"server{index}.log"
         proc = _spawn(argv, env, cores, log)
         url = server_url(spec.host, port)

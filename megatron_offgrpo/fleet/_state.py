@@ -43,6 +43,8 @@ class FleetState:
         token_file: the 0600 file holding the fleet's token (None: no token). servers: one record per server.
         size: the launcher's per-server sizing (``ServerSize`` as a dict; absent in a merged state).
         merged_from: the source state directories of a merged view (``merge_states``); None for a started fleet.
+        lora: the policy's LoRA adapter the servers serve (``transports.adapters.AdapterSpec`` in its wire form;
+            requests then name ``adapters.LORA_NAME``); None: no LoRA.
     """
 
     model_dir: str
@@ -51,6 +53,7 @@ class FleetState:
     servers: list[ServerRecord]
     size: dict[str, Any] | None = None
     merged_from: list[str] | None = None
+    lora: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written as ``fleet.json`` (a server's None fields left out: a merged state keeps no pid)."""

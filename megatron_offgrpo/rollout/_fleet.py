@@ -16,7 +16,7 @@ from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, WorkerAnswer, calls, summarize
+from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, WorkerAnswer, adapters, calls, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +89,22 @@ class FleetEngine:
                                    self.policy)
 
     @classmethod
-    def from_state(cls, state_file: str | Path, transport: WeightTransport, **kwargs: Any) -> "FleetEngine":
-        """Connect to the fleet recorded by ``offgrpo fleet start`` (its state file and token)."""
+    def from_state(cls, state_file: str | Path, transport: WeightTransport, lora: adapters.AdapterSpec | None = None,
+                   **kwargs: Any) -> "FleetEngine":
+        """Connect to the fleet recorded by ``offgrpo fleet start`` (its state file and token).
+
+        Raises:
+            ValueError: ``lora`` (the adapter refreshes will carry) is not the adapter the fleet was started with.
+        """
         from megatron_offgrpo.fleet import load_state
         from megatron_offgrpo.rollout._server import servers_of
 
-        return cls(servers_of(load_state(state_file)), transport, **kwargs)
+        state = load_state(state_file)
+        started = adapters.spec_of(state.lora)
+        if started != lora:
+            raise ValueError(f"the fleet at {state_file} serves the LoRA adapter {started}, the run's lora.* settings "
+                             f"say {lora} (lora.sync=adapter): start the fleet with the run's adapter settings")
+        return cls(servers_of(state), transport, **kwargs)
 
     # ----- versions --------------------------------------------------------------------------------------------
     def _worker_version(self, server: ServerClient) -> int:
@@ -265,11 +275,13 @@ class FleetEngine:
             return f"installed, but labelling the version failed: {exc}"
         return None if label == str(version) else f"installed, but the engine reports version label {label!r}"
 
-    def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
+    def update_weights(self, weights: Buckets | Path | adapters.AdapterPayload, version: int) -> RefreshReport:
         """Install ``version`` on every reachable server (see the class docstring for the sequence).
 
         Args:
-            weights: HF-named buckets (``checkpoint_tools.stream_hf_buckets``) or a ``write_version_dir`` directory.
+            weights: HF-named buckets (``checkpoint_tools.stream_hf_buckets``) or a ``write_version_dir`` directory;
+                on a fleet serving the policy's LoRA adapter, an ``adapters.AdapterPayload`` (the transport carries
+                its buckets, each worker swaps the adapter into its slot; the rest of the sequence is the same).
             version: must be greater than ``version()``.
 
         Raises:
@@ -347,6 +359,7 @@ class FleetEngine:
             tensors=metrics.tensors,
             buckets=metrics.buckets,
             detail=detail,
+            kind=metrics.kind,
         )
         logger.info(
             "refresh to version %d via %s: %.3f s on %s (failed: %s)",

@@ -9,7 +9,7 @@ from typing import Any
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.fleet import FleetState, json_http, processes, records
 from megatron_offgrpo.rollout._samples import sampling_body
-from megatron_offgrpo.transports import calls
+from megatron_offgrpo.transports import adapters, calls
 
 
 @dataclasses.dataclass
@@ -92,6 +92,8 @@ class ServerClient:
 
 
 def servers_of(state: FleetState, token: str | None = None, **kwargs: Any) -> list[ServerClient]:
-    """``ServerClient``s of a recorded fleet (``fleet.load_state``; token: ``records.fleet_token`` unless given)."""
+    """``ServerClient``s of a recorded fleet (``fleet.load_state``; token: ``records.fleet_token`` unless given); a
+    fleet serving the policy's LoRA adapter is asked for it by name in every request (probes too)."""
     token = token if token is not None else records.fleet_token(state)
-    return [ServerClient(s.name, s.url, state.served_model_name, token, **kwargs) for s in state.servers]
+    model = state.served_model_name if state.lora is None else adapters.LORA_NAME
+    return [ServerClient(s.name, s.url, model, token, **kwargs) for s in state.servers]

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal, Union
 
-from megatron_offgrpo.transports import WeightTransport
+from megatron_offgrpo.transports import WeightTransport, adapters
 
 Dtype = Literal["auto", "float32", "bfloat16"]
 """The serving dtype, by vLLM's names ("auto": vLLM's choice; the transformers engine then serves float32)."""
@@ -29,7 +29,10 @@ class VllmSpec:
         record_routing: MoE models: every sample carries its routing (router replay).
         partial_rollouts: a refresh lands between two decode steps of the requests in flight.
         fall_back: ``rollout.engine=auto``: when vLLM is missing or cannot serve the model, the transformers engine
-            serves it instead, with a one-line warning naming why (else the error is raised).
+            serves it instead, with a one-line warning naming why (else the error is raised); never with ``lora``.
+        lora: the policy's LoRA adapter when refreshes send only it (``lora.sync=adapter``): the engine starts with
+            vLLM's LoRA on, serving every request with the adapter (version 0: all zero); None: full refreshes
+            (no LoRA, or ``lora.sync=merged``).
     """
 
     model_dir: Path
@@ -39,6 +42,7 @@ class VllmSpec:
     record_routing: bool = False
     partial_rollouts: bool = False
     fall_back: bool = False
+    lora: adapters.AdapterSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,8 @@ class FleetClientSpec:
         collective_host: collective: where the servers' workers dial this process (None: 127.0.0.1).
         shm_dir: shm: a RAM-backed directory the servers see too.
         record_routing, partial_rollouts: as for ``VllmSpec``.
+        lora: as for ``VllmSpec``; the fleet must have been started with the same adapter spec
+            (``offgrpo fleet start``'s LoRA settings, recorded in its state).
     """
 
     state: Path
@@ -74,6 +80,7 @@ class FleetClientSpec:
     shm_dir: Path = Path("/dev/shm")
     record_routing: bool = False
     partial_rollouts: bool = False
+    lora: adapters.AdapterSpec | None = None
 
 
 EngineSpec = Union[VllmSpec, TransformersSpec, FleetClientSpec]

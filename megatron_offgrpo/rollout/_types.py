@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
@@ -77,6 +78,7 @@ class RefreshReport:
         servers: server name -> the version each server reports after the refresh.
         bytes: payload bytes sent or written. tensors: tensors installed. buckets: messages or files used.
         detail: per-phase seconds (e.g. "write", "pause", "load", "resume") and transport specifics.
+        kind: what the refresh moved: the whole model ("full") or the policy's LoRA adapter ("adapter").
     """
 
     version: int
@@ -87,6 +89,7 @@ class RefreshReport:
     tensors: int = 0
     buckets: int = 0
     detail: dict[str, float] = dataclasses.field(default_factory=dict)
+    kind: Literal["full", "adapter"] = "full"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,9 @@ from typing import Any, Iterator, Sequence
 class VllmCore:
     """A ``vllm.v1.engine.llm_engine.LLMEngine`` (``llm_engine``) and the calls ``VLLMEngine`` needs of it."""
 
-    def __init__(self, **engine_args: Any) -> None:
-        """Start the engine; ``engine_args`` are ``vllm.EngineArgs`` fields (``model``, ``dtype``, ...)."""
+    def __init__(self, lora_request: Any = None, **engine_args: Any) -> None:
+        """Start the engine; ``engine_args`` are ``vllm.EngineArgs`` fields (``model``, ``dtype``, ...);
+        ``lora_request``: the ``vllm.lora.request.LoRARequest`` every request is served with (None: the base)."""
         from vllm import envs
         from vllm.engine.arg_utils import EngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -32,6 +33,7 @@ class VllmCore:
                                     log_stats=False, usage_context=UsageContext.LLM_CLASS,
                                     multiprocess_mode=multiprocess)
         self._ids = itertools.count()
+        self.lora_request = lora_request
 
     def add(self, prompts: Sequence[Sequence[int]], params: Sequence[Any], priority: int) -> list[str]:
         """Queue one request per prompt (token ids) with its sampling params, admitted by ``priority`` (lower first);
@@ -45,7 +47,7 @@ class VllmCore:
                 sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it is done
                 ids.append(str(next(self._ids)))
                 internal.append(self.llm_engine.add_request(ids[-1], tokens_input(list(prompt)), sampling,
-                                                            priority=priority))
+                                                            lora_request=self.lora_request, priority=priority))
         except Exception:
             if internal:
                 self.llm_engine.abort_request(internal, internal=True)

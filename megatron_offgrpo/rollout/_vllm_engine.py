@@ -38,7 +38,7 @@ from megatron_offgrpo.rollout._samples import (
     sampling_body,
 )
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import Buckets, WorkerAnswer, calls, summarize, weights_dir
+from megatron_offgrpo.transports import Buckets, WorkerAnswer, adapters, calls, summarize, weights_dir
 
 
 def tokenizer_eos_id(model_dir: Path) -> int | None:
@@ -117,7 +117,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", max_model_len: int = 2048, max_num_seqs: int = 256,
                  in_process: bool = True, record_routing: bool = False, partial_rollouts: bool = False,
-                 **llm_kwargs: Any) -> None:
+                 lora: adapters.AdapterSpec | None = None, **llm_kwargs: Any) -> None:
         """Start the engine on ``model_dir`` with the settings a fleet server runs with (``fleet.serving.VllmSettings``;
         extra ``llm_kwargs`` are ``vllm.EngineArgs`` fields, which win).
 
@@ -129,6 +129,9 @@ class VLLMEngine:
                 worker's hooks, prefix caching off, eager only).
             partial_rollouts: a refresh may come while generations are in flight; it drops every KV block, the
                 in-flight requests' too (vLLM recomputes them with the new weights), each token keeping its version.
+            lora: the policy's LoRA adapter (``lora.sync=adapter``): every request (generation and probe) is served
+                with the engine's one adapter slot, version 0 the all-zero adapter of this shape (the base's
+                outputs), and refreshes take ``adapters.AdapterPayload``s.
 
         Raises:
             ValueError: ``record_routing`` on a model without routers, on CPU without eager execution, or with
@@ -152,20 +155,32 @@ class VLLMEngine:
             self.model_dir, dtype, max_model_len, max_num_seqs,
             serving.kv_cache_bytes(hf_config, max_model_len, max_num_seqs, dtype), on_gpu=_on_gpu(),
             enforce_eager=llm_kwargs.pop("enforce_eager", True), record_routing=record_routing,
-            skip_tokenizer_init=True if self._eos is not None else None)
+            skip_tokenizer_init=True if self._eos is not None else None, lora=lora)
+        self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
+        self.lora = lora
         # the settings a fleet server runs with too; then what only an in-process engine takes (and a caller's own)
         args = {**settings.engine_args(), "use_tqdm_on_load": False, **llm_kwargs}
-        self.llm = VllmCore(**args)
+        self.llm = VllmCore(self._first_adapter(hf_config), **args)
         self.partial_rollouts, self.record_routing = partial_rollouts, record_routing
         self.processes = [] if self.in_process else _engine_processes(self.llm)  # watched during every call
         self._loop = EngineLoop(self.llm, lambda fn: call_while_alive(self.processes, fn))
         self._routing_lock = threading.Lock()  # hooks routing: one generation at a time (see concurrent_generate)
         self._version = self._first_version()
-        self._tmp = tempfile.TemporaryDirectory(prefix="offgrpo-vllm-refresh-")
         self._routing_source = self._begin_routing() if record_routing else None
         # Generations from several threads share the engine's batch (``EngineLoop``), except where the worker's
         # routing hooks record one generation's experts at a time.
         self.concurrent_generate = self._routing_source != "hooks"
+
+    def _first_adapter(self, hf_config: dict[str, Any]) -> Any:
+        """The ``LoRARequest`` of every request: the engine's slot, first loaded from an all-zero adapter written to
+        the refresh directory (PEFT starts B at zero: version 0 is the base); None without ``lora``."""
+        if self.lora is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        path = adapters.write_adapter_dir(Path(self._tmp.name) / "adapter-v0", self.lora,
+                                          adapters.zero_adapter(self.lora, hf_config), str(self.model_dir))
+        return LoRARequest(adapters.LORA_NAME, adapters.SLOT_ID, str(path))
 
     def _first_version(self) -> int:
         """The version the workers serve (their manifest's, or 0), which labels the engine's tokens from now on."""
@@ -263,35 +278,31 @@ class VLLMEngine:
             samples.extend(fill_group(group, n))
         return samples
 
-    def update_weights(self, weights: Buckets | Path, version: int) -> RefreshReport:
-        """Install ``version`` (a directory, or buckets in memory / via a temporary directory), reset the cache.
+    def update_weights(self, weights: Buckets | Path | adapters.AdapterPayload, version: int) -> RefreshReport:
+        """Install ``version`` (a directory, or buckets in memory / via a temporary directory; or, on an engine started
+        with ``lora``, an ``adapters.AdapterPayload``), reset the cache.
 
         The install, the cache reset and the new version label are one call on the engine's loop, between two
         decode steps: generations in flight (``partial_rollouts``) go on under the new weights (their KV recomputed
-        with them), and every token sampled from then on carries the new version.
+        with them), and every token sampled from then on carries the new version. An adapter is swapped into the
+        engine's one LoRA slot the same way (built and checked first; when it fails the previous adapter serves on).
 
         Raises:
-            ValueError: a version that does not increase. RefreshError: the worker rejected the weights.
+            ValueError: a version that does not increase; an adapter on an engine started without ``lora``.
+            RefreshError: the worker rejected the weights (the previous version still serves unless it says dirty).
         """
         with self._routing_lock:  # refreshes come from one thread; this only orders them against hooks routing
             require_newer(version, self._version)
             start = time.perf_counter()
-            tensors, path = None, None
-            if isinstance(weights, (str, Path)):
-                transport, path = "disk", Path(weights).resolve()
-            elif self.in_process:
-                transport, tensors = "memory", [t for bucket in weights for t in bucket]
-            else:
-                transport = "disk"
-                path, _ = weights_dir.write_version_dir(
-                    weights_dir.version_dir(self._tmp.name, version), weights, version, overwrite=True
-                )
+            transport, tensors, path, adapter, nbytes = self._stage(weights, version)
+            wire = None if adapter is None else adapter.to_wire()
 
             def install() -> WorkerAnswer:
                 if tensors is not None:
-                    answer = summarize(self.llm.collective_rpc(calls.INSTALL_TENSORS, args=(tensors, int(version))))
+                    answer = summarize(self.llm.collective_rpc(calls.INSTALL_TENSORS,
+                                                               args=(tensors, int(version), wire)))
                 else:
-                    answer = self._rpc_now(calls.LoadDir(path=str(path), version=int(version)))
+                    answer = self._rpc_now(calls.LoadDir(path=str(path), version=int(version), adapter=adapter))
                 if not answer.ok:
                     return answer
                 if not self.llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts):
@@ -305,14 +316,25 @@ class VLLMEngine:
                 raise RefreshError(int(version), {self.name: str(answer.error)})
             self._version = int(version)
             detail = {f"{phase}_s": seconds for phase, seconds in answer.seconds.items()}
-            return RefreshReport(
-                self._version,
-                transport,
-                time.perf_counter() - start,
-                {self.name: self._version},
-                tensors=answer.tensors or 0,
-                detail=detail,
-            )
+            return RefreshReport(self._version, transport, time.perf_counter() - start, {self.name: self._version},
+                                 bytes=nbytes, tensors=answer.tensors or 0, detail=detail,
+                                 kind="full" if adapter is None else "adapter")
+
+    def _stage(self, weights: Any, version: int) -> tuple[str, list | None, Path | None, Any, int]:
+        """(transport, tensors handed over in memory or None, directory or None, adapter spec or None, bytes)."""
+        weights, adapter = adapters.split_payload(weights)
+        if adapter is not None and self.lora is None:
+            raise ValueError(f"update_weights version {version}: an adapter, but this engine was started without "
+                             "lora (start it with the adapter's spec: lora.sync=adapter)")
+        if isinstance(weights, (str, Path)):
+            return "disk", None, Path(weights).resolve(), adapter, 0
+        if self.in_process:
+            tensors = [t for bucket in weights for t in bucket]
+            return "memory", tensors, None, adapter, sum(t.numel() * t.element_size() for _, t in tensors)
+        path, stats = weights_dir.write_version_dir(
+            weights_dir.version_dir(self._tmp.name, version), weights, version, overwrite=True
+        )
+        return "disk", None, path, adapter, stats["bytes"]
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """The engine's version and prompt log-probs of ``token_ids``."""

@@ -9,10 +9,12 @@ servers map. The wire format they share with the fleet's worker extension lives 
 ``bucket_layout``, ``unpack_entries``, the completeness check ``check_complete``, ``DEFAULT_BUCKET_BYTES``),
 ``gloo`` (the gloo stream: ``make_store`` / ``make_group``, ``send_stream`` / ``recv_stream`` and its message
 kinds), ``calls`` (the worker-extension calls: ``calls.WorkerRequest`` and one class per method, the only place a
-method's name is written) and the worker answers (``WorkerAnswer``, ``summarize``, ``DIRTY``). Nothing here imports
-megatron.
+method's name is written) and the worker answers (``WorkerAnswer``, ``summarize``, ``DIRTY``), and ``adapters`` (the
+LoRA adapter payload every transport carries too: ``AdapterSpec``, ``AdapterPayload``, its PEFT tensor names, the
+engine's one LoRA slot). Nothing here imports megatron.
 """
 
+from megatron_offgrpo.transports import _adapter as adapters  # adapters.AdapterPayload(spec, buckets): LoRA refreshes
 from megatron_offgrpo.transports import _gloo as gloo  # gloo.send_stream(...): the gloo stream and its kinds
 from megatron_offgrpo.transports import _tensors as packing  # packing.pack_bucket(...): buckets in one buffer
 from megatron_offgrpo.transports import _weights_dir as weights_dir  # weights_dir.write_version_dir(...)
@@ -34,6 +36,7 @@ __all__ = [
     "TransferMetrics",
     "WeightTransport",
     "WorkerAnswer",
+    "adapters",
     "calls",
     "gloo",
     "packing",

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_offgrpo.transports._adapter import AdapterSpec, split_payload
 from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._gloo import make_group, make_store, send_stream
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
@@ -60,6 +61,7 @@ class CollectiveTransport:
         self._group_id = ""
         self._members: tuple[str, ...] = ()
         self._metrics = TransferMetrics()
+        self._adapter: AdapterSpec | None = None  # what the prepared version is: an adapter, or the whole model
 
     def _ensure_group(self, targets: list[WorkerTarget]) -> None:
         names = tuple(t.name for t in targets)
@@ -95,6 +97,7 @@ class CollectiveTransport:
 
     def prepare(self, weights: Buckets | Any, version: int) -> Buckets:
         """Wrap the lazy bucket stream (a directory is read and sent, for symmetry with the disk transport)."""
+        weights, self._adapter = split_payload(weights)
         return bucket_stream(weights, version, self.bucket_bytes)
 
     def install(self, targets: list[WorkerTarget], prepared: Buckets, version: int) -> dict[str, WorkerAnswer]:
@@ -107,7 +110,8 @@ class CollectiveTransport:
         except BaseException:
             self._group, self._members = None, ()  # a failed stream may leave the group out of step: rebuild next time
             raise
-        self._metrics = TransferMetrics({"join": joined - start, "send": time.perf_counter() - joined}, **stats)
+        self._metrics = TransferMetrics({"join": joined - start, "send": time.perf_counter() - joined}, **stats,
+                                        kind="full" if self._adapter is None else "adapter")
         return answers
 
     def _send(
@@ -119,7 +123,7 @@ class CollectiveTransport:
     def _stream(
         self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool
     ) -> tuple[dict[str, WorkerAnswer], dict]:
-        request = Receive(group_id=self._group_id, version=int(version), commit=commit)
+        request = Receive(group_id=self._group_id, version=int(version), commit=commit, adapter=self._adapter)
         return call_targets(
             targets,
             lambda i, t: request,

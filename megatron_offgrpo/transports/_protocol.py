@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Literal, Protocol
 
 from torch import Tensor
 
@@ -21,6 +21,10 @@ WORKER_EXTENSION = "megatron_offgrpo.fleet.OffgrpoWorkerExtension"
 """The dotted path vLLM loads as ``worker_extension_cls``: the worker side of every transport's RPCs."""
 
 
+PayloadKind = Literal["full", "adapter"]
+"""What a refresh moved: the whole model, or the policy's LoRA adapter (``transports.adapters.AdapterPayload``)."""
+
+
 @dataclasses.dataclass
 class TransferMetrics:
     """What the trainer's side of one transfer measured (``WeightTransport.metrics`` after ``install``).
@@ -28,12 +32,14 @@ class TransferMetrics:
     Attributes:
         seconds: phase -> wall seconds on the trainer (e.g. "write", "join", "send", "call").
         bytes: payload bytes written or sent. tensors: tensors moved. buckets: files or messages used.
+        kind: the payload moved.
     """
 
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
+    kind: PayloadKind = "full"
 
 
 class WorkerTarget(Protocol):
@@ -57,8 +63,10 @@ class WeightTransport(Protocol):
 
     name: str
 
-    def prepare(self, weights: Buckets | Path, version: int) -> Any:
-        """Stage ``version`` (write files, or wrap the lazy bucket stream); returns what ``install`` takes."""
+    def prepare(self, weights: Buckets | Path | Any, version: int) -> Any:
+        """Stage ``version`` (write files, or wrap the lazy bucket stream); returns what ``install`` takes.
+        ``weights`` may be an ``adapters.AdapterPayload``: its buckets travel as a full version's do, and ``install``
+        has the workers build the adapter from them."""
         ...
 
     def install(self, targets: list[WorkerTarget], prepared: Any, version: int) -> dict[str, WorkerAnswer]:

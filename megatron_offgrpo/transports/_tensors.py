@@ -22,23 +22,27 @@ from megatron_offgrpo.transports._weights_dir import read_version_dir
 DEFAULT_BUCKET_BYTES = 256 * 1024**2
 
 
-def check_complete(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+def check_complete(
+    shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], what: str = "model"
+) -> None:
     """Raise ``ValueError`` unless ``shapes`` has exactly the expected names, each with the expected shape.
 
     Args:
         shapes: name -> shape of the tensors a refresh carries.
-        expected: name -> shape of the served model (``expected_hf_shapes``).
+        expected: name -> shape of the served model (``expected_hf_shapes``) or adapter.
+        what: "model" or "adapter", for the message.
     """
     problems = []
     missing = [n for n in expected if n not in shapes]
     unknown = [n for n in shapes if n not in expected]
     if missing:
-        problems.append(f"{len(missing)} tensor(s) missing (e.g. {missing[:3]}): a refresh must carry the whole model")
+        problems.append(f"{len(missing)} tensor(s) missing (e.g. {missing[:3]}): a refresh must carry the whole {what}")
     if unknown:
-        problems.append(f"{len(unknown)} unknown tensor name(s) (e.g. {unknown[:3]}): not a tensor of the served model")
+        problems.append(f"{len(unknown)} unknown tensor name(s) (e.g. {unknown[:3]}): not a tensor of the served "
+                        f"{what}")
     wrong = [(n, tuple(s), expected[n]) for n, s in shapes.items() if n in expected and tuple(s) != tuple(expected[n])]
     for name, got, want in wrong[:5]:
-        problems.append(f"tensor {name!r} has shape {list(got)}, the served model needs {list(want)}")
+        problems.append(f"tensor {name!r} has shape {list(got)}, the served {what} needs {list(want)}")
     if problems:
         raise ValueError("refresh rejected before loading: " + "; ".join(problems))
 

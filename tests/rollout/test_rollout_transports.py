@@ -320,3 +320,70 @@ def test_tied_head_follows_the_reloaded_embedding(tiny_dir, weights, reload_rebu
         assert head.cpu_linear is embed.cpu_linear and model.repacks == [embed]
     else:  # the embedding's kernel is as old as the head's: the head repacks its own
         assert model.repacks == [head]
+
+
+class AdapterWorker(FakeWorker):
+    """A fake worker of an engine serving the policy's LoRA adapter: its swap records what it was given."""
+
+    def _offgrpo_swap_adapter(self, tensors, version, seconds, spec):
+        from megatron_offgrpo.transports import WorkerAnswer
+
+        self.installed = {"spec": spec, **{n: t.clone() for n, t in tensors}}
+        self._offgrpo_current = version
+        return WorkerAnswer(ok=True, version=version, tensors=len(tensors), seconds=seconds)
+
+
+@pytest.mark.parametrize("kind", ["disk", "collective", "shm"])
+def test_every_transport_carries_an_adapter(tmp_path, tiny_dir, kind):
+    """An ``AdapterPayload``'s buckets travel as a full version's do; the workers get its tensors bit-exact and its
+    spec, and build the adapter of them (not a reload); the metrics say the payload was an adapter, and its bytes."""
+    from megatron_offgrpo.transports import adapters
+
+    spec = adapters.AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj", "down_proj"))
+    gen = torch.Generator().manual_seed(3)
+    weights = {n: torch.randn(s, generator=gen) for n, s in spec.expected_shapes(dict(TINY)).items()}
+    targets = [FakeTarget("s0", tiny_dir), FakeTarget("s1", tiny_dir, workers=2)]
+    for target in targets:
+        target.workers = [AdapterWorker(tiny_dir, rank=r) for r in range(len(target.workers))]
+    transport = {"disk": lambda: DiskTransport(tmp_path / "shared"), "collective": lambda: CollectiveTransport(
+        timeout_s=60), "shm": lambda: SharedMemoryTransport(tmp_path)}[kind]()
+    answers = transport.install(targets, transport.prepare(adapters.AdapterPayload(spec, as_buckets(weights)), 1), 1)
+    assert all(a.ok and a.version == 1 for a in answers.values()), answers
+    for worker in (w for t in targets for w in t.workers):
+        assert worker.installed.pop("spec") == spec and _same(worker.installed, weights)
+    metrics = transport.metrics()
+    assert metrics.kind == "adapter" and metrics.tensors == len(weights) == 8
+    assert metrics.bytes == sum(t.numel() * 4 for t in weights.values())
+    transport.close()
+
+
+def test_an_adapter_needs_an_engine_with_lora(tmp_path, tiny_dir):
+    """A worker whose engine was started without LoRA refuses an adapter before anything changes."""
+    from megatron_offgrpo.transports import adapters
+
+    spec = adapters.AdapterSpec(rank=4, alpha=8.0, target_modules=("q_proj",))
+    weights = {n: torch.zeros(s) for n, s in spec.expected_shapes(dict(TINY)).items()}
+    target = FakeTarget("s0", tiny_dir)
+    transport = DiskTransport(tmp_path / "shared")
+    answer = transport.install([target], transport.prepare(adapters.AdapterPayload(spec, as_buckets(weights)), 1), 1)
+    assert not answer["s0"].ok and "started without LoRA" in answer["s0"].error and answer["s0"].version == 0
+    assert target.workers[0].installed is None
+
+
+def test_adapter_spec_names_and_refusals():
+    """PEFT's names and shapes on the tiny model; one line per bad field; vLLM's rank sizes."""
+    from megatron_offgrpo.transports import adapters
+
+    spec = adapters.AdapterSpec(rank=3, alpha=6, target_modules=["k_proj", "down_proj"])
+    shapes = spec.expected_shapes(dict(TINY))
+    assert spec.target_modules == ("k_proj", "down_proj") and spec.scaling == 2.0 and spec.vllm_max_rank() == 8
+    assert shapes["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"] == (3, 128)
+    assert shapes["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"] == (3, 256)
+    assert shapes["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"] == (128, 3)
+    assert len(shapes) == 2 * 2 * 2 and adapters.AdapterSpec(**spec.to_wire()) == spec
+    with pytest.raises(ValueError, match=r"rank=0 must be .*; target_modules=\['lm_head'\]"):
+        adapters.AdapterSpec(rank=0, alpha=1.0, target_modules=("lm_head",))
+    from tests.rollout.tiny import TINY_MOE
+
+    with pytest.raises(ValueError, match=r"\['gate_proj'\]: no decoder layer"):
+        adapters.AdapterSpec(2, 4.0, ("q_proj", "gate_proj")).expected_shapes(dict(TINY_MOE))
