@@ -85,6 +85,8 @@ CASES = [  # (overrides, what the message must name)
     (["lora.rank=4", "lora.dropout=1"], "lora.dropout=1.0: must be in [0, 1)"),
     (["lora.rank=4", "lora.targets=[linear_fc3]"], "lora.targets=['linear_fc3']: unknown ['linear_fc3']; valid: "),
     (["lora.rank=4", "lora.sync=delta"], "lora.sync='delta': expected one of ['adapter', 'merged']"),
+    (["lora.rank=4", "rollout.engine=transformers"], "lora.sync=adapter with rollout.engine=transformers: the "
+     "engines load the adapter with vLLM's LoRA"),
     (["lora.rank=4", "model.hf_path=megatron_offgrpo/assets/tiny-qwen3-moe", "lora.targets=[linear_qkv,linear_fc1]"],
      "a Qwen3-MoE layer's MLP is its experts, and adapters on experts"),
 ]

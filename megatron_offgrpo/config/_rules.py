@@ -65,6 +65,9 @@ def _lora_errors(config: Config) -> list[str]:
         errors.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
     if lora.targets is not None and (not lora.targets or len(set(lora.targets)) < len(lora.targets)):
         errors.append(f"lora.targets={lora.targets}: give each linear layer once, at least one (null: all the model's)")
+    if lora.sync == "adapter" and config.rollout.engine == "transformers":
+        errors.append("lora.sync=adapter with rollout.engine=transformers: the engines load the adapter with vLLM's "
+                      "LoRA; use rollout.engine=vllm, auto or fleet, or lora.sync=merged")
     if config.model.compile:
         errors.append("lora.rank >= 1 with model.compile=true: compiled layers are not tested with adapters; use "
                       "model.compile=false")

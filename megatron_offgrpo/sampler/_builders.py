@@ -8,6 +8,7 @@ from megatron_offgrpo.config import Config, RolloutConfig
 from megatron_offgrpo.data import SamplingParams
 from megatron_offgrpo.rollout import specs
 from megatron_offgrpo.sampler._eval import EVAL_BATCH
+from megatron_offgrpo.transports import adapters
 
 
 def sampling_params(rollout: RolloutConfig, seed: int | None = None, step: int = 0) -> SamplingParams:
@@ -38,21 +39,23 @@ def verify_tolerance(rollout: RolloutConfig, precision: str, derived: float | No
     return probes.probe_atol(serving_dtype(rollout, precision))
 
 
-def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> specs.EngineSpec:
-    """The spec of ``rollout.engine``'s engine (``make_rollout_engine``'s arguments)."""
+def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int,
+                adapter: adapters.AdapterSpec | None = None) -> specs.EngineSpec:
+    """The spec of ``rollout.engine``'s engine (``make_rollout_engine``'s arguments); ``adapter``: the policy's LoRA
+    adapter when refreshes send only it (``lora.sync=adapter``)."""
     r, routing = config.rollout, config.model.router_replay
     if r.engine == "fleet":
         return specs.FleetClientSpec(
             Path(r.fleet_state), r.transport, shared_dir=None if run_dir is None else run_dir / "weights",
             bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=Path(r.shm_dir),
-            record_routing=routing, partial_rollouts=r.mode == "async_partial")
+            record_routing=routing, partial_rollouts=r.mode == "async_partial", lora=adapter)
     # the dtype explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
     dtype = serving_dtype(r, config.model.precision)
     if r.engine == "transformers":
         return specs.TransformersSpec(model_dir, dtype, record_routing=routing)
     return specs.VllmSpec(model_dir, dtype, max_model_len=generation_length(config, max_positions),
                           max_num_seqs=max(r.prompts_per_step * r.group_size, EVAL_BATCH), record_routing=routing,
-                          partial_rollouts=r.mode == "async_partial", fall_back=r.engine == "auto")
+                          partial_rollouts=r.mode == "async_partial", fall_back=r.engine == "auto", lora=adapter)
 
 
 def generation_length(config: Config, max_positions: int) -> int:

@@ -26,7 +26,7 @@ from megatron_offgrpo.sampler._sampling import RolloutBatch
 # RolloutState is defined with the sources; checkpoints written before pickled it under this module's name, which
 # must keep resolving (train._checkpoint.load_rollout_state unpickles rollout_state.pt)
 from megatron_offgrpo.sampler._sources import BatchSource, RolloutState, make_source
-from megatron_offgrpo.transports import Buckets
+from megatron_offgrpo.transports import Buckets, adapters
 
 logger = logging.getLogger(__name__)
 STALENESS_KEYS = 8
@@ -47,11 +47,13 @@ class RolloutSide:
     _closed: bool = False
 
     @classmethod
-    def build(cls, config: Config, model_dir: Path, run_dir: Path, max_positions: int) -> RolloutSide:
+    def build(cls, config: Config, model_dir: Path, run_dir: Path, max_positions: int,
+              adapter: adapters.AdapterSpec | None = None) -> RolloutSide:
         """The engine serving ``model_dir`` (the policy exported as version 0), and the prompts it answers.
 
         Args:
             run_dir: a disk refresh writes its versions under it. max_positions: the model's context length.
+            adapter: the policy's LoRA adapter when refreshes send only it (``lora.sync=adapter``).
         """
         tokenizer = load_tokenizer(config.model.hf_path)
         data = load_data(config)
@@ -68,7 +70,7 @@ class RolloutSide:
             make_env = env_factory(config, reward_fn)
         except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
             raise ConfigError(str(exc)) from None
-        engine = make_rollout_engine(config, model_dir, run_dir, max_positions)
+        engine = make_rollout_engine(config, model_dir, run_dir, max_positions, adapter)
         if config.rollout.mode == "async_partial" and not engine.partial_rollouts:
             engine.close()  # rollout.engine=auto fell back (its warning says why)
             raise ConfigError(f"rollout.mode=async_partial needs vLLM (in-process or a fleet); the run got the "
@@ -87,7 +89,7 @@ class RolloutSide:
         batch (none past the last step)."""
         self.source.start(step)
 
-    def install(self, buckets: Buckets, version: int) -> RefreshReport | None:
+    def install(self, buckets: Buckets | adapters.AdapterPayload, version: int) -> RefreshReport | None:
         """``engine.update_weights``, tolerating servers that failed when the others installed the version
         (then None, with a warning).
 
@@ -152,15 +154,17 @@ class RolloutSide:
                 self.maker.teacher.close()
 
 
-def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int) -> RolloutEngine:
+def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int,
+                        adapter: adapters.AdapterSpec | None = None) -> RolloutEngine:
     """The engine of ``rollout.engine``, serving the weights in ``model_dir`` as version 0 (rank 0 only).
 
     Args:
         run_dir: the run directory (a disk refresh writes its versions under it; None: an engine never refreshed).
         max_positions: the model's ``max_position_embeddings`` (caps vLLM's ``max_model_len``).
+        adapter: LoRA with adapter refreshes: the engine serves ``model_dir`` plus this adapter (zero at version 0).
     """
     try:
-        return make_engine(engine_spec(config, model_dir, run_dir, max_positions))
+        return make_engine(engine_spec(config, model_dir, run_dir, max_positions, adapter))
     except errors.UnservableModelError as exc:  # engine=vllm asked for explicitly (auto falls back): one line, exit 2
         raise ConfigError(f"rollout.engine=vllm: {exc}: use rollout.engine=auto (falls back to the transformers "
                           "engine) or rollout.engine=transformers") from None

@@ -31,7 +31,7 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
     v0 = trainer.export_hf(run_dir / "weights" / "v0")
     if not rank0:
         return trainer, None, None
-    rollout = RolloutSide.build(config, v0, run_dir, trainer.arch.max_position_embeddings)
+    rollout = RolloutSide.build(config, v0, run_dir, trainer.arch.max_position_embeddings, trainer.engine_adapter())
     try:
         # once the engine (rollout.engine=auto's pick) is known
         write_run_info(run_dir, config, trainer.ctx, trainer.arch, started, rollout.engine, rollout.data_report)

@@ -17,6 +17,7 @@ from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
 from megatron_offgrpo.rollout import errors, probes
 from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
+from megatron_offgrpo.transports import adapters
 
 logger = logging.getLogger(__name__)
 # what ends a generation on rank 0 and is raised on every rank at the same point (one line each; a stop pending then
@@ -65,13 +66,15 @@ def step_refresh(config: Config, step: int, version: int) -> StepRefresh:
 def refresh(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> float:
     """Install the trainer's current weights in the engine as ``version`` and verify them; returns the seconds."""
     start = time.perf_counter()
-    buckets = trainer.weight_buckets()
+    payload = trainer.refresh_payload()
+    buckets = payload.buckets if isinstance(payload, adapters.AdapterPayload) else payload
 
     def install() -> None:
         try:
-            report = rollout.install(buckets, version)
+            report = rollout.install(payload, version)
             if report is not None:  # a detail: its time is in the progress line (runlog._logs keeps it off the console)
-                logger.info("refresh to version %d: %.3f s (%s)", version, report.seconds, report.transport)
+                logger.info("refresh to version %d: %.3f s, %s, %.1f MB (%s)", version, report.seconds, report.kind,
+                            report.bytes / 1e6, report.transport)
         finally:
             for _ in buckets:  # the export is collective: finish it even when the install stopped early
                 pass

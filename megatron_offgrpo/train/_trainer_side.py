@@ -12,12 +12,14 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from checkpoint_tools import adapters as ckpt_adapters
 from megatron_offgrpo.algo import AdvantageParams, ObjectiveParams, compute_group_advantages
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import QwenArch, load_arch, output_weight
 from megatron_offgrpo.rollout import probes
 from megatron_offgrpo.runtime import ParallelContext, init_parallel, release_free_memory
+from megatron_offgrpo.transports import Buckets, adapters
 from megatron_offgrpo.train._batch import (
     MicroBatch,
     build_microbatches,
@@ -123,8 +125,29 @@ class TrainerSide:
                     mb.ref_logp = logp
 
     def weight_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The policy as HF-named buckets, yielded on global rank 0; every rank must iterate (collective)."""
+        """The policy as HF-named buckets (with LoRA: merged), yielded on global rank 0; every rank must iterate
+        (collective)."""
         return export_buckets(self.policy.model, self.arch, self.ctx, self.config.rollout.bucket_mb * 1024**2)
+
+    def engine_adapter(self) -> adapters.AdapterSpec | None:
+        """The adapter the engines serve beside the base (``lora.sync=adapter``), in HF module names; None when they
+        serve whole weights (full fine-tuning, or ``lora.sync=merged``)."""
+        lora = self.config.lora
+        if not lora.rank or lora.sync != "adapter":
+            return None
+        spec = adapter_spec(self.config, self.arch)
+        card = ckpt_adapters.LoraCard(spec.rank, spec.alpha, spec.targets)
+        return adapters.AdapterSpec(spec.rank, spec.alpha, tuple(ckpt_adapters.peft_target_modules(card, self.arch)))
+
+    def refresh_payload(self) -> Buckets | adapters.AdapterPayload:
+        """What a refresh sends the engines: the whole (merged) policy, or with ``lora.sync=adapter`` its adapter
+        alone (PEFT-named buckets; a few MB); every rank must drain its buckets (collective)."""
+        bucket_bytes = self.config.rollout.bucket_mb * 1024**2
+        spec = self.engine_adapter()
+        if spec is None:
+            return export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes)
+        return adapters.AdapterPayload(spec, export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes,
+                                                            adapter="only"))
 
     def weights_pushed(self) -> None:
         """The engine now serves the current weights: the snapshot follows (exact behavior log-probs)."""
