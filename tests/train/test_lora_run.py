@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import save_hf_model, tiny_hf_config
-from tests.train.conftest import TINY, metrics, train_proc
+from tests.train.conftest import metrics, train_proc
 
 pytestmark = pytest.mark.slow
 
