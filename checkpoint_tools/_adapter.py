@@ -20,7 +20,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
@@ -187,18 +187,23 @@ def peft_target_modules(card: LoraCard, arch: QwenArch) -> list[str]:
     return names
 
 
-def peft_config(card: LoraCard, arch: QwenArch, base_model: str | None = None) -> dict[str, Any]:
-    """The ``adapter_config.json`` of the adapter: PEFT's LoRA fields (what ``LoraConfig.to_dict`` writes, without
-    the options this adapter never uses)."""
-    alpha = int(card.alpha) if float(card.alpha).is_integer() else card.alpha
+def peft_lora_config(rank: int, alpha: float, target_modules: Sequence[str], dropout: float = 0.0,
+                     base_model: str | None = None) -> dict[str, Any]:
+    """PEFT's LoRA ``adapter_config.json`` fields (what ``LoraConfig.to_dict`` writes, without the options these
+    adapters never use): the one place they are written, for exports and for the engines' adapters."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "revision": None,
-        "inference_mode": True, "r": card.rank, "lora_alpha": alpha, "lora_dropout": card.dropout,
-        "target_modules": peft_target_modules(card, arch), "fan_in_fan_out": False, "bias": "none",
+        "inference_mode": True, "r": rank, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": dropout, "target_modules": list(target_modules), "fan_in_fan_out": False, "bias": "none",
         "use_rslora": False, "use_dora": False, "lora_bias": False, "modules_to_save": None,
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {},
     }
+
+
+def peft_config(card: LoraCard, arch: QwenArch, base_model: str | None = None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of the adapter of ``card`` on ``arch``."""
+    return peft_lora_config(card.rank, card.alpha, peft_target_modules(card, arch), card.dropout, base_model)
 
 
 def write_peft(out: str | Path, card: LoraCard, arch: QwenArch, tensors: Iterable[tuple[str, torch.Tensor]],

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from checkpoint_tools import Named, expected_hf_shapes, files
+from checkpoint_tools import adapters as ckpt_adapters
 
 if TYPE_CHECKING:  # the worker calls import this module, and the protocol imports them
     from megatron_offgrpo.transports._protocol import Buckets
@@ -86,10 +87,8 @@ class AdapterSpec:
 
     def peft_config(self, base_model: str | None = None) -> dict[str, Any]:
         """The adapter's ``adapter_config.json`` (what PEFT and vLLM read), for the base at ``base_model``."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                "target_modules": sorted(self.target_modules), "lora_dropout": 0.0, "bias": "none",
-                "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
-                "base_model_name_or_path": base_model, "inference_mode": True}
+        return ckpt_adapters.peft_lora_config(self.rank, self.alpha, sorted(self.target_modules),
+                                              base_model=base_model)
 
     def expected_shapes(self, hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """Every tensor name of this adapter on the model of ``hf_config`` -> its shape (PEFT names).
