@@ -187,6 +187,19 @@ def peft_target_modules(card: LoraCard, arch: QwenArch) -> list[str]:
     return names
 
 
+def hf_target_modules(arch: QwenArch, targets: Sequence[str] | None) -> tuple[str, ...]:
+    """The HF modules (q_proj, ...) that the run's ``lora.targets`` (megatron's linears; None: the arch's default,
+    ``model.lora.lora_spec``) adapt: what an engine serving the adapter is started with.
+
+    Raises:
+        ValueError: a target the arch cannot take (one line: MLP targets of a mixture of experts).
+    """
+    from megatron_offgrpo.model import lora
+
+    spec = lora.lora_spec(arch, 1, 1.0, 0.0, list(targets) if targets is not None else None, 0)
+    return tuple(peft_target_modules(LoraCard(spec.rank, spec.alpha, spec.targets), arch))
+
+
 def peft_lora_config(rank: int, alpha: float, target_modules: Sequence[str], dropout: float = 0.0,
                      base_model: str | None = None) -> dict[str, Any]:
     """PEFT's LoRA ``adapter_config.json`` fields (what ``LoraConfig.to_dict`` writes, without the options these

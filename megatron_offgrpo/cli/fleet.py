@@ -132,27 +132,33 @@ def start_token(args: argparse.Namespace) -> str:
 
 
 def _lora_flags(start: argparse.ArgumentParser) -> None:
-    """The policy's LoRA adapter (``lora.sync=adapter``): the servers serve it in one slot, all-zero at version 0."""
+    """The policy's LoRA adapter (``lora.sync=adapter``): the servers serve it in one slot, all-zero at version 0.
+    The flags take the run's own ``lora.*`` values, defaults included, so that a fleet and its run agree."""
     start.add_argument("--lora-rank", type=int, default=None,
                        help="serve the policy's LoRA adapter of this rank (the run's lora.rank; lora.sync=adapter); "
                        "refreshes then send only the adapter")
-    start.add_argument("--lora-alpha", type=float, default=None, help="the run's lora.alpha (default: the rank)")
-    start.add_argument("--lora-targets", default=",".join(adapters.TARGETS),
-                       help="the run's lora.targets, comma-separated HF module names (default: all projections)")
+    start.add_argument("--lora-alpha", type=float, default=32.0, help="the run's lora.alpha (default 32, as its)")
+    start.add_argument("--lora-targets", default=None,
+                       help="the run's lora.targets, comma-separated (linear_qkv,linear_proj,linear_fc1,linear_fc2; "
+                       "default as the run's: all four on dense models, the attention's two on Qwen3-MoE)")
 
 
 def lora_spec(args: argparse.Namespace) -> adapters.AdapterSpec | None:
-    """The adapter of ``--lora-*`` (None without ``--lora-rank``).
+    """The adapter of ``--lora-*`` on ``--model`` (None without ``--lora-rank``), as the run derives it.
 
     Raises:
         ValueError: a bad value, naming the flag.
     """
     if args.lora_rank is None:
         return None
-    alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    from checkpoint_tools import adapters as ckpt_adapters
+    from megatron_offgrpo.model import load_arch
+
+    targets = None if args.lora_targets is None else [t.strip() for t in args.lora_targets.split(",")]
     try:
-        return adapters.AdapterSpec(args.lora_rank, alpha, tuple(t.strip() for t in args.lora_targets.split(",")))
-    except ValueError as exc:
+        modules = ckpt_adapters.hf_target_modules(load_arch(args.model), targets)
+        return adapters.AdapterSpec(args.lora_rank, args.lora_alpha, modules)
+    except (KeyError, ValueError) as exc:
         raise ValueError(f"--lora-rank/--lora-alpha/--lora-targets: {exc}") from None
 
 

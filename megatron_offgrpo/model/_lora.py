@@ -243,9 +243,11 @@ def lora_spec(arch, rank: int, alpha: float, dropout: float, targets: list[str] 
     mlp = ("linear_fc1", "linear_fc2")
     if targets is None:
         targets = [t for t in COLUMN_PARALLEL + ROW_PARALLEL if not (arch.is_moe and t in mlp)]
+    order = COLUMN_PARALLEL + ROW_PARALLEL
+    if unknown := [t for t in targets if t not in order]:
+        raise ValueError(f"lora.targets: unknown {unknown}; valid: {list(order)}")
     if arch.is_moe and any(t in mlp for t in targets):
         raise ValueError(f"lora.targets={list(targets)}: a Qwen3-MoE layer's MLP is its experts, and adapters on "
                          "experts (split over expert and expert-tensor parallelism) are not supported; adapt the "
                          "attention: lora.targets=[linear_qkv,linear_proj]")
-    order = COLUMN_PARALLEL + ROW_PARALLEL
     return LoraSpec(rank, alpha, dropout, tuple(sorted(targets, key=order.index)), seed)

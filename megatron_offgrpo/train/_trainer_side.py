@@ -135,9 +135,7 @@ class TrainerSide:
         lora = self.config.lora
         if not lora.rank or lora.sync != "adapter":
             return None
-        spec = adapter_spec(self.config, self.arch)
-        card = ckpt_adapters.LoraCard(spec.rank, spec.alpha, spec.targets)
-        return adapters.AdapterSpec(spec.rank, spec.alpha, tuple(ckpt_adapters.peft_target_modules(card, self.arch)))
+        return adapters.AdapterSpec(lora.rank, lora.alpha, ckpt_adapters.hf_target_modules(self.arch, lora.targets))
 
     def refresh_payload(self) -> Buckets | adapters.AdapterPayload:
         """What a refresh sends the engines: the whole (merged) policy, or with ``lora.sync=adapter`` its adapter

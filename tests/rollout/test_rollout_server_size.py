@@ -137,17 +137,22 @@ def test_an_adapter_engine_runs_vllm_lora_with_one_slot(tmp_path):
 
 
 def test_fleet_start_lora_flags():
-    """``--lora-rank`` turns the adapter on (alpha defaults to the rank, targets to every projection); a bad value is
-    one error line naming the flags, found with the other flag errors before any server starts."""
+    """``--lora-rank`` turns the adapter on with the run's own defaults (alpha 32; targets: every linear of a dense
+    model, the attention of a MoE model), the run's megatron names mapped to the HF modules the servers adapt; a bad
+    value is one error line naming the flags, found with the other flag errors before any server starts."""
     from megatron_offgrpo.cli import fleet as fleet_cli
     from megatron_offgrpo.transports import adapters
 
     parse = fleet_cli.build_parser().parse_args
-    base = ["start", "--model", "m"]
-    assert fleet_cli.lora_spec(parse(base)) is None
-    spec = fleet_cli.lora_spec(parse(base + ["--lora-rank", "4", "--lora-targets", "q_proj, v_proj"]))
-    assert spec == adapters.AdapterSpec(4, 4.0, ("q_proj", "v_proj"))
-    assert fleet_cli.lora_spec(parse(base + ["--lora-rank", "2"])).target_modules == adapters.TARGETS
-    errors = fleet_cli.flag_errors(parse(base + ["--lora-rank", "4", "--lora-targets", "lm_head"]))
-    assert len(errors) == 1 and "lm_head" in errors[0]
-    assert errors[0].startswith("--lora-rank/--lora-alpha/--lora-targets:")
+    dense = ["start", "--model", "megatron_offgrpo/assets/tiny-qwen2"]
+    assert fleet_cli.lora_spec(parse(dense)) is None
+    spec = fleet_cli.lora_spec(parse(dense + ["--lora-rank", "4", "--lora-targets", "linear_qkv, linear_fc2"]))
+    assert spec == adapters.AdapterSpec(4, 32.0, ("q_proj", "k_proj", "v_proj", "down_proj"))
+    assert set(fleet_cli.lora_spec(parse(dense + ["--lora-rank", "2"])).target_modules) == set(adapters.TARGETS)
+    moe = ["start", "--model", "megatron_offgrpo/assets/tiny-qwen3-moe", "--lora-rank", "2"]
+    assert set(fleet_cli.lora_spec(parse(moe)).target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for bad, says in ((["--lora-targets", "lm_head"], "lm_head"), (["--lora-alpha", "0"], "alpha=0.0")):
+        errors = fleet_cli.flag_errors(parse(dense + ["--lora-rank", "4", *bad]))
+        assert len(errors) == 1 and says in errors[0] and errors[0].startswith("--lora-rank/--lora-alpha/--lora-")
+    errors = fleet_cli.flag_errors(parse(moe + ["--lora-targets", "linear_fc1"]))
+    assert len(errors) == 1 and "experts" in errors[0]
