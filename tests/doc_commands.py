@@ -110,8 +110,8 @@ RULES: tuple[Rule, ...] = (
          needs=("moe-sft",), forbid=_VLLM),
     Rule(r"rollout\.engine=fleet", "run-shortened", "40 RL steps; 2 steps still refresh, verify and checkpoint",
          append=_SHORT_RL, needs=("sft", "fleet")),
-    Rule(rf"^offgrpo train {_TINY} lora\.rank=", "run-shortened", "LoRA on the warm-up, 2 steps: adapter refreshes into "
-         "the in-process vLLM engine, verified", append=_SHORT_RL + ("train.eval_every=1",), needs=("sft",),
+    Rule(rf"^offgrpo train {_TINY} lora\.rank=", "run-shortened", "LoRA on the warm-up, 2 steps: adapter refreshes "
+         "into the in-process vLLM engine, verified", append=_SHORT_RL + ("train.eval_every=1",), needs=("sft",),
          forbid=_VLLM),
     Rule(rf"^offgrpo train {_TINY} env\.name=", "run-shortened", "multi-turn episodes on the warm-up, 2 steps",
          append=_SHORT_RL, needs=("sft",), forbid=_VLLM),

@@ -60,3 +60,26 @@ def test_merged_refreshes_go_through_the_full_path(base_dir, tmp_path):
                "optim.lr=1e-2", "train.steps=2", "rollout.refresh_every=1", "lora.targets=[linear_qkv,linear_fc2]")
     log = (out / "train.log").read_text()
     assert "refresh to version 1 verified" in log and ", full, " in log and ", adapter, " not in log
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.mode=async_partial", "optim.packing=true", "algo.kl_beta=0.05"],
+    ["rollout.mode=overlap", "optim.packing=true", "optim.shared_prompt=true", "distill.teacher_path={base}",
+     "env.name=feedback",
+     "env.max_turns=2"],
+], ids=["async-partial-packed-kl", "overlap-shared-prompt-distill-multiturn"])
+def test_lora_runs_with_the_other_features(base_dir, tmp_path, overrides):
+    """The adapters change nothing else: partial rollouts across adapter swaps, packing, the KL reference (the base
+    alone), multi-turn episodes, overlap, shared prompts and distillation (its teacher the base: the KL starts at 0)."""
+    out = tmp_path / "run"
+    train_proc(1, out, f"model.hf_path={base_dir}", "model.init=hf", "rollout.engine=vllm", "lora.rank=8",
+               "optim.lr=1e-2", "train.steps=3", "rollout.refresh_every=1",
+               *[o.format(base=base_dir) for o in overrides])
+    records = metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    log = (out / "train.log").read_text()
+    assert log.count(", adapter, ") == 2 and "refresh to version 2 verified" in log
+    if "distill" in " ".join(overrides):
+        assert abs(records[0]["teacher_kl"]) < 1e-6
+    if "algo.kl_beta=0.05" in overrides:  # the reference is the base: the policy at step 0, not after it learned
+        assert abs(records[0]["kl_mean"]) < 1e-6 and records[-1]["kl_mean"] > 1e-6
