@@ -19,6 +19,9 @@ from megatron_offgrpo.transports._adapter import AdapterSpec, spec_of
 
 _Request = TypeVar("_Request", bound="WorkerRequest")
 
+WORKER_EXTENSION = "megatron_offgrpo.fleet.OffgrpoWorkerExtension"
+"""The dotted path vLLM loads as ``worker_extension_cls``: the class whose methods these requests call."""
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerRequest:

@@ -1,0 +1,115 @@
+"""The delta codec (transports.deltas): exact round trips, and every blob that must not apply is refused."""
+
+import pytest
+import torch
+
+from megatron_offgrpo.transports import deltas
+
+
+def _step(t: torch.Tensor, frac: float, seed: int = 0) -> torch.Tensor:
+    """``t`` with about ``frac`` of its elements moved by a small update (an optimizer step's shape)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(t.shape, generator=g) < frac
+    return torch.where(mask, t + 1e-2 * torch.randn(t.shape, generator=g).to(t.dtype), t).to(t.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("frac", [0.0, 0.01, 0.5, 1.0])
+@pytest.mark.parametrize("compression", ["zlib", "none"])
+def test_round_trip_is_bit_identical(dtype, frac, compression):
+    old = torch.randn(64, 33).to(dtype)
+    new = _step(old, frac) if frac < 1 else (old + 1).to(dtype)
+    blob, changed = deltas.encode("w", new, old, base=3, compression=compression)
+    assert changed == int((new.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+                           != old.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)).sum())
+    out = deltas.apply("w", blob, old, base=3)
+    out = old if out is None else out
+    assert torch.equal(out.view(torch.uint8), new.view(torch.uint8))  # bitwise, -0.0 included
+    assert out is old or changed  # an empty delta returns the image itself (nothing to reload)
+
+
+def test_empty_delta_is_small_and_changes_nothing():
+    old = torch.randn(1000)
+    blob, changed = deltas.encode("w", old.clone(), old, base=1)
+    assert changed == 0 and blob.numel() < 64
+    assert deltas.apply("w", blob, old, base=1) is None
+
+
+def test_applying_twice_is_idempotent():
+    """Overwrite encoding: a blob applied onto its own result gives the same tensor (xor would undo it)."""
+    old = torch.randn(100)
+    new = _step(old, 0.1)
+    blob, _ = deltas.encode("w", new, old, base=1)
+    once = deltas.apply("w", blob, old, base=1)
+    assert torch.equal(once, new) and torch.equal(deltas.apply("w", blob, once, base=1), new)
+
+
+def test_nan_payload_refused_on_both_sides():
+    old = torch.randn(10)
+    new = old.clone()
+    new[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        deltas.encode("w", new, old, base=0)
+    nan_blob, _ = deltas.encode("w", old + 1, old, base=0, compression="none")
+    raw = bytearray(nan_blob.numpy().tobytes())
+    raw[-4:] = torch.tensor([float("nan")]).view(torch.uint8).numpy().tobytes()  # the last value
+    with pytest.raises(deltas.Refused, match="NaN"):
+        deltas.apply("w", torch.frombuffer(raw, dtype=torch.uint8), old, base=0)
+
+
+def test_wrong_base_refused():
+    old = torch.randn(10)
+    blob, _ = deltas.encode("w", old + 1, old, base=4)
+    with pytest.raises(deltas.Refused, match="onto version 4, this engine serves version 5"):
+        deltas.apply("w", blob, old, base=5)
+
+
+def test_checksum_mismatch_refused():
+    """A flipped byte of a value, or an image that is not the base, fails the checksum; a flipped header or body byte
+    is refused as corrupt."""
+    old = torch.randn(200)
+    new = _step(old, 0.2)
+    blob, _ = deltas.encode("w", new, old, base=2, compression="none")
+    raw = bytearray(blob.numpy().tobytes())
+    raw[-1] ^= 0x01  # a value's low mantissa bit: still finite, wrong tensor
+    with pytest.raises(deltas.Refused, match="checksum"):
+        deltas.apply("w", torch.frombuffer(raw, dtype=torch.uint8), old, base=2)
+    other = old.clone()
+    other[0] += 1  # the engine's image is not the trainer's base
+    with pytest.raises(deltas.Refused, match="checksum"):
+        deltas.apply("w", blob, other, base=2)
+    zipped, _ = deltas.encode("w", new, old, base=2)
+    raw = bytearray(zipped.numpy().tobytes())
+    raw[deltas.HEADER.size + 2] ^= 0xFF
+    with pytest.raises(deltas.Refused):
+        deltas.apply("w", torch.frombuffer(raw, dtype=torch.uint8), old, base=2)
+    with pytest.raises(deltas.Refused, match="not a delta"):
+        deltas.apply("w", torch.zeros(8, dtype=torch.uint8), old, base=2)
+
+
+def test_wrong_size_or_dtype_refused():
+    old = torch.randn(10)
+    blob, _ = deltas.encode("w", old + 1, old, base=0)
+    with pytest.raises(deltas.Refused, match="elements"):
+        deltas.apply("w", blob, torch.randn(11), base=0)
+    with pytest.raises(deltas.Refused, match="dtype"):
+        deltas.apply("w", blob, old.to(torch.bfloat16), base=0)
+
+
+def test_positions_format_follows_density():
+    """Sparse changes: uint32 gaps (4 B each); dense: a bitmask (numel / 8 B), whichever is smaller."""
+    old = torch.zeros(10_000)
+    sparse = old.clone()
+    sparse[::1000] = 1.0  # 10 changes: 40 B of gaps < 1250 B of mask
+    dense = old + 1
+    for new, fmt in ((sparse, deltas.GAPS), (dense, deltas.BITMASK)):
+        blob, _ = deltas.encode("w", new, old, base=0, compression="none")
+        assert deltas.read_header(blob)["fmt"] == fmt
+        assert torch.equal(deltas.apply("w", blob, old, base=0), new)
+
+
+def test_crc32_fallback_round_trips():
+    old = torch.randn(50)
+    new = old + 1
+    kind, value = deltas.checksum(new, deltas.CRC32)
+    assert kind == deltas.CRC32 and value == deltas.checksum(new.clone(), deltas.CRC32)[1]
