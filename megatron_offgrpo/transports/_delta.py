@@ -61,10 +61,11 @@ class Refused(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class DeltaSpec:
-    """What a worker call says of a delta refresh: it applies onto ``base`` (the version it was made from), the
-    trainer's image being in ``dtype`` (the engine's: "float32" or "bfloat16")."""
+    """What a worker call says of a delta-mode refresh: it applies onto ``base`` (the version it was made from), the
+    trainer's image being in ``dtype`` (the engine's: "float32" or "bfloat16"). ``base`` None: a full version (in
+    ``dtype``) whose image the worker keeps, for the deltas that follow."""
 
-    base: int
+    base: int | None
     dtype: str
 
     def to_wire(self) -> dict[str, Any]:
@@ -108,12 +109,29 @@ class DeltaPayload:
     full: Callable[[], Buckets]
     stats: DeltaStats = dataclasses.field(default_factory=DeltaStats)
 
+    def as_full(self) -> DeltaPayload:
+        """The same version whole, in delta mode (the workers keep its image): what an engine that refused the delta
+        gets instead."""
+        return DeltaPayload(DeltaSpec(None, self.spec.dtype), self.full(), self.full, self.stats)
+
+    def summary(self) -> dict[str, float]:
+        """The encoding's figures for a refresh report's detail."""
+        return {"changed_fraction": self.stats.changed_fraction, "encode_s": self.stats.encode_s,
+                "full_bytes": float(self.stats.full_bytes)}
+
 
 def split_payload(weights: Any) -> tuple[Any, DeltaSpec | None]:
     """(what a transport moves, the delta it is or None)."""
     if isinstance(weights, DeltaPayload):
         return weights.buckets, weights.spec
     return weights, None
+
+
+def kind_of(adapter: Any, delta: DeltaSpec | None) -> Literal["full", "adapter", "delta"]:
+    """What a refresh moves: an adapter, a delta onto a base, or the whole model."""
+    if adapter is not None:
+        return "adapter"
+    return "delta" if delta is not None and delta.base is not None else "full"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -19,8 +19,9 @@ DIRTY = -1
 
 
 
-PayloadKind = Literal["full", "adapter"]
-"""What a refresh moved: the whole model, or the policy's LoRA adapter (``transports.adapters.AdapterPayload``)."""
+PayloadKind = Literal["full", "adapter", "delta"]
+"""What a refresh moved: the whole model, the policy's LoRA adapter (``transports.adapters.AdapterPayload``), or the
+changed elements of the whole model (``transports.deltas.DeltaPayload``)."""
 
 
 @dataclasses.dataclass

@@ -1,0 +1,72 @@
+"""The worker's side of a delta refresh: patch its own image of the served weights, every check first.
+
+vLLM CPU repacks linear weights into its GEMM kernels' layout, so the served parameters cannot be read back as the HF
+tensors a delta patches: a worker that takes deltas keeps its own HF-named image of the version it serves, in the
+served dtype, on CPU (one copy of the model per worker: 0.5B in bf16, ~1 GB; a TP worker keeps the whole model, since
+vLLM's loader cuts its shard from whole tensors). The image is taken from a full refresh that says deltas follow
+(``DeltaSpec.base`` None), dropped by any other full refresh, an adapter refresh or a failed reload, and absent after
+a restart: a delta then gets a refusal, and the trainer a full sync.
+
+``patch`` checks everything before anything is served: the delta's base is the served version and the image's, the
+dtype is the served one, the blobs are exactly the model's tensors, and each blob applies (``deltas.apply``: base,
+size, body, finite values, the checksum of the patched tensor). ``reload_set`` then widens the changed tensors to the
+vLLM modules they feed (q/k/v fuse into one module, gate/up into another, a MoE layer's experts into two stacked
+weights): a module is reloaded whole, from the image, so no module ever mixes a reloaded and a stale part, and the
+MoE repack sees every expert of a layer it packs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from checkpoint_tools import Named
+from megatron_offgrpo.transports import deltas
+
+_MODULE = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp))\.")
+
+
+def keep_image(tensors: Named, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Own copies of a full version's tensors in the served dtype (the transports' buffers do not outlive the call)."""
+    return {name: t.detach().to("cpu", dtype, copy=True).contiguous() for name, t in tensors}
+
+
+def patch(image: dict[str, torch.Tensor], image_version: int | None, current: int, blobs: Named,
+          spec: deltas.DeltaSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors the delta ``blobs`` change, patched (``image`` untouched).
+
+    Raises:
+        deltas.Refused: one line saying why this worker must get a full sync instead.
+    """
+    if not image:
+        raise deltas.Refused("this worker holds no image of its weights (it restarted or joined, or its last full "
+                             "refresh was not a delta-mode one)")
+    if spec.base is None or spec.base != current or image_version != current:
+        raise deltas.Refused(f"the delta applies onto version {spec.base}, this worker serves version {current} "
+                             f"(image of version {image_version})")
+    if spec.dtype != deltas.dtype_name(dtype):
+        raise deltas.Refused(f"the delta is in {spec.dtype}, this worker serves {deltas.dtype_name(dtype)}")
+    names = [n for n, _ in blobs]
+    missing, unknown = sorted(set(image) - set(names)), sorted(set(names) - set(image))
+    if missing or unknown or len(names) != len(set(names)):
+        raise deltas.Refused(f"the delta must carry every tensor once: {len(missing)} missing (e.g. {missing[:2]}), "
+                             f"{len(unknown)} unknown (e.g. {unknown[:2]})")
+    patched = {}
+    for name, blob in blobs:
+        out = deltas.apply(name, blob, image[name], current)
+        if out is not None:
+            patched[name] = out
+    return patched
+
+
+def module_of(name: str) -> str:
+    """The vLLM module an HF tensor feeds (a decoder layer's attention or MLP), or the tensor itself."""
+    match = _MODULE.match(name)
+    return match.group(1) if match else name
+
+
+def reload_set(image: dict[str, torch.Tensor], patched: dict[str, torch.Tensor]) -> Named:
+    """Every tensor of the modules ``patched`` touches, patched or from the image, in the image's order."""
+    touched = {module_of(n) for n in patched}
+    return [(n, patched.get(n, t)) for n, t in image.items() if module_of(n) in touched]
