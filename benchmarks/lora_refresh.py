@@ -139,7 +139,7 @@ def _refresh(engine, model, arch, sync: str, engine_spec, version: int, bucket_b
         payload = adapters.AdapterPayload(engine_spec, stream_hf_buckets(model, arch, bucket_bytes=bucket_bytes,
                                                                          adapter="only"))
     else:
-        payload = stream_hf_buckets(model, arch, bucket_bytes=bucket_bytes)  # merged, with adapters
+        payload = stream_hf_buckets(model, arch, bucket_bytes=bucket_bytes)  # every HF tensor (merged: W + s B A)
     report = engine.update_weights(payload, version)
     errors = probes.verify_refresh(engine, probe, after, version, probes.probe_atol("float32"))
     return {"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors, "buckets": report.buckets,
