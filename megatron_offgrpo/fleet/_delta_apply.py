@@ -41,17 +41,17 @@ def patch(image: dict[str, torch.Tensor], image_version: int | None, current: in
     """
     if not image:
         raise deltas.Refused("this worker holds no image of its weights (it restarted or joined, or its last full "
-                             "refresh was not a delta-mode one)")
+                             "refresh was not a delta-mode one)", "no image")
     if spec.base is None or spec.base != current or image_version != current:
         raise deltas.Refused(f"the delta applies onto version {spec.base}, this worker serves version {current} "
-                             f"(image of version {image_version})")
+                             f"(image of version {image_version})", "base")
     if spec.dtype != deltas.dtype_name(dtype):
-        raise deltas.Refused(f"the delta is in {spec.dtype}, this worker serves {deltas.dtype_name(dtype)}")
+        raise deltas.Refused(f"the delta is in {spec.dtype}, this worker serves {deltas.dtype_name(dtype)}", "dtype")
     names = [n for n, _ in blobs]
     missing, unknown = sorted(set(image) - set(names)), sorted(set(names) - set(image))
     if missing or unknown or len(names) != len(set(names)):
         raise deltas.Refused(f"the delta must carry every tensor once: {len(missing)} missing (e.g. {missing[:2]}), "
-                             f"{len(unknown)} unknown (e.g. {unknown[:2]})")
+                             f"{len(unknown)} unknown (e.g. {unknown[:2]})", "tensors")
     patched = {}
     for name, blob in blobs:
         out = deltas.apply(name, blob, image[name], current)

@@ -349,7 +349,7 @@ class OffgrpoWorkerExtension:
                                          self.model_runner.model_config.dtype)
         except deltas.Refused as exc:
             return WorkerAnswer(ok=False, error=f"delta to version {version} refused, version {current} still serves: "
-                                f"{exc}", version=current, full_sync_needed=str(exc))
+                                f"{exc}", version=current, full_sync_needed=exc.kind)
         seconds = {**seconds, "patch": time.perf_counter() - start}
         reload = _delta_apply.reload_set(image, patched)
         if reload:

@@ -331,19 +331,19 @@ class FleetEngine:
             return {n: WorkerAnswer.failed(f"transport failed: {type(exc).__name__}: {exc}") for n in names}
 
     def _full_fallback(self, weights: Any, names: list[str], answers: dict[str, WorkerAnswer],
-                       version: int) -> tuple[dict[str, str], int]:
+                       version: int) -> tuple[dict[str, deltas.FullSyncReason], int]:
         """After a delta: the servers that did not install it (a restarted or joined server has no image, another
         base, a corrupt blob...) get the same version whole, at once (``answers`` updated). Returns (server -> why it
         got the full version, bytes the delta moved before); ({}, 0) when every server took it, or not a delta."""
         if not isinstance(weights, deltas.DeltaPayload) or weights.spec.base is None:
             return {}, 0
-        refused = {n: str(answers.get(n, _NO_ANSWER).full_sync_needed or answers.get(n, _NO_ANSWER).error)
-                   for n in names if not answers.get(n, _NO_ANSWER).ok}
-        if not refused:
+        failed = {n: answers.get(n, _NO_ANSWER) for n in names if not answers.get(n, _NO_ANSWER).ok}
+        if not failed:
             return {}, 0
+        refused = {n: deltas.refusal(a.full_sync_needed) for n, a in failed.items()}
         sent = self.transport.metrics().bytes
         logger.warning("delta to version %d not installed on %s: sending it whole (%s)", version, sorted(refused),
-                       "; ".join(f"{n}: {why}" for n, why in refused.items()))
+                       "; ".join(f"{n}: {a.error}" for n, a in failed.items()))
         try:
             prepared = self.transport.prepare(weights.as_full(), version)
         except Exception as exc:
@@ -359,7 +359,7 @@ class FleetEngine:
         names: list[str],
         answers: dict[str, WorkerAnswer],
         failures: dict[str, str],
-        delta: tuple[Any, dict[str, str], int],
+        delta: tuple[Any, dict[str, deltas.FullSyncReason], int],
         timings: dict[str, float],
     ) -> RefreshReport:
         succeeded = [n for n in names if n not in failures]

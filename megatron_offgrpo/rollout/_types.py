@@ -80,8 +80,9 @@ class RefreshReport:
         detail: per-phase seconds (e.g. "write", "pause", "load", "resume") and transport specifics.
         kind: what the refresh moved: the whole model ("full"), the policy's LoRA adapter ("adapter"), or the changed
             elements of the whole model ("delta": then ``detail`` holds ``changed_fraction``, ``encode_s``).
-        full_sync: why engines that were sent a delta got the full version instead (``rollout.sync=delta``: no image
-            after a restart, another base version, a checksum mismatch...), per engine; {} when none did.
+        full_sync: why engines that were sent a delta got the full version instead (``rollout.sync=delta``: a
+            ``transports.deltas.FullSyncReason``, "refused: no image" after a restart, "refused: base",
+            "refused: checksum"...), per engine; {} when none did.
     """
 
     version: int
@@ -93,7 +94,7 @@ class RefreshReport:
     buckets: int = 0
     detail: dict[str, float] = dataclasses.field(default_factory=dict)
     kind: Literal["full", "adapter", "delta"] = "full"
-    full_sync: dict[str, str] = dataclasses.field(default_factory=dict)
+    full_sync: dict[str, str] = dataclasses.field(default_factory=dict)  # values: a deltas.FullSyncReason
 
 
 @dataclasses.dataclass(frozen=True)

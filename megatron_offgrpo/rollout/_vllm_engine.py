@@ -300,9 +300,9 @@ class VLLMEngine:
             transport, answer, nbytes = self._install(weights, version)
             full_sync = {}
             if not answer.ok and isinstance(weights, deltas.DeltaPayload) and weights.spec.base is not None:
-                full_sync[self.name] = str(answer.full_sync_needed or answer.error)
+                full_sync[self.name] = deltas.refusal(answer.full_sync_needed)
                 logging.getLogger(__name__).warning("delta to version %d refused (%s): sending it whole", version,
-                                                    full_sync[self.name])
+                                                    answer.error)
                 transport, answer, more = self._install(weights.as_full(), version)
                 nbytes += more
             if not answer.ok:

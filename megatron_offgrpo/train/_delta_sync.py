@@ -31,7 +31,8 @@ class DeltaSender:
 
     Attributes:
         dtype: the engine's dtype (the image's). full_every: a full sync every this many refreshes (>= 1).
-        bucket_bytes: the blobs' and the full image's bucket size. full_syncs: reason -> count.
+        bucket_bytes: the blobs' and the full image's bucket size. full_syncs: reason (``deltas.FullSyncReason``) ->
+            count.
     """
 
     def __init__(self, dtype: torch.dtype, full_every: int, bucket_bytes: int,
@@ -40,21 +41,22 @@ class DeltaSender:
         self._image: dict[str, torch.Tensor] | None = None
         self._version: int | None = None  # the version the image holds, once the engines verified it
         self._since_full = 0
-        self.full_syncs: collections.Counter[str] = collections.Counter()
+        self.full_syncs: collections.Counter[deltas.FullSyncReason] = collections.Counter()
 
-    def _full_reason(self) -> str | None:
+    def _full_reason(self) -> deltas.FullSyncReason | None:
         if self._image is None:
-            return "first refresh of this process (start or resume)" if not self.full_syncs else "previous refresh " \
-                "did not complete"
+            return "first" if not self.full_syncs else "incomplete"
         if self._version is None:
-            return "previous refresh did not complete"
+            return "incomplete"
         if self._since_full >= self.full_every:
-            return f"every {self.full_every} refreshes (rollout.full_sync_every)"
+            return "periodic"
         return None
 
-    def payload(self, buckets: Iterable[Named], version: int) -> tuple[deltas.DeltaPayload, str | None]:
+    def payload(self, buckets: Iterable[Named],
+                version: int) -> tuple[deltas.DeltaPayload, deltas.FullSyncReason | None]:
         """The refresh of ``version`` from the export's ``buckets`` (all consumed): (the payload, why it is a full
-        sync or None for a delta)."""
+        sync or None for a delta: "first" of this process, "incomplete" after a refresh that did not complete,
+        "periodic": ``rollout.full_sync_every``)."""
         start = time.perf_counter()
         reason = self._full_reason()
         base, self._version = self._version, None  # until ``pushed``: a refresh that fails leaves no base
@@ -85,10 +87,10 @@ class DeltaSender:
     def _full(self) -> list[Named]:
         return list(rebucket([list(self._image.items())], self.bucket_bytes))
 
-    def pushed(self, version: int, full: bool, refused: dict[str, str]) -> None:
+    def pushed(self, version: int, full: bool, refused: dict[str, deltas.FullSyncReason]) -> None:
         """The engines serve and verified ``version`` (``full``: it went whole; ``refused``: engines that refused the
         delta and got it whole)."""
         self._version = version
         self._since_full = 0 if full else self._since_full + 1
         for why in refused.values():
-            self.full_syncs[f"an engine refused the delta: {why.split(':')[0][:60]}"] += 1
+            self.full_syncs[why] += 1

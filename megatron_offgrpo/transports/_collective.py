@@ -127,7 +127,7 @@ class CollectiveTransport:
         self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool
     ) -> tuple[dict[str, WorkerAnswer], dict]:
         request = Receive(group_id=self._group_id, version=int(version), commit=commit, adapter=self._adapter,
-                                   delta=self._delta)
+                          delta=self._delta)
         return call_targets(
             targets,
             lambda i, t: request,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
 
 import numpy as np
 import torch
@@ -55,8 +55,29 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 Compression = Literal["zlib", "none"]
 
 
+RefusalKind = Literal["no image", "base", "dtype", "tensors", "corrupt", "checksum"]
+"""Why an engine refused a delta (a worker answer's ``full_sync_needed``): it holds no image (restarted, joined),
+the delta is made from another version, for another dtype, not for exactly its tensors, corrupt (bad header or body,
+values not finite), or a patched tensor fails its checksum."""
+FullSyncReason = Literal["first", "incomplete", "periodic", "refused: no image", "refused: base", "refused: dtype",
+                         "refused: tensors", "refused: corrupt", "refused: checksum", "refused: failed"]
+"""Why a full sync was sent in delta mode (counted by ``train.DeltaSender``): the first refresh of a process, after
+an incomplete one, every ``rollout.full_sync_every``, or an engine refused the delta (its ``RefusalKind``; "failed":
+its load failed otherwise)."""
+
+
 class Refused(ValueError):
-    """A blob that must not be applied: the engine keeps its version and gets a full sync."""
+    """A blob that must not be applied: the engine keeps its version and gets a full sync. ``kind``: why, typed."""
+
+    def __init__(self, message: str, kind: RefusalKind = "corrupt") -> None:
+        super().__init__(message)
+        self.kind: RefusalKind = kind
+
+
+def refusal(kind: str | None) -> FullSyncReason:
+    """The counted reason of an engine that did not take a delta, from its answer's ``full_sync_needed``."""
+    reason = f"refused: {kind}"
+    return reason if reason in get_args(FullSyncReason) else "refused: failed"  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +166,8 @@ def checksum(tensor: torch.Tensor, kind: int | None = None) -> tuple[int, int]:
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     if kind == XXH3:
         if xxhash is None:
-            raise Refused("the checksum is xxh3-64 and this process has no xxhash module (pip install xxhash)")
+            raise Refused("the checksum is xxh3-64 and this process has no xxhash module (pip install xxhash)",
+                          "checksum")
         return kind, xxhash.xxh3_64_intdigest(data)
     return CRC32, zlib.crc32(data)
 
@@ -210,18 +232,19 @@ def apply(name: str, blob: torch.Tensor, image: torch.Tensor, base: int) -> torc
     try:
         head = read_header(blob)
     except Refused as exc:
-        raise Refused(f"{name}: {exc}") from None
+        raise Refused(f"{name}: {exc}", exc.kind) from None
     if head["base"] != int(base):
-        raise Refused(f"{name}: the delta applies onto version {head['base']}, this engine serves version {base}")
+        raise Refused(f"{name}: the delta applies onto version {head['base']}, this engine serves version {base}",
+                      "base")
     if head["numel"] != image.numel() or CODE_DTYPES.get(head["dtype"]) != image.dtype:
         raise Refused(f"{name}: the delta is for {head['numel']} elements of dtype code {head['dtype']}, the served "
-                      f"tensor has {image.numel()} of {image.dtype}")
+                      f"tensor has {image.numel()} of {image.dtype}", "tensors")
     out = image
     if head["changed"]:
         out = _patched(name, blob, image, head)
     if checksum(out, head["kind"])[1] != head["checksum"]:
         raise Refused(f"{name}: checksum mismatch after patching version {base}: the delta is corrupt or its base "
-                      "differs from the served weights")
+                      "differs from the served weights", "checksum")
     return None if out is image else out
 
 

@@ -74,7 +74,7 @@ class DiskTransport:
         answers, _ = call_targets(
             targets,
             lambda i, t: LoadDir(path=str(prepared), version=int(version), adapter=self._adapter,
-                                   delta=self._delta),
+                                 delta=self._delta),
             self.timeout_s,
         )
         if any(a.ok for a in answers.values()) and prepared.parent == self.root.resolve():

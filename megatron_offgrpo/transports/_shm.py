@@ -182,7 +182,7 @@ class SharedMemoryTransport:
         """Every target's workers map the files, check the tensor set and version, and reload, concurrently."""
         start = time.perf_counter()
         request = LoadShm(dir=str(self._session), version=int(version), buckets=prepared, adapter=self._adapter,
-                                   delta=self._delta)
+                          delta=self._delta)
         answers, _ = call_targets(targets, lambda i, t: request, self.timeout_s)
         if not all(a.ok for a in answers.values()):
             self._drop()

@@ -113,3 +113,39 @@ def test_crc32_fallback_round_trips():
     new = old + 1
     kind, value = deltas.checksum(new, deltas.CRC32)
     assert kind == deltas.CRC32 and value == deltas.checksum(new.clone(), deltas.CRC32)[1]
+
+
+def test_refusals_are_typed():
+    """Each refusal names its kind (a worker answer's ``full_sync_needed``), counted as a fixed set of reasons."""
+    old = torch.randn(10)
+    blob, _ = deltas.encode("w", old + 1, old, base=4, compression="none")
+    cases = [(blob, old, 5, "base"), (blob, torch.randn(11), 4, "tensors"), (torch.zeros(8, dtype=torch.uint8), old,
+                                                                               4, "corrupt")]
+    raw = bytearray(blob.numpy().tobytes())
+    raw[-1] ^= 0x01
+    cases.append((torch.frombuffer(raw, dtype=torch.uint8), old, 4, "checksum"))
+    for b, image, base, kind in cases:
+        with pytest.raises(deltas.Refused) as err:
+            deltas.apply("w", b, image, base)
+        assert err.value.kind == kind and deltas.refusal(kind) == f"refused: {kind}"
+    assert deltas.refusal(None) == deltas.refusal("something else") == "refused: failed"
+
+
+def test_sender_counts_typed_full_sync_reasons():
+    """DeltaSender: "first", then deltas, "periodic" every full_every, "incomplete" after a refresh not pushed; an
+    engine's refusal is counted by its reason."""
+    from megatron_offgrpo.train import DeltaSender
+
+    weights = {"a": torch.randn(64), "b": torch.randn(8, 8)}
+    sender = DeltaSender(torch.float32, full_every=2, bucket_bytes=1 << 16)
+    kinds = []
+    for version in range(1, 6):
+        weights = {n: _step(t, 0.1) for n, t in weights.items()}
+        payload, reason = sender.payload([list(weights.items())], version)
+        kinds.append(reason)
+        assert (payload.spec.base is None) == (reason is not None)
+        sender.pushed(version, full=reason is not None, refused={"s1": "refused: no image"} if version == 2 else {})
+    assert kinds == ["first", None, None, "periodic", None]
+    sender.payload([list(weights.items())], 6)  # not pushed: the engines may not serve it
+    assert sender.payload([list(weights.items())], 7)[1] == "incomplete"
+    assert dict(sender.full_syncs) == {"first": 1, "periodic": 1, "refused: no image": 1, "incomplete": 1}

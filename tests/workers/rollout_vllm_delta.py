@@ -76,7 +76,7 @@ def main() -> None:
     weights = hf_weights(model_dir)
     weights = step(weights, 0.5, 1)
     report, reason = refresh(engine, sender, weights, 1, model_dir, probe)
-    assert report.kind == "full" and reason.startswith("first refresh"), (report, reason)
+    assert report.kind == "full" and reason == "first", (report, reason)
     full_bytes = report.bytes
     for version, frac in ((2, 0.01), (3, 0.0), (4, 0.2)):
         weights = step(weights, frac, version)
@@ -86,10 +86,12 @@ def main() -> None:
         assert abs(fraction - frac) < 0.02, (frac, report.detail)
         print(f"v{version}: {100 * fraction:.2f}% changed, {report.bytes} B of {full_bytes} B, {report.seconds:.3f} s")
     assert report.bytes < full_bytes
-    for version, fault, why in ((5, flip_byte, ""), (6, drop_tensor, "missing"), (7, wrong_base, "applies onto")):
+    for version, fault, why in ((5, flip_byte, "refused: "), (6, drop_tensor, "refused: tensors"),
+                               (7, wrong_base, "refused: base")):
         weights = step(weights, 0.01, version)
         report, _ = refresh(engine, sender, weights, version, model_dir, probe, fault)
-        assert report.kind == "full" and why in report.full_sync[engine.name], report.full_sync
+        assert report.kind == "full" and report.full_sync[engine.name].startswith(why), report.full_sync
+        assert report.full_sync[engine.name] != "refused: failed", report.full_sync
         print(f"v{version}: {fault.__name__} -> full sync ({report.full_sync[engine.name]})")
     # an install that is not delta-mode (as after a restart or a join, the worker has no image): the delta is refused
     weights = step(weights, 0.01, 8)
@@ -97,7 +99,7 @@ def main() -> None:
     sender.pushed(8, full=False, refused={})
     weights = step(weights, 0.01, 9)
     report, _ = refresh(engine, sender, weights, 9, model_dir, probe)
-    assert report.kind == "full" and "no image" in report.full_sync[engine.name], report.full_sync
+    assert report.kind == "full" and report.full_sync[engine.name] == "refused: no image", report.full_sync
     weights = step(weights, 0.01, 10)
     report, _ = refresh(engine, sender, weights, 10, model_dir, probe)
     assert report.kind == "delta", report
