@@ -66,6 +66,8 @@ class DeltaSender:
         for bucket in buckets:
             for name, tensor in bucket:
                 new = tensor.detach().to("cpu", self.dtype).contiguous()
+                if new.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                    new = new.clone()  # never alias the trainer's own tensor (detach() is a new object, same storage)
                 stats.elements += new.numel()
                 stats.full_bytes += new.numel() * new.element_size()
                 if reason is None:
@@ -73,7 +75,7 @@ class DeltaSender:
                     stats.changed += changed
                     stats.bytes += blob.numel()
                     blobs.append((name, blob))
-                image[name] = new if new is not tensor else new.clone()  # never alias the trainer's own tensor
+                image[name] = new
         self._image = image
         stats.encode_s = time.perf_counter() - start
         if reason is not None:

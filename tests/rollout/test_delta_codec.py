@@ -149,3 +149,19 @@ def test_sender_counts_typed_full_sync_reasons():
     sender.payload([list(weights.items())], 6)  # not pushed: the engines may not serve it
     assert sender.payload([list(weights.items())], 7)[1] == "incomplete"
     assert dict(sender.full_syncs) == {"first": 1, "periodic": 1, "refused: no image": 1, "incomplete": 1}
+
+
+def test_sender_image_never_aliases_the_trainers_tensors():
+    """The export may hand the live parameter (a CPU fp32 trainer): the image must not follow its in-place updates,
+    or the next delta would miss them (and every engine would refuse it on the checksum)."""
+    from megatron_offgrpo.train import DeltaSender
+
+    live = torch.randn(32)
+    sender = DeltaSender(torch.float32, full_every=100, bucket_bytes=1 << 16)
+    sender.payload([[("w", live)]], 1)
+    sender.pushed(1, full=True, refused={})
+    image = live.clone()
+    live[:4] += 1.0  # the optimizer's in-place step
+    payload, reason = sender.payload([[("w", live)]], 2)
+    assert reason is None and payload.stats.changed == 4
+    assert torch.equal(deltas.apply("w", payload.buckets[0][0][1], image, 1), live)
