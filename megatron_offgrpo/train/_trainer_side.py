@@ -140,12 +140,11 @@ class TrainerSide:
     def refresh_payload(self) -> Buckets | adapters.AdapterPayload:
         """What a refresh sends the engines: the whole (merged) policy, or with ``lora.sync=adapter`` its adapter
         alone (PEFT-named buckets; a few MB); every rank must drain its buckets (collective)."""
-        bucket_bytes = self.config.rollout.bucket_mb * 1024**2
         spec = self.engine_adapter()
         if spec is None:
-            return export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes)
-        return adapters.AdapterPayload(spec, export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes,
-                                                            adapter="only"))
+            return self.weight_buckets()
+        return adapters.AdapterPayload(spec, export_buckets(self.policy.model, self.arch, self.ctx,
+                                                            self.config.rollout.bucket_mb * 1024**2, adapter="only"))
 
     def weights_pushed(self) -> None:
         """The engine now serves the current weights: the snapshot follows (exact behavior log-probs)."""
