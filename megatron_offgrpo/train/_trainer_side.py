@@ -155,18 +155,16 @@ class TrainerSide:
         its adapter alone (PEFT-named buckets; a few MB), or with ``rollout.sync=delta`` (on global rank 0) the
         changes since the last version sent, or that version whole (``train._delta_sync``: the reason is logged);
         every rank must drain its buckets (collective)."""
-        bucket_bytes = self.config.rollout.bucket_mb * 1024**2
         spec = self.engine_adapter()
         if spec is None and self.delta is not None:
-            payload, reason = self.delta.payload(export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes),
-                                                 version)
+            payload, reason = self.delta.payload(self.weight_buckets(), version)
             if reason:
                 logger.info("refresh to version %d: a full sync (%s)", version, reason)
             return payload
         if spec is None:
-            return export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes)
-        return adapters.AdapterPayload(spec, export_buckets(self.policy.model, self.arch, self.ctx, bucket_bytes,
-                                                            adapter="only"))
+            return self.weight_buckets()
+        return adapters.AdapterPayload(spec, export_buckets(self.policy.model, self.arch, self.ctx,
+                                                            self.config.rollout.bucket_mb * 1024**2, adapter="only"))
 
     def weights_pushed(self, version: int, full_sync: dict[str, str] | None = None, delta: bool = False) -> None:
         """The engine now serves the current weights as ``version`` (verified): the snapshot follows (exact behavior

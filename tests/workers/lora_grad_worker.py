@@ -121,7 +121,7 @@ def main() -> None:
     config = load_config(None, [f"model.hf_path={hf_dir}", "model.init=hf", "rollout.engine=transformers",
                                 f"rollout.group_size={G}", "rollout.prompts_per_step=2", "optim.lr=1e-3",
                                 "train.deterministic=true", "lora.rank=4", "lora.alpha=8", "algo.kl_beta=0.05",
-                                "rollout.behavior_logprobs=recompute",
+                                "rollout.behavior_logprobs=recompute", "lora.sync=merged",  # never refreshed
                                 f"train.out_dir={Path(out).parent / 'run'}", *overrides])
     side = TrainerSide.build(config)
     model, ctx = side.policy.model, side.ctx
