@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.config._choices import (
-    RENAMED, AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
-    KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode, SyncKind, TisLevel,
-    TransportKind)
+    RENAMED, AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, DeltaCompression, EngineDtype,
+    EngineKind, Fp8Recipe, KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode,
+    SyncKind, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
 from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, LoraConfig, SftConfig
 
@@ -156,6 +156,10 @@ class RolloutConfig:
     """rollout.sync=delta: a full sync every this many refreshes (besides the first of a start or resume, and one for
     every engine that restarted, joined or refused a delta). 20: the chain is reset at a ~5% cost in bytes when a
     delta is a tenth of the model."""
+    delta_compression: DeltaCompression = "none"
+    """rollout.sync=delta: "none" | "zlib" (level 1) over each delta's positions and values. Positions go as 2-byte
+    gaps, so zlib saves a further 17-35% of the bytes for 15-40% more encode time (docs/benchmarks.md): worth it
+    where the transport is slower than ~50 MB/s."""
     shm_dir: str = "/dev/shm"
     """RAM-backed directory the shm transport keeps one copy of the model in (the servers must see it too)."""
     collective_host: str | None = None

@@ -21,6 +21,7 @@ _EXPORTS = {
     "global_token_count": "megatron_offgrpo.train._batch",
     "global_seq_count": "megatron_offgrpo.train._batch",
     "policy_step": "megatron_offgrpo.train._step",
+    "token_logprobs": "megatron_offgrpo.train._step",
     "export_buckets": "megatron_offgrpo.train._weights",
 }
 __all__ = sorted(_EXPORTS)

@@ -93,7 +93,7 @@ class TrainerSide:
             dtype = config.rollout.dtype if config.rollout.dtype != "auto" else (
                 "float32" if config.model.precision == "fp32" else "bfloat16")  # as sampler's serving_dtype
             side.delta = DeltaSender(getattr(torch, dtype), config.rollout.full_sync_every,
-                                     config.rollout.bucket_mb * 1024**2)
+                                     config.rollout.bucket_mb * 1024**2, config.rollout.delta_compression)
         return side
 
     def learn(self, samples: Sequence[Sample]) -> Learned:

