@@ -16,12 +16,13 @@ rate for Qwen2.5, and 3e-4, the demo's):
      each block is the full sync deltas start from, untimed), fleet F by full sync (every tensor, as
      ``rollout.sync=full`` sends a bf16 trainer's weights), the same version through the same transport
      (round-robin over ``--transports``). After each refresh both fleets' probe log-probs are read: every server must
-     score the probe as a bf16 megatron forward of the version's weights does (``--probe-atol``), and fleet D's must equal
-     fleet F's bit for bit ("identical": a delta leaves exactly the weights a full sync does).
+     score the probe as a bf16 megatron forward of the version's weights does (``--probe-atol``), and fleet D's must
+     equal fleet F's bit for bit ("identical": a delta leaves exactly the weights a full sync does).
 Table 1, per model, rate, v and transport: elements changed in bf16 (the median refresh), delta and full bytes, the
 median refresh seconds of each (delta: the trainer's encode, the transport, the servers' patch, check and reload;
-full: the transport and the servers' load; the export, the same for both, left out), their ratios, identical probes. Table 2, per model and rate at v = 4: the median step
-seconds of stage 2 against the median delta refresh: t_sync / v as a share of the step.
+full: the transport and the servers' load; the export, the same for both, left out), their ratios, the servers'
+phases, identical probes. Table 2, per model and rate at v = 4: the median step seconds of stage 2 against the median
+delta refresh: t_sync / v as a share of the step. Table 3: the codec's compression choices on the same deltas.
 Goals (issue 52, at lr 1e-6): >= 10x fewer bytes and >= 3x faster at v = 1 on the fleet, identical probes, t_sync / v
 <= 1% of the step at v = 4. CPU caveat: the step here is a CPU step (minutes at 0.5B), the refresh a CPU refresh.
 
@@ -53,7 +54,8 @@ DEMO_RECIPE = REPO / "configs" / "tiny-cpu.yaml"
 DEMO_SFT = REPO / "configs" / "tiny-cpu-sft.yaml"
 TRANSPORTS = ("disk", "shm", "collective")
 COLUMNS = ["model", "lr", "v", "transport", "changed", "delta MB", "full MB", "bytes full / delta", "delta s",
-           "full s", "full s / delta s", "encode s", "identical probes", "probe err (max)"]
+           "full s", "full s / delta s", "encode s", "delta: patch + load s", "full: load s", "identical probes",
+           "probe err (max)"]
 CODEC_COLUMNS = ["model", "lr", "v", "compression", "MB", "encode s"]
 STEP_COLUMNS = ["model", "lr", "step s (median)", "delta refresh s at v=4", "t_sync / v", "share of step"]
 
@@ -126,7 +128,6 @@ def train(args: argparse.Namespace) -> None:
     """For each rate: ``--steps`` GRPO steps of a fresh policy from ``--hf`` on the saved batches; each version's
     bf16 export saved under ``lr-<rate>/v<k>.safetensors``; the step seconds to ``steps.json``."""
     import torch
-    from safetensors.torch import save_file
 
     from megatron_offgrpo.algo import compute_group_advantages
     from megatron_offgrpo.config import ModelConfig, OptimConfig
@@ -155,13 +156,7 @@ def train(args: argparse.Namespace) -> None:
         out.mkdir(parents=True, exist_ok=True)
         policy = build_policy(arch, ctx, ModelConfig(hf_path=str(args.hf), init="hf", precision="fp32"),
                               OptimConfig(lr=lr, min_lr=lr, clip_grad=config.optim.clip_grad), args.steps)
-
-        def save(version: int) -> None:
-            tensors = {n: t.detach().to(torch.bfloat16).contiguous()
-                       for bucket in export_buckets(policy.model, arch, ctx, 1 << 30) for n, t in bucket}
-            save_file(tensors, str(out / f"v{version}.safetensors"))
-
-        save(0)
+        _save_version(export_buckets(policy.model, arch, ctx, 1 << 30), out / "v0.safetensors")
         seconds, losses = [], []
         for step, samples in enumerate(batches):
             start = time.perf_counter()
@@ -177,12 +172,19 @@ def train(args: argparse.Namespace) -> None:
             policy.scheduler.step(increment=1)
             seconds.append(time.perf_counter() - start)
             losses.append(result.loss)
-            save(step + 1)
+            _save_version(export_buckets(policy.model, arch, ctx, 1 << 30), out / f"v{step + 1}.safetensors")
             print(f"lr {lr:g} step {step + 1}: {seconds[-1]:.2f} s, loss {result.loss:.4g}, "
                   f"{int(adv.sample_valid.sum())} of {len(samples)} samples with signal", file=sys.stderr, flush=True)
         record[f"{lr:g}"] = {"step_s": seconds, "loss": losses}
-        del policy
     (args.model_work / "steps.json").write_text(json.dumps(record, indent=1))
+
+
+def _save_version(buckets, path: Path) -> None:
+    """A version's export as the bf16 tensors an engine in bf16 is sent."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({n: t.detach().to(torch.bfloat16).contiguous() for bucket in buckets for n, t in bucket}, str(path))
 
 
 # ----- stage 3: the refreshes -------------------------------------------------------------------------------------
@@ -257,13 +259,16 @@ def replay(args: argparse.Namespace) -> None:
                            "full_s": full.seconds,
                            "changed": delta.detail.get("changed_fraction", 1.0),
                            "encode_s": delta.detail.get("encode_s", 0.0), "identical": identical,
+                           "delta_server": {k: v for k, v in delta.detail.items() if k.startswith("server_")},
+                           "full_server": {k: v for k, v in full.detail.items() if k.startswith("server_")},
                            "err": err}
                     records.append(rec)
                     print(f"lr {lr:g} v={v} version {k} via {kind}: {delta.kind} {delta.bytes / 1e6:.2f} MB in "
-                          f"{delta.seconds:.3f} s ({100 * rec['changed']:.3f}% changed) vs full "
-                          f"{full.bytes / 1e6:.1f} MB in {full.seconds:.3f} s; identical {identical}, probe err {err:.2g}",
+                          f"{rec['delta_s']:.3f} s ({100 * rec['changed']:.3f}% changed) vs full "
+                          f"{full.bytes / 1e6:.1f} MB in {full.seconds:.3f} s; identical {identical}, "
+                          f"probe err {err:.2g}",
                           file=sys.stderr, flush=True)
-                    previous = weights
+                    previous = weights if i == 0 else {}  # only the first delta's codec rows read it
                     if i and delta.kind != "delta" or not identical or not err <= args.probe_atol:
                         raise SystemExit(f"delta_sync: version {k}: {delta.kind} ({delta.full_sync or reason}), "
                                          f"identical probes {identical}, probe err {err:.3g} (--probe-atol "
@@ -359,6 +364,9 @@ def table_rows(name: str, result: dict) -> tuple[list[dict], list[dict], list[di
                              "delta s": f"{delta_s:.3f}", "full s": f"{full_s:.3f}",
                              "full s / delta s": f"{full_s / delta_s:.1f}x",
                              "encode s": f"{statistics.median(r['encode_s'] for r in reps):.3f}",
+                             "delta: patch + load s": " + ".join(f"{_server_s(reps, 'delta', p):.3f}"
+                                                                  for p in ("patch", "load")),
+                             "full: load s": f"{_server_s(reps, 'full', 'load'):.3f}",
                              "identical probes": "yes" if all(r["identical"] for r in reps) else "NO",
                              "probe err (max)": f"{max(r['err'] for r in reps):.1e}",
                              "bytes_ratio": reps[0]["full_bytes"] / delta_bytes, "speedup": full_s / delta_s})
@@ -370,6 +378,11 @@ def table_rows(name: str, result: dict) -> tuple[list[dict], list[dict], list[di
                                   "share of step": f"{100 * delta_s / 4 / step_s:.2f}%",
                                   "share": delta_s / 4 / step_s})
     return rows, step_rows, codec_rows
+
+
+def _server_s(reps: list[dict], fleet: str, phase: str) -> float:
+    """The median over ``reps`` of the slowest server's ``phase`` seconds on ``fleet``."""
+    return statistics.median(r[f"{fleet}_server"].get(f"server_{phase}_s", 0.0) for r in reps)
 
 
 def goals(rows: list[dict], step_rows: list[dict]) -> list[str]:

@@ -8,16 +8,17 @@ vLLM's loader cuts its shard from whole tensors). The image is taken from a full
 a restart: a delta then gets a refusal, and the trainer a full sync.
 
 ``patch`` checks everything before anything is served: the delta's base is the served version and the image's, the
-dtype is the served one, the blobs are exactly the model's tensors, and each blob applies (``deltas.apply``: base,
-size, body, finite values, the checksum of the patched tensor). ``reload_set`` then widens the changed tensors to the
-vLLM modules they feed (q/k/v fuse into one module, gate/up into another, a MoE layer's experts into two stacked
-weights): a module is reloaded whole, from the image, so no module ever mixes a reloaded and a stale part, and the
-MoE repack sees every expert of a layer it packs.
+dtype is the served one, the blobs are exactly the model's tensors, and each blob applies (``deltas.apply_in_place``:
+base, size, body, finite values, the checksum of the patched tensor; a refusal restores the image). ``reload_set``
+then widens the changed tensors to the vLLM modules they feed (q/k/v fuse into one module, gate/up into another, a
+MoE layer's experts into two stacked weights): a module is reloaded whole, from the image, so no module ever mixes a
+reloaded and a stale part, and the MoE repack sees every expert of a layer it packs.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 
@@ -33,11 +34,13 @@ def keep_image(tensors: Named, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 def patch(image: dict[str, torch.Tensor], image_version: int | None, current: int, blobs: Named,
-          spec: deltas.DeltaSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors the delta ``blobs`` change, patched (``image`` untouched).
+          spec: deltas.DeltaSpec, dtype: torch.dtype) -> set[str]:
+    """Patch ``image`` in place by the delta ``blobs``; returns the names of the tensors that changed. All or
+    nothing: a blob refused after others applied writes their old elements back (in place: no second copy of the
+    model, only of the elements that change).
 
     Raises:
-        deltas.Refused: one line saying why this worker must get a full sync instead.
+        deltas.Refused: one line saying why this worker must get a full sync instead (``image`` as it was).
     """
     if not image:
         raise deltas.Refused("this worker holds no image of its weights (it restarted or joined, or its last full "
@@ -52,12 +55,17 @@ def patch(image: dict[str, torch.Tensor], image_version: int | None, current: in
     if missing or unknown or len(names) != len(set(names)):
         raise deltas.Refused(f"the delta must carry every tensor once: {len(missing)} missing (e.g. {missing[:2]}), "
                              f"{len(unknown)} unknown (e.g. {unknown[:2]})", "tensors")
-    patched = {}
-    for name, blob in blobs:
-        out = deltas.apply(name, blob, image[name], current)
-        if out is not None:
-            patched[name] = out
-    return patched
+    undo: dict[str, Callable[[], None]] = {}
+    try:
+        for name, blob in blobs:
+            restore = deltas.apply_in_place(name, blob, image[name], current)
+            if restore is not None:
+                undo[name] = restore
+    except deltas.Refused:
+        for restore in undo.values():
+            restore()
+        raise
+    return set(undo)
 
 
 def module_of(name: str) -> str:
@@ -66,7 +74,7 @@ def module_of(name: str) -> str:
     return match.group(1) if match else name
 
 
-def reload_set(image: dict[str, torch.Tensor], patched: dict[str, torch.Tensor]) -> Named:
-    """Every tensor of the modules ``patched`` touches, patched or from the image, in the image's order."""
-    touched = {module_of(n) for n in patched}
-    return [(n, patched.get(n, t)) for n, t in image.items() if module_of(n) in touched]
+def reload_set(image: dict[str, torch.Tensor], changed: set[str]) -> Named:
+    """Every tensor of the modules the ``changed`` tensors feed, from the (patched) image, in the image's order."""
+    touched = {module_of(n) for n in changed}
+    return [(n, t) for n, t in image.items() if module_of(n) in touched]

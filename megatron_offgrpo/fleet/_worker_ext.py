@@ -345,20 +345,19 @@ class OffgrpoWorkerExtension:
         start = time.perf_counter()
         image = getattr(self, "_offgrpo_image", None) or {}
         try:
-            patched = _delta_apply.patch(image, getattr(self, "_offgrpo_image_version", None), current, blobs, spec,
+            changed = _delta_apply.patch(image, getattr(self, "_offgrpo_image_version", None), current, blobs, spec,
                                          self.model_runner.model_config.dtype)
         except deltas.Refused as exc:
             return WorkerAnswer(ok=False, error=f"delta to version {version} refused, version {current} still serves: "
                                 f"{exc}", version=current, full_sync_needed=exc.kind)
         seconds = {**seconds, "patch": time.perf_counter() - start}
-        reload = _delta_apply.reload_set(image, patched)
+        reload = _delta_apply.reload_set(image, changed)
         if reload:
             answer = self._offgrpo_reload(reload, version, seconds, partial=True)
         else:  # nothing changed in the served dtype: the same weights, a new version
             self._offgrpo_current = version
             answer = WorkerAnswer(ok=True, version=version, tensors=0, seconds=seconds)
         if answer.ok:
-            image.update(patched)
             self._offgrpo_image_version = version
         return answer
 

@@ -43,8 +43,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     xxhash = None
 
 HEADER = struct.Struct("<4sBBBBIQQQq")
-"""magic, positions format (GAPS/GAPS16/BITMASK), compression (NONE/ZLIB), checksum kind (CRC32/XXH3), dtype code, padding,
-checksum, numel, changed count, base version (40 bytes)."""
+"""magic, positions format (GAPS/GAPS16/BITMASK), compression (NONE/ZLIB), checksum kind (CRC32/XXH3), dtype code,
+padding, checksum, numel, changed count, base version (40 bytes)."""
 MAGIC = b"ODL1"
 GAPS, BITMASK, GAPS16 = 0, 1, 2
 NONE, ZLIB = 0, 1
@@ -186,7 +186,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def encode(name: str, new: torch.Tensor, old: torch.Tensor | None, base: int,
-           compression: Compression = "zlib") -> tuple[torch.Tensor, int]:
+           compression: Compression = "none") -> tuple[torch.Tensor, int]:
     """The blob that patches ``old`` (version ``base``, or None: all changed) into ``new``; (blob, changed count).
 
     Raises:
@@ -201,19 +201,23 @@ def encode(name: str, new: torch.Tensor, old: torch.Tensor | None, base: int,
     if flat.numel() >= 2**32:
         raise ValueError(f"delta of {name!r}: {flat.numel()} elements, positions are 32-bit")
     changed = (_bits(flat) != _bits(old)) if old is not None else torch.ones(flat.numel(), dtype=torch.bool)
-    positions = torch.nonzero(changed).reshape(-1)
-    count = positions.numel()
-    if not all_finite(flat if old is None else flat[positions]):  # the rest equals the image, checked when sent
-        raise ValueError(f"delta of {name!r}: the new value holds NaN or infinity: refusing to send it")
-    gaps = np.diff(positions.numpy(), prepend=0)
-    width = 2 if not count or gaps.max() < 2**16 else 4  # gaps: 2 or 4 bytes per change; a bitmask: numel / 8
-    if width * count <= (flat.numel() + 7) // 8:
+    count = int(torch.count_nonzero(changed))
+    mask_bytes = (flat.numel() + 7) // 8
+    if 2 * count <= mask_bytes:  # sparse: the gaps between positions (int64 positions of at most numel / 16 changes)
+        positions = torch.nonzero(changed).reshape(-1)
+        values = flat[positions]
+        gaps = np.diff(positions.numpy(), prepend=0)
+        width = 2 if not count or gaps.max() < 2**16 else 4
         fmt = GAPS16 if width == 2 else GAPS
         where = gaps.astype("<u2" if width == 2 else "<u4").tobytes()
-    else:
-        fmt = BITMASK
-        where = np.packbits(changed.numpy(), bitorder="little").tobytes()
-    body = where + flat[positions].view(torch.uint8).numpy().tobytes()
+        if width * count > mask_bytes:
+            fmt, where = BITMASK, np.packbits(changed.numpy(), bitorder="little").tobytes()
+    else:  # dense: a bitmask (numel / 8 bytes), the values gathered by it, no positions ever held
+        values = flat[changed]
+        fmt, where = BITMASK, np.packbits(changed.numpy(), bitorder="little").tobytes()
+    if not all_finite(values):  # the rest equals the image, checked when it was sent
+        raise ValueError(f"delta of {name!r}: the new value holds NaN or infinity: refusing to send it")
+    body = where + values.view(torch.uint8).numpy().tobytes()
     comp = ZLIB if compression == "zlib" else NONE
     if comp == ZLIB:
         body = zlib.compress(body, 1)  # level 1: the gaps compress, the values barely: speed over ratio
@@ -237,8 +241,21 @@ def apply(name: str, blob: torch.Tensor, image: torch.Tensor, base: int) -> torc
     checksum still checked against ``image``). ``image`` is never written.
 
     Raises:
+        Refused: as ``apply_in_place``.
+    """
+    out = image.detach().clone()
+    return None if apply_in_place(name, blob, out, base) is None else out
+
+
+def apply_in_place(name: str, blob: torch.Tensor, image: torch.Tensor, base: int) -> Callable[[], None] | None:
+    """Patch ``image`` (contiguous, version ``base``) by ``blob`` in place, then check the patched tensor's checksum:
+    no copy of the tensor, only of the elements the blob sets. Returns the undo (it writes the old elements back), or
+    None when the blob changes nothing.
+
+    Raises:
         Refused: a blob made from another version, for another size or dtype, corrupt, with values that are not
-            finite, or whose patched tensor fails its checksum (one line naming the tensor).
+            finite, or whose patched tensor fails its checksum (one line naming the tensor); ``image`` is then as it
+            was.
     """
     try:
         head = read_header(blob)
@@ -250,16 +267,28 @@ def apply(name: str, blob: torch.Tensor, image: torch.Tensor, base: int) -> torc
     if head["numel"] != image.numel() or CODE_DTYPES.get(head["dtype"]) != image.dtype:
         raise Refused(f"{name}: the delta is for {head['numel']} elements of dtype code {head['dtype']}, the served "
                       f"tensor has {image.numel()} of {image.dtype}", "tensors")
-    out = image
+    undo = None
     if head["changed"]:
-        out = _patched(name, blob, image, head)
-    if checksum(out, head["kind"])[1] != head["checksum"]:
+        where, values = _decoded(name, blob, image, head)
+        flat = image.view(-1)
+        old = flat[where]  # advanced indexing: a copy of the elements about to change
+
+        def undo() -> None:
+            flat[where] = old
+
+        flat[where] = values
+    if checksum(image, head["kind"])[1] != head["checksum"]:
+        if undo is not None:
+            undo()
         raise Refused(f"{name}: checksum mismatch after patching version {base}: the delta is corrupt or its base "
                       "differs from the served weights", "checksum")
-    return None if out is image else out
+    return undo
 
 
-def _patched(name: str, blob: torch.Tensor, image: torch.Tensor, head: dict[str, int]) -> torch.Tensor:
+def _decoded(name: str, blob: torch.Tensor, image: torch.Tensor,
+             head: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where, values): the positions ``blob`` sets (int64 positions, or a bool mask for a bitmask blob: either
+    indexes the flat tensor) and their values, checked (sizes, bounds, finite values)."""
     body = blob.contiguous().numpy().tobytes()[HEADER.size:]
     try:
         if head["comp"] == ZLIB:
@@ -268,20 +297,20 @@ def _patched(name: str, blob: torch.Tensor, image: torch.Tensor, head: dict[str,
         if head["fmt"] in (GAPS, GAPS16):
             width = 4 if head["fmt"] == GAPS else 2
             split = width * count
-            positions = np.cumsum(np.frombuffer(body[:split], dtype=f"<u{width}").astype(np.int64))
-        else:
+            where = torch.from_numpy(np.cumsum(np.frombuffer(body[:split], dtype=f"<u{width}").astype(np.int64)))
+            if count and (int(where[-1]) >= numel or int(where.min()) < 0):
+                raise ValueError("a position past the tensor's end")
+            located = where.numel()
+        else:  # a bool mask of numel elements: 1 byte each, where int64 positions of a dense delta would take 8
             split = (numel + 7) // 8
-            mask = np.unpackbits(np.frombuffer(body[:split], dtype=np.uint8), count=numel, bitorder="little")
-            positions = np.flatnonzero(mask)
+            bits = np.frombuffer(body[:split], dtype=np.uint8)
+            where = torch.from_numpy(np.unpackbits(bits, count=numel, bitorder="little").view(np.bool_))
+            located = int(torch.count_nonzero(where)) if len(bits) == split else -1
         values = torch.frombuffer(bytearray(body[split:split + count * size]), dtype=image.dtype)
-        if len(positions) != count or values.numel() != count or len(body) != split + count * size:
-            raise ValueError(f"{count} changes announced, {len(positions)} positions and {values.numel()} values")
-        if count and (positions[-1] >= numel or positions.min() < 0):
-            raise ValueError("a position past the tensor's end")
+        if located != count or values.numel() != count or len(body) != split + count * size:
+            raise ValueError(f"{count} changes announced, {located} positions and {values.numel()} values")
     except (zlib.error, ValueError) as exc:
         raise Refused(f"{name}: corrupt delta body: {exc}") from None
     if not all_finite(values):
         raise Refused(f"{name}: the delta's values hold NaN or infinity")
-    out = image.detach().clone().reshape(-1)
-    out[torch.from_numpy(positions)] = values
-    return out.reshape(image.shape)
+    return where, values

@@ -168,3 +168,42 @@ def test_sender_image_never_aliases_the_trainers_tensors():
     payload, reason = sender.payload([[("w", live)]], 2)
     assert reason is None and payload.stats.changed == 4
     assert torch.equal(deltas.apply("w", payload.buckets[0][0][1], image, 1), live)
+
+
+def test_apply_in_place_patches_without_a_copy_and_undoes():
+    """The worker's path: the image itself is patched (no clone of the tensor) and the undo restores it bitwise;
+    a blob whose checksum fails leaves the image as it was."""
+    old = torch.randn(1000).to(torch.bfloat16)
+    new = old.clone()
+    new[::7] += 1
+    blob, _ = deltas.encode("w", new, old, base=3)
+    image = old.clone()
+    storage = image.untyped_storage().data_ptr()
+    undo = deltas.apply_in_place("w", blob, image, base=3)
+    assert torch.equal(image, new) and image.untyped_storage().data_ptr() == storage
+    undo()
+    assert torch.equal(image.view(torch.int16), old.view(torch.int16))
+    spoiled = old.clone()
+    spoiled[1] += 1  # another base than the delta's: the patched tensor fails its checksum
+    before = spoiled.clone()
+    with pytest.raises(deltas.Refused, match="checksum"):
+        deltas.apply_in_place("w", blob, spoiled, base=3)
+    assert torch.equal(spoiled, before)
+
+
+def test_a_refused_blob_restores_every_tensor_patched_before_it():
+    """``fleet._delta_apply.patch`` is all or nothing: the second tensor's corrupt blob rolls the first back."""
+    from megatron_offgrpo.fleet._delta_apply import patch
+
+    image = {"a": torch.randn(64).to(torch.bfloat16), "b": torch.randn(64).to(torch.bfloat16)}
+    before = {n: t.clone() for n, t in image.items()}
+    blobs = [(n, deltas.encode(n, t + 1, t, base=5)[0]) for n, t in image.items()]
+    raw = bytearray(blobs[1][1].numpy().tobytes())
+    raw[-1] ^= 0xFF  # a flipped byte in b's values
+    blobs[1] = ("b", torch.frombuffer(raw, dtype=torch.uint8))
+    with pytest.raises(deltas.Refused):
+        patch(image, 5, 5, blobs, deltas.DeltaSpec(5, "bfloat16"), torch.bfloat16)
+    assert all(torch.equal(image[n], before[n]) for n in image)
+    good = [(n, deltas.encode(n, t + 1, t, base=5)[0]) for n, t in before.items()]
+    assert patch(image, 5, 5, good, deltas.DeltaSpec(5, "bfloat16"), torch.bfloat16) == {"a", "b"}
+    assert all(torch.equal(image[n], before[n] + 1) for n in image)
