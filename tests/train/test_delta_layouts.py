@@ -4,7 +4,7 @@ run whose refreshes go full then delta, every one verified on the probe.
 
 - TP2, with async generation and partial rollouts (``rollout.mode=async_partial``): a refresh is installed between
   two decode steps of the steps in flight, so a delta may land while requests are frozen in the engine;
-- PP2: the stages' tensors arrive from two ranks;
+- PP2 with LoRA merged sync: the stages' merged tensors arrive from two ranks;
 - the tiny Qwen3-MoE at EP2: each rank holds half of every layer's experts, and the worker reloads a layer's stacked
   experts together from its patched image, which vLLM CPU's expert repack (``fleet/_moe_repack.py``) then lays out:
   the probe after a delta shows the repack saw the patched tensors.
@@ -50,8 +50,10 @@ def test_tp2_async_partial_rollouts_take_deltas(tmp_path):
     print(f"\npartial fractions {[r['partial_fraction'] for r in records]}")
 
 
-def test_pp2_deltas(tmp_path):
-    train_proc(2, tmp_path, "parallel.pp=2", "train.steps=3", *DELTA)
+def test_pp2_lora_merged_deltas(tmp_path):
+    """PP2 with a LoRA policy under lora.sync=merged: the merged weights W + alpha/r B A, gathered from both stages,
+    are what each delta is taken of."""
+    train_proc(2, tmp_path, "parallel.pp=2", "lora.rank=4", "lora.sync=merged", "train.steps=3", *DELTA)
     _deltas_verified(tmp_path, 3)
 
 

@@ -1,6 +1,6 @@
 """Delta weight sync end to end (`offgrpo train`, rollout.sync=delta) into the in-process vLLM engine: a refresh every
 step, every one verified on the probe, full syncs at the first refresh and every rollout.full_sync_every, deltas in
-between, their figures in metrics.jsonl; and the same with a LoRA policy whose merged weights go as deltas."""
+between, their figures in metrics.jsonl (LoRA merged sync and the parallel layouts: test_delta_layouts.py)."""
 
 from __future__ import annotations
 
@@ -56,12 +56,3 @@ def test_delta_refreshes_every_step_are_verified_and_measured(base_dir, tmp_path
     print(f"\nfull {min(full) / 1e6:.1f} MB, deltas {[round(b / 1e6, 2) for b in delta]} MB, changed "
           f"{[round(r['sync_changed_fraction'], 4) for r in synced]}")
 
-
-def test_lora_merged_refreshes_go_as_deltas(base_dir, tmp_path):
-    """lora.sync=merged: the merged weights W + alpha/r B A are what the delta is taken of."""
-    out = tmp_path / "run"
-    train_proc(1, out, f"model.hf_path={base_dir}", "model.init=hf", "rollout.engine=vllm", "rollout.sync=delta",
-               "lora.rank=4", "lora.sync=merged", "optim.lr=1e-2", "train.steps=3", "rollout.refresh_every=1")
-    kinds, synced = _check_run(out, 3)
-    assert kinds == ["full", "delta"], kinds
-    assert synced[1]["sync_bytes"] < synced[0]["sync_bytes"], synced
