@@ -34,9 +34,10 @@ TOP_FILES = 8
 # 2-core machine), in minutes, was: the documented commands 26.8 in one file (`make demo` 13.3 of it), the end-to-end
 # runs 19.2, then 4.6, 2.8, 2.8; both are two files since, each a unit a worker takes whole: `make demo` with the
 # commands that reuse its runs, the other documented commands; the end-to-end runs, their whole-job gradient checks.
+# The delta-sync layouts (three 2-rank runs, 2.5 min alone): three tests, which xdist alone would hand out late.
 HEAVY_FIRST = ("tests/test_docs_demo.py", "tests/train/test_e2e.py", "tests/test_docs_commands.py",
-               "tests/train/test_e2e_gradients.py", "tests/train/test_signals.py", "tests/model/test_moe.py",
-               "tests/train/test_fleet_run.py", "tests/rollout/test_rollout_fleet.py")
+               "tests/train/test_e2e_gradients.py", "tests/train/test_delta_layouts.py", "tests/train/test_signals.py",
+               "tests/model/test_moe.py", "tests/train/test_fleet_run.py", "tests/rollout/test_rollout_fleet.py")
 
 
 class SuiteBudget:

@@ -113,6 +113,9 @@ RULES: tuple[Rule, ...] = (
     Rule(rf"^offgrpo train {_TINY} lora\.rank=", "run-shortened", "LoRA on the warm-up, 2 steps: adapter refreshes "
          "into the in-process vLLM engine, verified", append=_SHORT_RL + ("train.eval_every=1",), needs=("sft",),
          forbid=_VLLM),
+    Rule(rf"^offgrpo train {_TINY} rollout\.sync=delta$", "run-shortened", "delta weight sync on the warm-up, 2 "
+         "steps: a full sync then a delta into the in-process vLLM engine, verified", append=_SHORT_RL,
+         needs=("sft",), forbid=_VLLM),
     Rule(rf"^offgrpo train {_TINY} env\.name=", "run-shortened", "multi-turn episodes on the warm-up, 2 steps",
          append=_SHORT_RL, needs=("sft",), forbid=_VLLM),
     Rule(rf"^offgrpo train {_TINY}.* --resume\b", "run-shortened", "resumes make demo's 40-step run for one more "

@@ -21,7 +21,8 @@ PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", 
          "rollout.shm_dir", "distill.teacher_path", "distill.teacher_fleet"]
 """The keys that name files or directories (``train.out_dir``: the run directory's own check, ``runlog._run_dir``)."""
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
-            "rollout.refresh_every", "rollout.bucket_mb", "rollout.max_sampling_rounds", "optim.micro_batch_tokens",
+            "rollout.refresh_every", "rollout.full_sync_every", "rollout.bucket_mb", "rollout.max_sampling_rounds",
+            "optim.micro_batch_tokens",
             "train.steps", "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
             "data.max_prompt_tokens", "data.count"]
 
@@ -103,6 +104,12 @@ def _sampling_errors(config: Config) -> list[str]:
 def _rollout_mode_errors(config: Config) -> list[str]:
     """The engine, its transport and the rollout mode's keys, which only some combinations allow."""
     errors, r, m = [], config.rollout, config.model
+    if r.sync == "delta" and (r.engine not in ("vllm", "fleet") or config.lora.rank and config.lora.sync == "adapter"):
+        errors.append(f"rollout.sync=delta with rollout.engine={r.engine}, lora.sync={config.lora.sync}: deltas need "
+                      "rollout.engine=vllm or fleet and whole weights (lora.sync=merged or full fine-tuning)")
+    if r.sync == "delta" and r.engine == "fleet" and r.dtype == "auto":
+        errors.append("rollout.sync=delta with rollout.engine=fleet: set rollout.dtype to the fleet's --dtype (the "
+                      "trainer keeps the image the deltas are measured against in that dtype)")
     if r.engine == "fleet" and not r.fleet_state:
         errors.append("rollout.engine='fleet' needs rollout.fleet_state (the --state-dir of `offgrpo fleet start`)")
     if r.transport in ("collective", "shm") and r.engine != "fleet":

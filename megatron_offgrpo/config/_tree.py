@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.config._choices import (
-    RENAMED, AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, EngineDtype, EngineKind, Fp8Recipe,
-    KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode, TisLevel, TransportKind)
+    RENAMED, AdvantageForm, Aggregation, BehaviorLogprobs, CompileMode, DataSource, DeltaCompression, EngineDtype,
+    EngineKind, Fp8Recipe, KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode,
+    SyncKind, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
 from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, LoraConfig, SftConfig
 
@@ -145,6 +146,20 @@ class RolloutConfig:
     """Weight refresh transport: "disk" | "collective" | "shm" (servers on the trainer's machine)."""
     bucket_mb: int = 256
     """Bucket size of the collective and shm transports."""
+    sync: SyncKind = "full"
+    """What a refresh sends: "full" (every tensor) | "delta" (per tensor only the elements whose value in the engine's
+    dtype changed since the last version sent, checksummed, applied only onto that version; the engine that cannot
+    apply one gets the version whole). Costs one copy of the model in the engine's dtype in the trainer's global rank 0
+    memory and in every engine worker's (CPU). Engines vllm and fleet (a fleet: set rollout.dtype to its --dtype);
+    not with lora.sync=adapter (the adapter is already small)."""
+    full_sync_every: int = 20
+    """rollout.sync=delta: a full sync every this many refreshes (besides the first of a start or resume, and one for
+    every engine that restarted, joined or refused a delta). 20: the chain is reset at a ~5% cost in bytes when a
+    delta is a tenth of the model."""
+    delta_compression: DeltaCompression = "none"
+    """rollout.sync=delta: "none" | "zlib" (level 1) over each delta's positions and values. Positions go as 2-byte
+    gaps, so zlib saves a further 17-35% of the bytes for 15-40% more encode time (docs/benchmarks.md): worth it
+    where the transport is slower than ~50 MB/s."""
     shm_dir: str = "/dev/shm"
     """RAM-backed directory the shm transport keeps one copy of the model in (the servers must see it too)."""
     collective_host: str | None = None

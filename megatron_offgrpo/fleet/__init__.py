@@ -1,9 +1,10 @@
 """Fleet: what runs in or operates the vLLM servers the trainer generates with.
 
-Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight installs; vLLM loads it by the dotted
-path ``transports.WORKER_EXTENSION``; ``_moe_repack`` repairs vLLM CPU's MoE experts after a reload; the routing it
-records for router replay comes back as a ``routing.RoutingAnswer``, claimed by ``routing.routing_key``) and
-``ControlTokenMiddleware`` (the shared-token check), both loaded by vLLM from this door by their dotted paths.
+Inside each server: ``OffgrpoWorkerExtension`` (verified, versioned weight installs; vLLM loads it by the
+dotted path ``transports.calls.WORKER_EXTENSION``; ``_moe_repack`` repairs vLLM CPU's MoE experts after a reload;
+the routing it records for router replay comes back as a ``routing.RoutingAnswer``, claimed by
+``routing.routing_key``) and ``ControlTokenMiddleware`` (the shared-token check), both loaded by vLLM from this door
+by their dotted paths.
 Around them: the launcher (``FleetSpec``, ``start_fleet`` / ``stop_fleet`` / ``fleet_status``, the recorded
 ``FleetState`` read by ``load_state``), and one name per set: ``launcher`` (the launcher's helpers:
 ``server_command``, ``server_url``, ``gpu_count``, ``is_loopback`` / ``is_this_machine``, ``write_token``),

@@ -34,10 +34,10 @@ from megatron_offgrpo.fleet._server_size import (
     size_server,
 )
 from megatron_offgrpo.runtime import tune_cpu_memory
-from megatron_offgrpo.transports import WORKER_EXTENSION, adapters
+from megatron_offgrpo.transports import adapters, calls
 
 logger = logging.getLogger(__name__)
-EXTENSION = WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
+EXTENSION = calls.WORKER_EXTENSION  # vLLM loads the worker extension and the middleware by these dotted paths
 MIDDLEWARE = "megatron_offgrpo.fleet.ControlTokenMiddleware"
 
 

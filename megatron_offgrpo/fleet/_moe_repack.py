@@ -100,10 +100,12 @@ def _raw_expert0(
     return torch.cat([gate[cut], up[cut]]).to(dtype), down[:, cut].to(dtype)
 
 
-def repack_after_reload(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+def repack_after_reload(model: torch.nn.Module, tensors: dict[str, torch.Tensor], partial: bool = False) -> int:
     """Pack the expert weights of every CPU MoE layer the reload left in checkpoint layout; returns how many.
 
-    ``tensors``: the checkpoint tensors (HF names) the reload just loaded.
+    ``tensors``: the checkpoint tensors (HF names) the reload just loaded. ``partial``: a delta refresh reloaded
+    some modules only (each MoE layer's experts all or none: ``fleet._delta_apply.reload_set``); a layer none of whose
+    expert tensors it loaded kept its packed weights and is skipped.
 
     Raises:
         MoeLayoutError: a layer's weights are neither raw nor packed (one line naming the layer).
@@ -112,6 +114,8 @@ def repack_after_reload(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 
     repacked = 0
     for index, module, experts in cpu_moe_layers(model):
+        if partial and f"model.layers.{index}.mlp.experts.0.gate_proj.weight" not in tensors:
+            continue
         w13, w2 = module.w13_weight, module.w2_weight
         raw13, raw2 = _raw_expert0(index, tensors, w13.dtype, experts.moe_config)
         if torch.equal(w13[0], raw13) and torch.equal(w2[0], raw2):

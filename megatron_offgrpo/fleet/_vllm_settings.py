@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_offgrpo.fleet._server_size import cpu_prefill_limits
-from megatron_offgrpo.transports import WORKER_EXTENSION, adapters
+from megatron_offgrpo.transports import adapters, calls
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 """Any of these in a model directory: vLLM can load its tokenizer (without any, it must skip the tokenizer)."""
@@ -76,7 +76,7 @@ class VllmSettings:
         """The settings as ``vllm.EngineArgs`` fields (``vllm.LLM(**...)``)."""
         args: dict[str, object] = dict(
             model=str(self.model), dtype=self.dtype, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            kv_cache_memory_bytes=self.kv_cache_bytes, worker_extension_cls=WORKER_EXTENSION,
+            kv_cache_memory_bytes=self.kv_cache_bytes, worker_extension_cls=calls.WORKER_EXTENSION,
             logprobs_mode=self.logprobs_mode, enforce_eager=self.enforce_eager,
             skip_tokenizer_init=self.skip_tokenizer_init,
             # a request's priority orders admission when the batch is full (async: the oldest step first); with every
@@ -96,7 +96,7 @@ class VllmSettings:
         """The same settings as flags of vLLM's API server (``vllm.entrypoints.openai.api_server``)."""
         argv = ["--model", str(self.model), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-                "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", self.logprobs_mode,
+                "--worker-extension-cls", calls.WORKER_EXTENSION, "--logprobs-mode", self.logprobs_mode,
                 "--scheduling-policy", "priority"]
         if self.enforce_eager:
             argv.append("--enforce-eager")

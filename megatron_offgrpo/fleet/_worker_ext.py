@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 
 from checkpoint_tools import Named, expected_hf_shapes
-from megatron_offgrpo.fleet import _cpu_sampler, _lora_swap, _moe_repack
+from megatron_offgrpo.fleet import _cpu_sampler, _delta_apply, _lora_swap, _moe_repack
 from megatron_offgrpo.fleet._routing_capture import RoutingAnswer, RoutingCapture
-from megatron_offgrpo.transports import DIRTY, WorkerAnswer, adapters, calls, packing
+from megatron_offgrpo.transports import DIRTY, WorkerAnswer, adapters, calls, deltas, packing
 
 if "vllm" in sys.modules:  # a vLLM worker importing its extension: before it builds its sampler (not the trainer's
     _cpu_sampler.install()  # import of this room, which must not pull vLLM in)
@@ -142,7 +142,8 @@ class OffgrpoWorkerExtension:
             tensors = weights_dir.read_version_dir(request.path, version)
         except Exception as exc:
             return WorkerAnswer.failed(f"{type(exc).__name__}: {exc}", version=self._offgrpo_version())
-        return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start}, request.adapter)
+        return self._offgrpo_install(tensors, version, {"read": time.perf_counter() - start}, request.adapter,
+                                     request.delta)
 
     @_on_the_wire
     def offgrpo_join_group(self, payload: str) -> WorkerAnswer:
@@ -212,7 +213,7 @@ class OffgrpoWorkerExtension:
                 ok=True, version=self._offgrpo_version(), staged=len(staged[1]), seconds={"recv": recv_s}
             )
         self._offgrpo_staged = None
-        return self._offgrpo_install(staged[1], version, {"recv": recv_s}, request.adapter)
+        return self._offgrpo_install(staged[1], version, {"recv": recv_s}, request.adapter, request.delta)
 
     @_on_the_wire
     def offgrpo_load_shm(self, payload: str) -> WorkerAnswer:
@@ -246,22 +247,30 @@ class OffgrpoWorkerExtension:
                 return WorkerAnswer.failed(
                     f"shared-memory bucket {path}: {type(exc).__name__}: {exc}", version=self._offgrpo_version()
                 )
-        return self._offgrpo_install(tensors, version, {"map": time.perf_counter() - start}, request.adapter)
+        return self._offgrpo_install(tensors, version, {"map": time.perf_counter() - start}, request.adapter,
+                                     request.delta)
 
     @_on_the_wire
-    def offgrpo_install_tensors(self, tensors: Named, version: int,
-                                adapter: dict[str, Any] | None = None) -> WorkerAnswer:
-        """Check and install ``tensors`` (HF names, or an adapter's PEFT names with ``adapter``, its spec's wire form)
-        as ``version``: what an engine in this process hands over in memory
-        (``collective_rpc(calls.INSTALL_TENSORS, args=(tensors, version, adapter))``, no JSON payload)."""
+    def offgrpo_install_tensors(self, tensors: Named, version: int, adapter: dict[str, Any] | None = None,
+                                delta: dict[str, Any] | None = None) -> WorkerAnswer:
+        """Check and install ``tensors`` (HF names, or an adapter's PEFT names with ``adapter``, its spec's wire form,
+        or delta blobs with ``delta``) as ``version``: what an engine in this process hands over in memory
+        (``collective_rpc(calls.INSTALL_TENSORS, args=(tensors, version, adapter, delta))``, no JSON payload)."""
         spec = adapters.spec_of(adapter)
-        return self._offgrpo_refusal(version) or self._offgrpo_install(tensors, version, {}, spec)
+        return self._offgrpo_refusal(version) or self._offgrpo_install(tensors, version, {}, spec,
+                                                                       deltas.spec_of(delta))
 
     # ----- install ---------------------------------------------------------------------------------------------
     def _offgrpo_install(self, tensors: Named, version: int, seconds: dict[str, float],
-                         adapter: adapters.AdapterSpec | None = None) -> WorkerAnswer:
+                         adapter: adapters.AdapterSpec | None = None,
+                         delta: deltas.DeltaSpec | None = None) -> WorkerAnswer:
         """Check the complete name/shape set, then reload in place (one call: all-or-dirty); ``seconds``: the
-        phases so far (phase -> wall seconds), the load is added. With ``adapter``: swap the adapter instead."""
+        phases so far (phase -> wall seconds), the load is added. With ``adapter``: swap the adapter instead; with a
+        ``delta`` onto a base: patch the served version (``_offgrpo_apply_delta``); a full version in delta mode
+        (``delta.base`` None) leaves its image for the deltas that follow."""
+        if delta is not None and delta.base is not None:
+            return self._offgrpo_apply_delta(tensors, version, seconds, delta)
+        self._offgrpo_image, self._offgrpo_image_version = None, None  # any other install: no delta applies after it
         if adapter is not None:
             return self._offgrpo_swap_adapter(tensors, version, seconds, adapter)
         if _lora_swap.lora_manager(self.model_runner) is not None:
@@ -278,13 +287,23 @@ class OffgrpoWorkerExtension:
             refusal = f"cannot check the MoE layers before reloading: {type(exc).__name__}: {exc}"
         if refusal:
             return WorkerAnswer.failed(refusal, version=self._offgrpo_version())
+        answer = self._offgrpo_reload(tensors, version, seconds, partial=False)
+        if answer.ok and delta is not None and delta.dtype == deltas.dtype_name(self.model_runner.model_config.dtype):
+            self._offgrpo_image = _delta_apply.keep_image(tensors, self.model_runner.model_config.dtype)
+            self._offgrpo_image_version = version
+        return answer
+
+    def _offgrpo_reload(self, tensors: Named, version: int, seconds: dict[str, float], partial: bool) -> WorkerAnswer:
+        """Reload ``tensors`` in place (``partial``: some modules only, the others keep their weights), re-derive a
+        tied output layer, repack CPU MoE experts; a failure midway leaves the worker dirty."""
+        model = self.model_runner.get_model()
         start = time.perf_counter()
         tied_pair = self._offgrpo_tied_modules()
         embed_kernel_before = getattr(tied_pair[1], "cpu_linear", None) if tied_pair else None
         try:
             self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         except Exception as exc:
-            self._offgrpo_current = DIRTY
+            self._offgrpo_current, self._offgrpo_image = DIRTY, None
             return WorkerAnswer.failed(
                 f"reload of version {version} failed midway, weights are undefined: {type(exc).__name__}: {exc}",
                 version=DIRTY,
@@ -292,16 +311,16 @@ class OffgrpoWorkerExtension:
         try:
             tied_refreshed = self._offgrpo_refresh_tied_head(tied_pair, embed_kernel_before)
         except Exception as exc:
-            self._offgrpo_current = DIRTY
+            self._offgrpo_current, self._offgrpo_image = DIRTY, None
             return WorkerAnswer.failed(
                 f"version {version} loaded, but re-deriving the tied output layer failed: {type(exc).__name__}: {exc}",
                 version=DIRTY,
             )
         repack_start = time.perf_counter()
         try:  # vLLM CPU's reload leaves MoE experts unpacked: see fleet._moe_repack
-            repacked = _moe_repack.repack_after_reload(model, dict(tensors))
+            repacked = _moe_repack.repack_after_reload(model, dict(tensors), partial=partial)
         except Exception as exc:
-            self._offgrpo_current = DIRTY
+            self._offgrpo_current, self._offgrpo_image = DIRTY, None
             return WorkerAnswer.failed(
                 f"version {version} loaded, but re-packing its MoE experts failed: {type(exc).__name__}: {exc}",
                 version=DIRTY,
@@ -317,6 +336,30 @@ class OffgrpoWorkerExtension:
             tied_head_refreshed=tied_refreshed,
             moe_repacked=repacked if moe_layers else None,
         )
+
+    def _offgrpo_apply_delta(self, blobs: Named, version: int, seconds: dict[str, float],
+                             spec: deltas.DeltaSpec) -> WorkerAnswer:
+        """Patch this worker's image by ``blobs`` (every check first: ``_delta_apply.patch``) and reload the modules
+        that changed; a refusal keeps the served version and says a full sync is needed (``full_sync_needed``)."""
+        current = self._offgrpo_version()
+        start = time.perf_counter()
+        image = getattr(self, "_offgrpo_image", None) or {}
+        try:
+            changed = _delta_apply.patch(image, getattr(self, "_offgrpo_image_version", None), current, blobs, spec,
+                                         self.model_runner.model_config.dtype)
+        except deltas.Refused as exc:
+            return WorkerAnswer(ok=False, error=f"delta to version {version} refused, version {current} still serves: "
+                                f"{exc}", version=current, full_sync_needed=exc.kind)
+        seconds = {**seconds, "patch": time.perf_counter() - start}
+        reload = _delta_apply.reload_set(image, changed)
+        if reload:
+            answer = self._offgrpo_reload(reload, version, seconds, partial=True)
+        else:  # nothing changed in the served dtype: the same weights, a new version
+            self._offgrpo_current = version
+            answer = WorkerAnswer(ok=True, version=version, tensors=0, seconds=seconds)
+        if answer.ok:
+            self._offgrpo_image_version = version
+        return answer
 
     def _offgrpo_swap_adapter(self, tensors: Named, version: int, seconds: dict[str, float],
                               spec: adapters.AdapterSpec) -> WorkerAnswer:

@@ -16,7 +16,8 @@ from megatron_offgrpo.rollout._routing import require_routing, with_routing
 from megatron_offgrpo.rollout._samples import parse_group, parse_prompt_logprobs
 from megatron_offgrpo.rollout._server import ServerClient
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import DIRTY, Buckets, WeightTransport, WorkerAnswer, adapters, calls, summarize
+from megatron_offgrpo.transports import (DIRTY, Buckets, WeightTransport, WorkerAnswer, adapters, calls, deltas,
+                                         summarize)
 
 logger = logging.getLogger(__name__)
 
@@ -298,10 +299,8 @@ class FleetEngine:
             paused = [n for n in names if n not in failures]
             installed_at = time.perf_counter()
             try:
-                try:
-                    answers = self.transport.install([self.servers[n] for n in paused], prepared, version)
-                except Exception as exc:
-                    answers = {n: WorkerAnswer.failed(f"transport failed: {type(exc).__name__}: {exc}") for n in paused}
+                answers = self._install(paused, prepared, version)
+                full_sync, sent = self._full_fallback(weights, paused, answers, version)
                 for name in paused:
                     problem = self._finish(name, answers.get(name, _NO_ANSWER), version)
                     if problem:
@@ -314,6 +313,7 @@ class FleetEngine:
                 names,
                 answers,
                 failures,
+                (weights, full_sync, sent),
                 {
                     "prepare_s": staged - start,
                     "pause_s": installed_at - staged,
@@ -323,12 +323,43 @@ class FleetEngine:
                 },
             )
 
+    def _install(self, names: list[str], prepared: Any, version: int) -> dict[str, WorkerAnswer]:
+        """The transport's install on the servers ``names``; a transport failure is every server's failed answer."""
+        try:
+            return self.transport.install([self.servers[n] for n in names], prepared, version)
+        except Exception as exc:
+            return {n: WorkerAnswer.failed(f"transport failed: {type(exc).__name__}: {exc}") for n in names}
+
+    def _full_fallback(self, weights: Any, names: list[str], answers: dict[str, WorkerAnswer],
+                       version: int) -> tuple[dict[str, deltas.FullSyncReason], int]:
+        """After a delta: the servers that did not install it (a restarted or joined server has no image, another
+        base, a corrupt blob...) get the same version whole, at once (``answers`` updated). Returns (server -> why it
+        got the full version, bytes the delta moved before); ({}, 0) when every server took it, or not a delta."""
+        if not isinstance(weights, deltas.DeltaPayload) or weights.spec.base is None:
+            return {}, 0
+        failed = {n: answers.get(n, _NO_ANSWER) for n in names if not answers.get(n, _NO_ANSWER).ok}
+        if not failed:
+            return {}, 0
+        refused = {n: deltas.refusal(a.full_sync_needed) for n, a in failed.items()}
+        sent = self.transport.metrics().bytes
+        logger.warning("delta to version %d not installed on %s: sending it whole (%s)", version, sorted(refused),
+                       "; ".join(f"{n}: {a.error}" for n, a in failed.items()))
+        try:
+            prepared = self.transport.prepare(weights.as_full(), version)
+        except Exception as exc:
+            answers.update({n: WorkerAnswer.failed(f"full sync after a refused delta: {type(exc).__name__}: {exc}")
+                            for n in refused})
+            return refused, sent
+        answers.update(self._install(sorted(refused), prepared, version))
+        return refused, sent
+
     def _conclude(
         self,
         version: int,
         names: list[str],
         answers: dict[str, WorkerAnswer],
         failures: dict[str, str],
+        delta: tuple[Any, dict[str, deltas.FullSyncReason], int],
         timings: dict[str, float],
     ) -> RefreshReport:
         succeeded = [n for n in names if n not in failures]
@@ -350,16 +381,20 @@ class FleetEngine:
             for phase, seconds in answer.seconds.items():
                 key = f"server_{phase}_s"
                 detail[key] = max(detail.get(key, 0.0), seconds)
+        weights, full_sync, sent = delta
+        if isinstance(weights, deltas.DeltaPayload):
+            detail.update(weights.summary())
         report = RefreshReport(
             version=self._version,
             transport=self.transport.name,
             seconds=timings["total_s"],
             servers={n: int(version) for n in succeeded},
-            bytes=metrics.bytes,
+            bytes=metrics.bytes + sent,
             tensors=metrics.tensors,
             buckets=metrics.buckets,
             detail=detail,
-            kind=metrics.kind,
+            kind="delta" if full_sync and len(full_sync) < len(names) else metrics.kind,
+            full_sync=full_sync,
         )
         logger.info(
             "refresh to version %d via %s: %.3f s on %s (failed: %s)",

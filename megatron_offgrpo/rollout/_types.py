@@ -78,7 +78,11 @@ class RefreshReport:
         servers: server name -> the version each server reports after the refresh.
         bytes: payload bytes sent or written. tensors: tensors installed. buckets: messages or files used.
         detail: per-phase seconds (e.g. "write", "pause", "load", "resume") and transport specifics.
-        kind: what the refresh moved: the whole model ("full") or the policy's LoRA adapter ("adapter").
+        kind: what the refresh moved: the whole model ("full"), the policy's LoRA adapter ("adapter"), or the changed
+            elements of the whole model ("delta": then ``detail`` holds ``changed_fraction``, ``encode_s``).
+        full_sync: why engines that were sent a delta got the full version instead (``rollout.sync=delta``: a
+            ``transports.deltas.FullSyncReason``, "refused: no image" after a restart, "refused: base",
+            "refused: checksum"...), per engine; {} when none did.
     """
 
     version: int
@@ -89,7 +93,8 @@ class RefreshReport:
     tensors: int = 0
     buckets: int = 0
     detail: dict[str, float] = dataclasses.field(default_factory=dict)
-    kind: Literal["full", "adapter"] = "full"
+    kind: Literal["full", "adapter", "delta"] = "full"
+    full_sync: dict[str, str] = dataclasses.field(default_factory=dict)  # values: a deltas.FullSyncReason
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ from megatron_offgrpo.rollout._samples import (
     sampling_body,
 )
 from megatron_offgrpo.rollout._types import ProbeResult, RefreshReport
-from megatron_offgrpo.transports import Buckets, WorkerAnswer, adapters, calls, summarize, weights_dir
+from megatron_offgrpo.transports import Buckets, WorkerAnswer, adapters, calls, deltas, summarize, weights_dir
 
 
 def tokenizer_eos_id(model_dir: Path) -> int | None:
@@ -278,14 +278,17 @@ class VLLMEngine:
             samples.extend(fill_group(group, n))
         return samples
 
-    def update_weights(self, weights: Buckets | Path | adapters.AdapterPayload, version: int) -> RefreshReport:
+    def update_weights(self, weights: Buckets | Path | adapters.AdapterPayload | deltas.DeltaPayload,
+                       version: int) -> RefreshReport:
         """Install ``version`` (a directory, or buckets in memory / via a temporary directory; or, on an engine started
-        with ``lora``, an ``adapters.AdapterPayload``), reset the cache.
+        with ``lora``, an ``adapters.AdapterPayload``; or a ``deltas.DeltaPayload``), reset the cache.
 
         The install, the cache reset and the new version label are one call on the engine's loop, between two
         decode steps: generations in flight (``partial_rollouts``) go on under the new weights (their KV recomputed
         with them), and every token sampled from then on carries the new version. An adapter is swapped into the
         engine's one LoRA slot the same way (built and checked first; when it fails the previous adapter serves on).
+        A delta the worker refuses (it keeps its version) is followed at once by the same version whole
+        (``RefreshReport.full_sync`` says why).
 
         Raises:
             ValueError: a version that does not increase; an adapter on an engine started without ``lora``.
@@ -294,47 +297,66 @@ class VLLMEngine:
         with self._routing_lock:  # refreshes come from one thread; this only orders them against hooks routing
             require_newer(version, self._version)
             start = time.perf_counter()
-            transport, tensors, path, adapter, nbytes = self._stage(weights, version)
-            wire = None if adapter is None else adapter.to_wire()
-
-            def install() -> WorkerAnswer:
-                if tensors is not None:
-                    answer = summarize(self.llm.collective_rpc(calls.INSTALL_TENSORS,
-                                                               args=(tensors, int(version), wire)))
-                else:
-                    answer = self._rpc_now(calls.LoadDir(path=str(path), version=int(version), adapter=adapter))
-                if not answer.ok:
-                    return answer
-                if not self.llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts):
-                    return WorkerAnswer.failed("installed, but vLLM kept KV blocks of the previous weights (prefix "
-                                               "cache reset refused)")
-                self.llm.llm_engine.set_weight_version(str(int(version)))
-                return answer
-
-            answer = self._loop.run(install)
+            transport, answer, nbytes = self._install(weights, version)
+            full_sync = {}
+            if not answer.ok and isinstance(weights, deltas.DeltaPayload) and weights.spec.base is not None:
+                full_sync[self.name] = deltas.refusal(answer.full_sync_needed)
+                logging.getLogger(__name__).warning("delta to version %d refused (%s): sending it whole", version,
+                                                    answer.error)
+                transport, answer, more = self._install(weights.as_full(), version)
+                nbytes += more
             if not answer.ok:
                 raise RefreshError(int(version), {self.name: str(answer.error)})
             self._version = int(version)
             detail = {f"{phase}_s": seconds for phase, seconds in answer.seconds.items()}
+            if isinstance(weights, deltas.DeltaPayload):
+                detail.update(weights.summary())
+            kind = "full" if full_sync else deltas.kind_of(adapters.split_payload(weights)[1],
+                                                           deltas.split_payload(weights)[1])
             return RefreshReport(self._version, transport, time.perf_counter() - start, {self.name: self._version},
-                                 bytes=nbytes, tensors=answer.tensors or 0, detail=detail,
-                                 kind="full" if adapter is None else "adapter")
+                                 bytes=nbytes, tensors=answer.tensors or 0, detail=detail, kind=kind,
+                                 full_sync=full_sync)
 
-    def _stage(self, weights: Any, version: int) -> tuple[str, list | None, Path | None, Any, int]:
-        """(transport, tensors handed over in memory or None, directory or None, adapter spec or None, bytes)."""
+    def _install(self, weights: Any, version: int) -> tuple[str, WorkerAnswer, int]:
+        """One install of ``weights`` as ``version`` on the engine's loop: (transport, the worker's answer, bytes)."""
+        transport, tensors, path, adapter, delta, nbytes = self._stage(weights, version)
+        wire = None if adapter is None else adapter.to_wire()
+        delta_wire = None if delta is None else delta.to_wire()
+
+        def install() -> WorkerAnswer:
+            if tensors is not None:
+                answer = summarize(self.llm.collective_rpc(calls.INSTALL_TENSORS,
+                                                           args=(tensors, int(version), wire, delta_wire)))
+            else:
+                answer = self._rpc_now(calls.LoadDir(path=str(path), version=int(version), adapter=adapter,
+                                                     delta=delta))
+            if not answer.ok:
+                return answer
+            if not self.llm.reset_prefix_cache(reset_running_requests=self.partial_rollouts):
+                return WorkerAnswer.failed("installed, but vLLM kept KV blocks of the previous weights (prefix "
+                                           "cache reset refused)")
+            self.llm.llm_engine.set_weight_version(str(int(version)))
+            return answer
+
+        return transport, self._loop.run(install), nbytes
+
+    def _stage(self, weights: Any, version: int) -> tuple[str, list | None, Path | None, Any, Any, int]:
+        """(transport, tensors handed over in memory or None, directory or None, adapter spec or None, delta spec or
+        None, bytes)."""
         weights, adapter = adapters.split_payload(weights)
+        weights, delta = deltas.split_payload(weights)
         if adapter is not None and self.lora is None:
             raise ValueError(f"update_weights version {version}: an adapter, but this engine was started without "
                              "lora (start it with the adapter's spec: lora.sync=adapter)")
         if isinstance(weights, (str, Path)):
-            return "disk", None, Path(weights).resolve(), adapter, 0
+            return "disk", None, Path(weights).resolve(), adapter, delta, 0
         if self.in_process:
             tensors = [t for bucket in weights for t in bucket]
-            return "memory", tensors, None, adapter, sum(t.numel() * t.element_size() for _, t in tensors)
+            return "memory", tensors, None, adapter, delta, sum(t.numel() * t.element_size() for _, t in tensors)
         path, stats = weights_dir.write_version_dir(
             weights_dir.version_dir(self._tmp.name, version), weights, version, overwrite=True
         )
-        return "disk", None, path, adapter, stats["bytes"]
+        return "disk", None, path, adapter, delta, stats["bytes"]
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[str, ProbeResult]:
         """The engine's version and prompt log-probs of ``token_ids``."""

@@ -8,6 +8,7 @@ The door the commands (``megatron_offgrpo.cli``) and the benchmarks enter by. Na
 from megatron_offgrpo._lazy import lazy_door
 
 _EXPORTS = {
+    "DeltaSender": "megatron_offgrpo.train._delta_sync",  # rollout.sync=delta's encoder (tests, the benchmark)
     "train": "megatron_offgrpo.train.loop",
     "sft": "megatron_offgrpo.train._sft",
     "run_to_exit": "megatron_offgrpo.train._exits",
@@ -20,6 +21,7 @@ _EXPORTS = {
     "global_token_count": "megatron_offgrpo.train._batch",
     "global_seq_count": "megatron_offgrpo.train._batch",
     "policy_step": "megatron_offgrpo.train._step",
+    "token_logprobs": "megatron_offgrpo.train._step",
     "export_buckets": "megatron_offgrpo.train._weights",
 }
 __all__ = sorted(_EXPORTS)

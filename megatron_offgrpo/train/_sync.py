@@ -14,10 +14,10 @@ import torch.distributed as dist
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
-from megatron_offgrpo.rollout import errors, probes
+from megatron_offgrpo.rollout import RefreshReport, errors, probes
 from megatron_offgrpo.sampler import RolloutSide
 from megatron_offgrpo.train._trainer_side import TrainerSide
-from megatron_offgrpo.transports import adapters
+from megatron_offgrpo.transports import adapters, deltas
 
 logger = logging.getLogger(__name__)
 # what ends a generation on rank 0 and is raised on every rank at the same point (one line each; a stop pending then
@@ -66,15 +66,17 @@ def step_refresh(config: Config, step: int, version: int) -> StepRefresh:
 def refresh(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> float:
     """Install the trainer's current weights in the engine as ``version`` and verify them; returns the seconds."""
     start = time.perf_counter()
-    payload = trainer.refresh_payload()
-    buckets = payload.buckets if isinstance(payload, adapters.AdapterPayload) else payload
+    payload = trainer.refresh_payload(version)
+    buckets = payload.buckets if isinstance(payload, (adapters.AdapterPayload, deltas.DeltaPayload)) else payload
+    done: list[RefreshReport] = []
 
     def install() -> None:
         try:
             report = rollout.install(payload, version)
             if report is not None:  # a detail: its time is in the progress line (runlog._logs keeps it off the console)
-                logger.info("refresh to version %d: %.3f s, %s, %.1f MB (%s)", version, report.seconds, report.kind,
-                            report.bytes / 1e6, report.transport)
+                done.append(report)
+                logger.info("refresh to version %d: %.3f s, %s, %.1f MB (%s)%s", version, report.seconds, report.kind,
+                            report.bytes / 1e6, report.transport, delta_note(report))
         finally:
             for _ in buckets:  # the export is collective: finish it even when the install stopped early
                 pass
@@ -84,8 +86,28 @@ def refresh(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> 
             pass
     on_rank0_shared(rollout, install, f"refresh to version {version} failed")
     verify(trainer, rollout, version)
-    trainer.weights_pushed()
+    report = done[0] if done else None
+    trainer.weights_pushed(version, report.full_sync if report else None, bool(report and report.kind == "delta"))
+    if report is not None and isinstance(payload, deltas.DeltaPayload):
+        trainer.refresh_metrics = refresh_metrics(report, trainer.delta.full_syncs if trainer.delta else {})
     return time.perf_counter() - start
+
+
+def delta_note(report: RefreshReport) -> str:
+    """The refresh log line's delta part: changed fraction, encode seconds, engines that got a full sync and why."""
+    if "changed_fraction" not in report.detail:
+        return ""
+    note = f", {100 * report.detail['changed_fraction']:.2f}% changed, encoded in {report.detail['encode_s']:.3f} s"
+    if report.full_sync:
+        note += ", full sync for " + "; ".join(f"{n}: {why}" for n, why in report.full_sync.items())
+    return note
+
+
+def refresh_metrics(report: RefreshReport, full_syncs: dict[str, int]) -> dict[str, float]:
+    """A delta-mode refresh's figures for metrics.jsonl (the step's record: ``sync_*``)."""
+    return {"sync_bytes": float(report.bytes), "sync_changed_fraction": report.detail.get("changed_fraction", 1.0),
+            "sync_encode_s": report.detail.get("encode_s", 0.0), "sync_delta": float(report.kind == "delta"),
+            "sync_full_syncs": float(sum(full_syncs.values()))}
 
 
 def verify(trainer: TrainerSide, rollout: RolloutSide | None, version: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -19,7 +20,7 @@ from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import QwenArch, load_arch, output_weight
 from megatron_offgrpo.rollout import probes
 from megatron_offgrpo.runtime import ParallelContext, init_parallel, release_free_memory
-from megatron_offgrpo.transports import Buckets, adapters
+from megatron_offgrpo.transports import Buckets, adapters, deltas
 from megatron_offgrpo.train._batch import (
     MicroBatch,
     build_microbatches,
@@ -29,6 +30,7 @@ from megatron_offgrpo.train._batch import (
 )
 from megatron_offgrpo.train._packing import build_packed_microbatches
 from megatron_offgrpo.train._shared_prompt import build_shared_prompt_microbatches
+from megatron_offgrpo.train._delta_sync import DeltaSender
 from megatron_offgrpo.train._checkpoint import TrainerState, load_checkpoint, resume_schedule, save_checkpoint
 from megatron_offgrpo.train._policy import FrozenPolicy, Policy, adapter_spec, build_policy, frozen_policy
 from megatron_offgrpo.train._router_load import RouterLoad
@@ -36,6 +38,8 @@ from megatron_offgrpo.train._step import Learned, policy_step, sequence_shard, t
 from megatron_offgrpo.train._teacher import Teacher
 from megatron_offgrpo.train._weights import (export_adapter_dir, export_buckets, export_hf_dir, hf_extra_dirs,
                                              model_card)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -48,6 +52,8 @@ class TrainerSide:
         teacher: on-policy distillation's frozen teacher (``distill.teacher_path``: scores every sampled token), or its
             settings (``distill.teacher_fleet``: the samples bring the scores).
         router_load: MoE models: counts each step's routing (the ``moe_*`` metrics).
+        delta: ``rollout.sync=delta``, on global rank 0: the image of the last version sent, what deltas measure from.
+        refresh_metrics: the figures of the refreshes since the last step's record (``_sync.refresh_metrics``).
     """
 
     config: Config
@@ -60,6 +66,8 @@ class TrainerSide:
     reference: FrozenPolicy | None = None
     teacher: Teacher | None = None
     router_load: RouterLoad | None = None
+    delta: DeltaSender | None = None
+    refresh_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last delta-mode refresh's
 
     @classmethod
     def build(cls, config: Config) -> TrainerSide:
@@ -81,6 +89,11 @@ class TrainerSide:
             side.teacher = Teacher.build(config, ctx, arch)
         if arch.is_moe:
             side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
+        if config.rollout.sync == "delta" and ctx.rank == 0:  # where the export's buckets arrive
+            dtype = config.rollout.dtype if config.rollout.dtype != "auto" else (
+                "float32" if config.model.precision == "fp32" else "bfloat16")  # as sampler's serving_dtype
+            side.delta = DeltaSender(getattr(torch, dtype), config.rollout.full_sync_every,
+                                     config.rollout.bucket_mb * 1024**2, config.rollout.delta_compression)
         return side
 
     def learn(self, samples: Sequence[Sample]) -> Learned:
@@ -137,17 +150,28 @@ class TrainerSide:
             return None
         return adapters.AdapterSpec(lora.rank, lora.alpha, ckpt_adapters.hf_target_modules(self.arch, lora.targets))
 
-    def refresh_payload(self) -> Buckets | adapters.AdapterPayload:
-        """What a refresh sends the engines: the whole (merged) policy, or with ``lora.sync=adapter`` its adapter
-        alone (PEFT-named buckets; a few MB); every rank must drain its buckets (collective)."""
+    def refresh_payload(self, version: int) -> Buckets | adapters.AdapterPayload | deltas.DeltaPayload:
+        """What a refresh to ``version`` sends the engines: the whole (merged) policy, or with ``lora.sync=adapter``
+        its adapter alone (PEFT-named buckets; a few MB), or with ``rollout.sync=delta`` (on global rank 0) the
+        changes since the last version sent, or that version whole (``train._delta_sync``: the reason is logged);
+        every rank must drain its buckets (collective)."""
         spec = self.engine_adapter()
+        if spec is None and self.delta is not None:
+            payload, reason = self.delta.payload(self.weight_buckets(), version)
+            if reason:
+                logger.info("refresh to version %d: a full sync (%s)", version, reason)
+            return payload
         if spec is None:
             return self.weight_buckets()
         return adapters.AdapterPayload(spec, export_buckets(self.policy.model, self.arch, self.ctx,
                                                             self.config.rollout.bucket_mb * 1024**2, adapter="only"))
 
-    def weights_pushed(self) -> None:
-        """The engine now serves the current weights: the snapshot follows (exact behavior log-probs)."""
+    def weights_pushed(self, version: int, full_sync: dict[str, str] | None = None, delta: bool = False) -> None:
+        """The engine now serves the current weights as ``version`` (verified): the snapshot follows (exact behavior
+        log-probs), and the delta image becomes the base of the next delta (``delta``: this refresh was one;
+        ``full_sync``: engines that refused it and got it whole)."""
+        if self.delta is not None:
+            self.delta.pushed(version, full=not delta, refused=full_sync or {})
         if self.snapshot is not None:
             self.snapshot.follow(self.policy.model)
 

@@ -120,6 +120,8 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
         tokens = sum(s.trained_tokens() for s in samples)  # the model's: an episode's observations are not generated
         metrics |= learned.metrics | times.metrics() | {"policy_version": version,
                                                          "tokens_per_s": tokens / max(times.total_s(), 1e-9)}
+        metrics |= trainer.refresh_metrics  # delta-mode refreshes: bytes, changed fraction, full syncs
+        trainer.refresh_metrics = {}
         if step == start:
             metrics |= first_eval
         if refreshes.before_eval:  # the trained policy itself, not the engine's last version

@@ -23,6 +23,7 @@ _FIELD_TYPES: dict[str, type] = {
     "moe_repacked": int,
     "sampler": str,
     "routing_source": str,
+    "full_sync_needed": str,
 }
 
 
@@ -60,6 +61,8 @@ class WorkerAnswer:
         routing_source: where a server's routing for router replay comes from (``offgrpo_routing_begin``):
             "vllm", each answer's choices carry it (``--enable-return-routed-experts``, GPU), or "hooks", the worker
             records it and the client claims it by ``routing_key`` (``fleet.routing.RoutingCapture``, CPU).
+        full_sync_needed: a delta refused (the worker serves its previous version): why, and that a full sync of the
+            same version repairs it (no image, another base, a missing tensor, a checksum mismatch).
     """
 
     ok: bool
@@ -76,6 +79,7 @@ class WorkerAnswer:
     moe_repacked: int | None = None
     sampler: str | None = None
     routing_source: str | None = None
+    full_sync_needed: str | None = None
 
     @classmethod
     def failed(cls, error: str, version: int | None = None) -> WorkerAnswer:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_offgrpo.transports import _delta as deltas
 from megatron_offgrpo.transports._adapter import AdapterSpec, split_payload
 from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._gloo import make_group, make_store, send_stream
@@ -62,6 +63,7 @@ class CollectiveTransport:
         self._members: tuple[str, ...] = ()
         self._metrics = TransferMetrics()
         self._adapter: AdapterSpec | None = None  # what the prepared version is: an adapter, or the whole model
+        self._delta: deltas.DeltaSpec | None = None  # ... or a delta (or a full version in delta mode)
 
     def _ensure_group(self, targets: list[WorkerTarget]) -> None:
         names = tuple(t.name for t in targets)
@@ -98,6 +100,7 @@ class CollectiveTransport:
     def prepare(self, weights: Buckets | Any, version: int) -> Buckets:
         """Wrap the lazy bucket stream (a directory is read and sent, for symmetry with the disk transport)."""
         weights, self._adapter = split_payload(weights)
+        weights, self._delta = deltas.split_payload(weights)
         return bucket_stream(weights, version, self.bucket_bytes)
 
     def install(self, targets: list[WorkerTarget], prepared: Buckets, version: int) -> dict[str, WorkerAnswer]:
@@ -111,7 +114,7 @@ class CollectiveTransport:
             self._group, self._members = None, ()  # a failed stream may leave the group out of step: rebuild next time
             raise
         self._metrics = TransferMetrics({"join": joined - start, "send": time.perf_counter() - joined}, **stats,
-                                        kind="full" if self._adapter is None else "adapter")
+                                        kind=deltas.kind_of(self._adapter, self._delta))
         return answers
 
     def _send(
@@ -123,7 +126,8 @@ class CollectiveTransport:
     def _stream(
         self, targets: list[WorkerTarget], buckets: Buckets, version: int, commit: bool
     ) -> tuple[dict[str, WorkerAnswer], dict]:
-        request = Receive(group_id=self._group_id, version=int(version), commit=commit, adapter=self._adapter)
+        request = Receive(group_id=self._group_id, version=int(version), commit=commit, adapter=self._adapter,
+                          delta=self._delta)
         return call_targets(
             targets,
             lambda i, t: request,

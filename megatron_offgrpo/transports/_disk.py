@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_tools import rebucket
+from megatron_offgrpo.transports import _delta as deltas
 from megatron_offgrpo.transports._adapter import AdapterSpec, split_payload
 from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
@@ -43,11 +44,13 @@ class DiskTransport:
         self.keep, self.bucket_bytes, self.hf_config, self.timeout_s = keep, bucket_bytes, hf_config, timeout_s
         self._metrics = TransferMetrics()
         self._adapter: AdapterSpec | None = None  # what the prepared version is: an adapter, or the whole model
+        self._delta: deltas.DeltaSpec | None = None  # ... or a delta (or a full version in delta mode)
 
     def prepare(self, weights: Buckets | Path | Any, version: int) -> Path:
         """Write the version directory (or check a given one's manifest version); returns its path."""
         start = time.perf_counter()
         weights, self._adapter = split_payload(weights)
+        weights, self._delta = deltas.split_payload(weights)
         if isinstance(weights, (str, Path)):
             path = Path(weights).resolve()
             found = manifest_version(path) if path.is_dir() else None
@@ -62,7 +65,7 @@ class DiskTransport:
         path, stats = write_version_dir(
             version_dir(self.root, version), buckets, version, self.hf_config, overwrite=True
         )
-        kind = "full" if self._adapter is None else "adapter"
+        kind = deltas.kind_of(self._adapter, self._delta)
         self._metrics = TransferMetrics({"write": time.perf_counter() - start}, **stats, kind=kind)
         return path.resolve()
 
@@ -70,7 +73,8 @@ class DiskTransport:
         """Every target's workers check and load ``prepared`` concurrently."""
         answers, _ = call_targets(
             targets,
-            lambda i, t: LoadDir(path=str(prepared), version=int(version), adapter=self._adapter),
+            lambda i, t: LoadDir(path=str(prepared), version=int(version), adapter=self._adapter,
+                                 delta=self._delta),
             self.timeout_s,
         )
         if any(a.ok for a in answers.values()) and prepared.parent == self.root.resolve():

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Literal, Protocol
 from torch import Tensor
 
 from megatron_offgrpo.transports._answers import WorkerAnswer
-from megatron_offgrpo.transports._worker_calls import WorkerRequest
+from megatron_offgrpo.transports._worker_calls import WORKER_EXTENSION, WorkerRequest  # noqa: F401 (re-exported)
 
 Buckets = Iterable[list[tuple[str, Tensor]]]
 """HF-named tensors in buckets, as ``checkpoint_tools.stream_hf_buckets`` yields them."""
@@ -17,12 +17,11 @@ Buckets = Iterable[list[tuple[str, Tensor]]]
 DIRTY = -1
 """The version a worker reports after a reload failed midway: its weights are undefined until a full refresh."""
 
-WORKER_EXTENSION = "megatron_offgrpo.fleet.OffgrpoWorkerExtension"
-"""The dotted path vLLM loads as ``worker_extension_cls``: the worker side of every transport's RPCs."""
 
 
-PayloadKind = Literal["full", "adapter"]
-"""What a refresh moved: the whole model, or the policy's LoRA adapter (``transports.adapters.AdapterPayload``)."""
+PayloadKind = Literal["full", "adapter", "delta"]
+"""What a refresh moved: the whole model, the policy's LoRA adapter (``transports.adapters.AdapterPayload``), or the
+changed elements of the whole model (``transports.deltas.DeltaPayload``)."""
 
 
 @dataclasses.dataclass

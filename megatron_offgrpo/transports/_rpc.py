@@ -12,8 +12,8 @@ from megatron_offgrpo.transports._worker_calls import WorkerRequest
 
 def summarize(results: list[Any]) -> WorkerAnswer:
     """One target's answer from its workers' wire answers: ok only if every worker is ok and all name one version;
-    the slowest worker's seconds per phase; version, tensors, rank, sampler, moe_repacked and routing_source from the
-    first worker that gives them."""
+    the slowest worker's seconds per phase; version, tensors, rank, sampler, moe_repacked, routing_source and
+    full_sync_needed from the first worker that gives them."""
     if not results:
         return WorkerAnswer(ok=False, error="no worker answered", workers=0)
     answers = [WorkerAnswer.from_wire(r) for r in results]
@@ -36,6 +36,7 @@ def summarize(results: list[Any]) -> WorkerAnswer:
         sampler=next((a.sampler for a in answers if a.sampler is not None), None),
         moe_repacked=next((a.moe_repacked for a in answers if a.moe_repacked is not None), None),
         routing_source=next((a.routing_source for a in answers if a.routing_source is not None), None),
+        full_sync_needed=next((a.full_sync_needed for a in answers if a.full_sync_needed is not None), None),
         workers=len(results),
         seconds=seconds,
     )

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from megatron_offgrpo.transports import _delta as deltas
 from megatron_offgrpo.transports._adapter import AdapterSpec, split_payload
 from megatron_offgrpo.transports._answers import WorkerAnswer
 from megatron_offgrpo.transports._protocol import Buckets, TransferMetrics, WorkerTarget
@@ -89,6 +90,7 @@ class SharedMemoryTransport:
         self._created = 0
         self._metrics = TransferMetrics()
         self._adapter: AdapterSpec | None = None  # what the prepared version is: an adapter, or the whole model
+        self._delta: deltas.DeltaSpec | None = None  # ... or a delta (or a full version in delta mode)
 
     # ----- session: the directory this transport owns --------------------------------------------------------
     def _open_session(self) -> Path:
@@ -149,6 +151,7 @@ class SharedMemoryTransport:
         """Pack every bucket into its file (the servers still serve meanwhile); returns the layout they load."""
         start = time.perf_counter()
         weights, self._adapter = split_payload(weights)
+        weights, self._delta = deltas.split_payload(weights)
         layout = []
         try:
             for bucket in bucket_stream(weights, version, self.bucket_bytes):
@@ -169,7 +172,7 @@ class SharedMemoryTransport:
             bytes=sum(b["bytes"] for b in layout),
             tensors=sum(len(b["tensors"]) for b in layout),
             buckets=len(layout),
-            kind="full" if self._adapter is None else "adapter",
+            kind=deltas.kind_of(self._adapter, self._delta),
         )
         return layout
 
@@ -178,7 +181,8 @@ class SharedMemoryTransport:
     ) -> dict[str, WorkerAnswer]:
         """Every target's workers map the files, check the tensor set and version, and reload, concurrently."""
         start = time.perf_counter()
-        request = LoadShm(dir=str(self._session), version=int(version), buckets=prepared, adapter=self._adapter)
+        request = LoadShm(dir=str(self._session), version=int(version), buckets=prepared, adapter=self._adapter,
+                          delta=self._delta)
         answers, _ = call_targets(targets, lambda i, t: request, self.timeout_s)
         if not all(a.ok for a in answers.values()):
             self._drop()

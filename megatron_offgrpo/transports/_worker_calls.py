@@ -15,9 +15,13 @@ import dataclasses
 import json
 from typing import ClassVar, TypeVar
 
+from megatron_offgrpo.transports import _delta as deltas
 from megatron_offgrpo.transports._adapter import AdapterSpec, spec_of
 
 _Request = TypeVar("_Request", bound="WorkerRequest")
+
+WORKER_EXTENSION = "megatron_offgrpo.fleet.OffgrpoWorkerExtension"
+"""The dotted path vLLM loads as ``worker_extension_cls``: the class whose methods these requests call."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +72,13 @@ class RoutingTake(WorkerRequest):
 @dataclasses.dataclass(frozen=True)
 class _Install(WorkerRequest):
     """A request that installs a version: of the whole model, or (``adapter`` set) of the policy's LoRA adapter, whose
-    tensors the request delivers as it delivers a full version's (``transports.adapters``)."""
+    tensors the request delivers as it delivers a full version's (``transports.adapters``), or (``delta`` set, its
+    ``base`` a version) one blob per tensor patching the served version (``transports.deltas``; ``base`` None: a full
+    version whose image the worker keeps for the deltas that follow)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter", spec_of(self.adapter))  # type: ignore[attr-defined]  # JSON on the wire
+        object.__setattr__(self, "delta", deltas.spec_of(self.delta))  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,7 @@ class LoadDir(_Install):
     path: str
     version: int
     adapter: AdapterSpec | None = None
+    delta: deltas.DeltaSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +126,7 @@ class Receive(_Install):
     version: int
     commit: bool = True
     adapter: AdapterSpec | None = None
+    delta: deltas.DeltaSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +140,12 @@ class LoadShm(_Install):
     version: int
     buckets: list[dict[str, object]]
     adapter: AdapterSpec | None = None
+    delta: deltas.DeltaSpec | None = None
 
 
 INSTALL_TENSORS = "offgrpo_install_tensors"
-"""The in-process hand-over: ``collective_rpc(INSTALL_TENSORS, args=(tensors, version, adapter))``, tensors in memory
-(``adapter``: None for a full version, else the ``AdapterSpec``'s wire form)."""
+"""The in-process hand-over: ``collective_rpc(INSTALL_TENSORS, args=(tensors, version, adapter, delta))``, tensors in
+memory (``adapter``: None for a full version, else the ``AdapterSpec``'s wire form; ``delta``: the ``DeltaSpec``'s)."""
 
 REQUESTS: tuple[type[WorkerRequest], ...] = (Info, RoutingBegin, RoutingTake, LoadDir, JoinGroup, LeaveGroup, Receive,
                                              LoadShm)

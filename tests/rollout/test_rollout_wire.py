@@ -306,6 +306,9 @@ def test_worker_answer_survives_the_json_wire():
     assert WorkerAnswer.from_wire(json.loads(json.dumps(moe.to_wire()))) == moe
     assert not WorkerAnswer.from_wire({"ok": True, "moe_repacked": True}).ok  # a bool is not a layer count
     assert summarize([moe.to_wire()]).moe_repacked == 2
+    refused = WorkerAnswer(ok=False, error="delta refused", version=3, full_sync_needed="no image")
+    assert WorkerAnswer.from_wire(json.loads(json.dumps(refused.to_wire()))) == refused
+    assert summarize([refused.to_wire(), refused.to_wire()]).full_sync_needed == "no image"
     failed = WorkerAnswer.failed("reload failed midway", version=DIRTY)
     assert WorkerAnswer.from_wire(json.loads(json.dumps(failed.to_wire()))) == failed
     info = {"ok": True, "version": 0, "rank": 0, "pid": 42, "dtype": "float32", "tensors": 27, "future_fact": [1]}
