@@ -126,7 +126,9 @@ def make_samples(args: argparse.Namespace) -> None:
 # ----- stage 2: real optimizer steps, each version kept -----------------------------------------------------------
 def train(args: argparse.Namespace) -> None:
     """For each rate: ``--steps`` GRPO steps of a fresh policy from ``--hf`` on the saved batches; each version's
-    bf16 export saved under ``lr-<rate>/v<k>.safetensors``; the step seconds to ``steps.json``."""
+    bf16 export saved under ``lr-<rate>/v<k>.safetensors``. To ``steps.json``: the step seconds, each version's
+    reference probe log-probs and the codec's alternatives on the deltas from version 0 to each v (computed here, where
+    no fleet shares the memory)."""
     import torch
 
     from megatron_offgrpo.algo import compute_group_advantages
@@ -150,14 +152,15 @@ def train(args: argparse.Namespace) -> None:
     config = _demo_config(args.hf, args.steps, args.model_work / "unused")
     group = config.rollout.group_size
     batches = [[Sample(**s) for s in batch] for batch in torch.load(args.model_work.parent / "samples.pt")]
+    reference = _probe_reference(arch)
     record = {}
     for lr in args.lrs:
         out = args.model_work / f"lr-{lr:g}"
         out.mkdir(parents=True, exist_ok=True)
         policy = build_policy(arch, ctx, ModelConfig(hf_path=str(args.hf), init="hf", precision="fp32"),
                               OptimConfig(lr=lr, min_lr=lr, clip_grad=config.optim.clip_grad), args.steps)
-        _save_version(export_buckets(policy.model, arch, ctx, 1 << 30), out / "v0.safetensors")
-        seconds, losses = [], []
+        first = _save_version(export_buckets(policy.model, arch, ctx, 1 << 30), out / "v0.safetensors")
+        seconds, losses, probe, codec = [], [], [reference(first)], []
         for step, samples in enumerate(batches):
             start = time.perf_counter()
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -172,22 +175,39 @@ def train(args: argparse.Namespace) -> None:
             policy.scheduler.step(increment=1)
             seconds.append(time.perf_counter() - start)
             losses.append(result.loss)
-            _save_version(export_buckets(policy.model, arch, ctx, 1 << 30), out / f"v{step + 1}.safetensors")
+            weights = _save_version(export_buckets(policy.model, arch, ctx, 1 << 30), out / f"v{step + 1}.safetensors")
+            probe.append(reference(weights))
+            if step + 1 in args.vs:
+                codec += [{"v": step + 1, **row} for row in _codec_rows(first, weights)]
             print(f"lr {lr:g} step {step + 1}: {seconds[-1]:.2f} s, loss {result.loss:.4g}, "
                   f"{int(adv.sample_valid.sum())} of {len(samples)} samples with signal", file=sys.stderr, flush=True)
-        record[f"{lr:g}"] = {"step_s": seconds, "loss": losses}
+        record[f"{lr:g}"] = {"step_s": seconds, "loss": losses, "probe": probe, "codec": codec}
     (args.model_work / "steps.json").write_text(json.dumps(record, indent=1))
 
 
-def _save_version(buckets, path: Path) -> None:
-    """A version's export as the bf16 tensors an engine in bf16 is sent."""
+def _save_version(buckets, path: Path) -> dict:
+    """A version's export as the bf16 tensors an engine in bf16 is sent, saved and returned."""
     import torch
     from safetensors.torch import save_file
 
-    save_file({n: t.detach().to(torch.bfloat16).contiguous() for bucket in buckets for n, t in bucket}, str(path))
+    tensors = {n: t.detach().to(torch.bfloat16).contiguous() for bucket in buckets for n, t in bucket}
+    save_file(tensors, str(path))
+    return tensors
 
 
-# ----- stage 3: the refreshes -------------------------------------------------------------------------------------
+def _codec_rows(old: dict, new: dict) -> list[dict]:
+    """Bytes and encode seconds of the delta ``old`` -> ``new`` per compression (``deltas.encode``, one pass each)."""
+    from megatron_offgrpo.transports import deltas
+
+    rows = []
+    for compression in ("none", "zlib"):
+        start, size = time.perf_counter(), 0
+        for name, tensor in new.items():
+            size += deltas.encode(name, tensor, old[name], 0, compression)[0].numel()
+        rows.append({"compression": compression, "bytes": size, "encode_s": time.perf_counter() - start})
+    return rows
+
+
 def _probe_reference(arch):
     """f(weights) -> the probe's log-probs under the megatron forward of a bf16 policy holding those weights (what a
     bf16 trainer's refresh check computes)."""
@@ -198,7 +218,7 @@ def _probe_reference(arch):
     from megatron_offgrpo.rollout import probes
 
     model = build_gpt_stage(arch, precision.precision_transformer_config(arch, 1, 1, "bf16"), True, True).eval()
-    probe = probes.make_probe_ids(arch.vocab_size)
+    probe = probes.make_probe_ids(arch.vocab_size)  # the replay's fleets score the same ids
 
     def logprobs(weights: dict) -> list[float]:
         load_hf_into_stage(model, arch, weights, 1, 0, 1, 0)
@@ -207,9 +227,10 @@ def _probe_reference(arch):
             logits = model(tokens, torch.arange(len(probe)).unsqueeze(0), None)
             return logits[0, :-1].float().log_softmax(-1).gather(-1, tokens[0, 1:, None])[:, 0].tolist()
 
-    return probe, logprobs
+    return logprobs
 
 
+# ----- stage 3: the refreshes -------------------------------------------------------------------------------------
 def replay(args: argparse.Namespace) -> None:
     """Fleets D (delta) and F (full) at ``--model-work``/fleet-{delta,full} follow each rate's versions at each v."""
     import torch
@@ -217,19 +238,18 @@ def replay(args: argparse.Namespace) -> None:
 
     from checkpoint_tools import rebucket
     from megatron_offgrpo.model import load_arch
-    from megatron_offgrpo.rollout import FleetEngine
-    from megatron_offgrpo.runtime import init_parallel
+    from megatron_offgrpo.rollout import FleetEngine, probes
     from megatron_offgrpo.train import DeltaSender
 
-    init_parallel(1, 1, 1234)
     arch = load_arch(args.hf)
-    probe, reference = _probe_reference(arch)
+    probe = probes.make_probe_ids(arch.vocab_size)
+    steps = json.loads((args.model_work / "steps.json").read_text())
     bucket_bytes = int(args.bucket_mb * 1024**2)
     engines = {(fleet, kind): FleetEngine.from_state(args.model_work / f"fleet-{fleet}", bucketed_transport(
         kind, args.model_work / f"{fleet}-{kind}", bucket_bytes)) for fleet in ("delta", "full")
         for kind in args.transports}
     version = max(engine.version() for engine in engines.values())
-    records, codec, previous = [], [], {}
+    records = []
     try:
         for lr in args.lrs:
             for v in args.vs:
@@ -238,9 +258,7 @@ def replay(args: argparse.Namespace) -> None:
                     version += 1
                     weights = load_file(str(args.model_work / f"lr-{lr:g}" / f"v{k}.safetensors"))
                     kind = args.transports[(i - 1) % len(args.transports)]
-                    expected = reference(weights)
-                    if i == 1:  # the codec's alternatives on the same pair of versions (encode only)
-                        codec += [{"lr": lr, "v": v, **row} for row in _codec_rows(previous, weights, version - 1)]
+                    expected = steps[f"{lr:g}"]["probe"][k]
                     payload, reason = sender.payload([list(weights.items())], version)
                     delta = engines["delta", kind].update_weights(payload, version)
                     sender.pushed(version, full=delta.kind != "delta", refused=delta.full_sync)
@@ -268,7 +286,6 @@ def replay(args: argparse.Namespace) -> None:
                           f"{full.bytes / 1e6:.1f} MB in {full.seconds:.3f} s; identical {identical}, "
                           f"probe err {err:.2g}",
                           file=sys.stderr, flush=True)
-                    previous = weights if i == 0 else {}  # only the first delta's codec rows read it
                     if i and delta.kind != "delta" or not identical or not err <= args.probe_atol:
                         raise SystemExit(f"delta_sync: version {k}: {delta.kind} ({delta.full_sync or reason}), "
                                          f"identical probes {identical}, probe err {err:.3g} (--probe-atol "
@@ -276,20 +293,7 @@ def replay(args: argparse.Namespace) -> None:
     finally:
         for engine in engines.values():
             engine.close()
-    (args.model_work / "refreshes.json").write_text(json.dumps({"refreshes": records, "codec": codec}, indent=1))
-
-
-def _codec_rows(old: dict, new: dict, base: int) -> list[dict]:
-    """Bytes and encode seconds of the delta ``old`` -> ``new`` per compression (``deltas.encode``, one pass each)."""
-    from megatron_offgrpo.transports import deltas
-
-    rows = []
-    for compression in ("none", "zlib"):
-        start, size = time.perf_counter(), 0
-        for name, tensor in new.items():
-            size += deltas.encode(name, tensor, old[name], base, compression)[0].numel()
-        rows.append({"compression": compression, "bytes": size, "encode_s": time.perf_counter() - start})
-    return rows
+    (args.model_work / "refreshes.json").write_text(json.dumps(records, indent=1))
 
 
 # ----- orchestration ----------------------------------------------------------------------------------------------
@@ -338,7 +342,7 @@ def run_model(name: str, args: argparse.Namespace, demo: Path, workdir: Path) ->
             if (state / "fleet.json").exists():
                 stop_fleet(state / "fleet.json")
     result = {"steps": json.loads((work / "steps.json").read_text()),
-              **json.loads((work / "refreshes.json").read_text())}
+              "refreshes": json.loads((work / "refreshes.json").read_text())}
     for lr_dir in work.glob("lr-*"):  # the kept versions: ~1 GB each at 0.5B
         shutil.rmtree(lr_dir, ignore_errors=True)
     return result
@@ -347,8 +351,9 @@ def run_model(name: str, args: argparse.Namespace, demo: Path, workdir: Path) ->
 def table_rows(name: str, result: dict) -> tuple[list[dict], list[dict], list[dict]]:
     records = [r for r in result["refreshes"] if not r["warmup"]]
     rows, step_rows = [], []
-    codec_rows = [{"model": name, "lr": f"{r['lr']:g}", "v": r["v"], "compression": r["compression"],
-                   "MB": f"{r['bytes'] / 1e6:.2f}", "encode s": f"{r['encode_s']:.3f}"} for r in result["codec"]]
+    codec_rows = [{"model": name, "lr": lr, "v": r["v"], "compression": r["compression"],
+                   "MB": f"{r['bytes'] / 1e6:.2f}", "encode s": f"{r['encode_s']:.3f}"}
+                  for lr, steps in result["steps"].items() for r in steps["codec"]]
     for lr in dict.fromkeys(r["lr"] for r in records):
         for v in dict.fromkeys(r["v"] for r in records):
             mine = [r for r in records if r["lr"] == lr and r["v"] == v]
@@ -415,7 +420,7 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> str:
         "sync deltas start from, left out); every refresh verified on the probe against a bf16 megatron forward of "
         "the version's weights; identical: the delta fleet's probe log-probs equal the full fleet's bit for bit", "",
         markdown(COLUMNS, rows), "", markdown(STEP_COLUMNS, step_rows), "",
-        "The codec's compression on each block's first delta (the same pair of versions, encode only):", "",
+        "The codec's compression on the delta from version 0 to version v (the same pair, encode only):", "",
         markdown(CODEC_COLUMNS, codec_rows), "", *goals(rows, step_rows), ""])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "delta_sync.md").write_text(text)

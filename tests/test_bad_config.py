@@ -85,9 +85,10 @@ CASES = [  # (overrides, what the message must name)
     (["lora.rank=4", "lora.dropout=1"], "lora.dropout=1.0: must be in [0, 1)"),
     (["lora.rank=4", "lora.targets=[linear_fc3]"], "lora.targets=['linear_fc3']: unknown ['linear_fc3']; valid: "),
     (["lora.rank=4", "lora.sync=delta"], "lora.sync='delta': expected one of ['adapter', 'merged']"),
-    (["rollout.sync=delta", "rollout.engine=transformers"], "rollout.sync=delta with rollout.engine=transformers, "
-     "lora.sync=adapter: deltas need rollout.engine=vllm or fleet"),
-    (["rollout.sync=delta", "rollout.engine=vllm", "lora.rank=4"], "lora.sync=adapter: deltas need"),
+    (["rollout.sync=delta", "rollout.engine=transformers"], "rollout.sync=delta with rollout.engine=transformers: "
+     "deltas need vLLM"),
+    (["rollout.sync=delta", "rollout.engine=vllm", "lora.rank=4"], "rollout.sync=delta with lora.sync=adapter: "
+     "deltas are of whole weights"),
     (["rollout.sync=delta", "rollout.engine=fleet", "rollout.fleet_state=/tmp"], "rollout.sync=delta with "
      "rollout.engine=fleet: set rollout.dtype"),
     (["rollout.full_sync_every=0"], "rollout.full_sync_every=0: must be >= 1"),

@@ -104,9 +104,12 @@ def _sampling_errors(config: Config) -> list[str]:
 def _rollout_mode_errors(config: Config) -> list[str]:
     """The engine, its transport and the rollout mode's keys, which only some combinations allow."""
     errors, r, m = [], config.rollout, config.model
-    if r.sync == "delta" and (r.engine not in ("vllm", "fleet") or config.lora.rank and config.lora.sync == "adapter"):
-        errors.append(f"rollout.sync=delta with rollout.engine={r.engine}, lora.sync={config.lora.sync}: deltas need "
-                      "rollout.engine=vllm or fleet and whole weights (lora.sync=merged or full fine-tuning)")
+    if r.sync == "delta" and r.engine == "transformers":
+        errors.append("rollout.sync=delta with rollout.engine=transformers: deltas need vLLM (rollout.engine=vllm, "
+                      "fleet or auto with vLLM installed)")
+    if r.sync == "delta" and config.lora.rank and config.lora.sync == "adapter":
+        errors.append("rollout.sync=delta with lora.sync=adapter: deltas are of whole weights (lora.sync=merged); an "
+                      "adapter refresh is already small")
     if r.sync == "delta" and r.engine == "fleet" and r.dtype == "auto":
         errors.append("rollout.sync=delta with rollout.engine=fleet: set rollout.dtype to the fleet's --dtype (the "
                       "trainer keeps the image the deltas are measured against in that dtype)")

@@ -150,8 +150,8 @@ class RolloutConfig:
     """What a refresh sends: "full" (every tensor) | "delta" (per tensor only the elements whose value in the engine's
     dtype changed since the last version sent, checksummed, applied only onto that version; the engine that cannot
     apply one gets the version whole). Costs one copy of the model in the engine's dtype in the trainer's global rank 0
-    memory and in every engine worker's (CPU). Engines vllm and fleet (a fleet: set rollout.dtype to its --dtype);
-    not with lora.sync=adapter (the adapter is already small)."""
+    memory and in every engine worker's (CPU). Engines vllm, fleet and auto with vLLM (a fleet: set rollout.dtype to
+    its --dtype); not with lora.sync=adapter (the adapter is already small)."""
     full_sync_every: int = 20
     """rollout.sync=delta: a full sync every this many refreshes (besides the first of a start or resume, and one for
     every engine that restarted, joined or refused a delta). 20: the chain is reset at a ~5% cost in bytes when a

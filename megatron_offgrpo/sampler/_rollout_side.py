@@ -75,6 +75,10 @@ class RolloutSide:
             engine.close()  # rollout.engine=auto fell back (its warning says why)
             raise ConfigError(f"rollout.mode=async_partial needs vLLM (in-process or a fleet); the run got the "
                               f"{engine.name} engine: install vLLM, or set rollout.mode=async")
+        if config.rollout.sync == "delta" and engine.name == "transformers":
+            engine.close()  # rollout.engine=auto fell back (its warning says why)
+            raise ConfigError("rollout.sync=delta needs vLLM (in-process or a fleet); the run got the transformers "
+                              "engine: install vLLM, or set rollout.sync=full")
         teacher = TeacherFleet.from_state(config.distill.teacher_fleet) if config.distill.teacher_fleet else None
         maker = BatchMaker(config, stream, Rollouts.build(config, engine, tokenizer, reward_fn, make_env), teacher)
         source = make_source(config.rollout, maker, config.train.steps, engine.concurrent_generate)

@@ -126,7 +126,9 @@ def check_concurrent_generate(engine) -> None:
     import threading
     import time
 
-    long_params = SamplingParams(max_tokens=200, temperature=1.0, seed=11)
+    # 400 tokens and a 0.2 s head start: on a quiet machine 200 tokens of the tiny model were done before a short
+    # request asked 0.5 s in could finish (the check then failed though the batch was shared)
+    long_params = SamplingParams(max_tokens=400, temperature=1.0, seed=11)
     short_params = SamplingParams(max_tokens=4, temperature=0.0)
     alone = engine.generate(PROMPTS[5:6], 1, short_params)
     finished: dict[str, float] = {}
@@ -138,7 +140,7 @@ def check_concurrent_generate(engine) -> None:
 
     long_run = threading.Thread(target=ask, args=("long", PROMPTS[:4], 2, long_params))
     long_run.start()
-    time.sleep(0.5)  # the long generation is decoding
+    time.sleep(0.2)  # the long generation is decoding
     ask("short", PROMPTS[5:6], 1, short_params)
     long_run.join()
     assert [s.response_ids for s in results["short"]] == [s.response_ids for s in alone]
