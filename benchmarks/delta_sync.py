@@ -394,10 +394,10 @@ def goals(rows: list[dict], step_rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         if row["lr"] == "1e-06" and row["v"] == 1:
-            lines.append(f"{row['model']} via {row['transport']}, lr 1e-6, v = 1: {row['bytes_ratio']:.1f}x fewer "
-                         f"bytes (goal >= 10x: {'met' if row['bytes_ratio'] >= 10 else 'missed'}), "
-                         f"{row['speedup']:.1f}x faster (goal >= 3x: {'met' if row['speedup'] >= 3 else 'missed'}), "
-                         f"identical probes: {row['identical probes']}")
+            lines.append(f"{row['model']}, {row['transport']}, lr 1e-6, v=1: {row['bytes_ratio']:.1f}x fewer "
+                         f"bytes (goal 10x: {'met' if row['bytes_ratio'] >= 10 else 'missed'}), "
+                         f"{row['speedup']:.1f}x faster (goal 3x: {'met' if row['speedup'] >= 3 else 'missed'}), "
+                         f"identical {row['identical probes']}")
     for row in step_rows:
         if row["lr"] == "1e-06":
             lines.append(f"{row['model']}, lr 1e-6, v = 4: t_sync / v = {row['share of step']} of the step (goal "

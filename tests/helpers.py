@@ -69,11 +69,14 @@ def save_hf_model(cfg: dict, directory: Path, seed: int = 0) -> Path:
 def run_torchrun(script: Path, nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun on 127.0.0.1 with gloo; raise with its output when it fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", str(script), *args,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    for _ in range(3):  # the free port may be taken by a parallel test's job before this one binds it: a new port
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}", str(script), *args,
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+            break
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script.name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-6000:]}")
