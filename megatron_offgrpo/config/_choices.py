@@ -25,6 +25,8 @@ RecClip = Literal["none", "one_side", "two_side", "ring"]
 Logger = Literal["tensorboard", "wandb", "mlflow"]
 LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LoraSync = Literal["adapter", "merged"]
+RewardNormalize = Literal["none", "group"]
+UnparsedVerdict = Literal["zero", "resample"]
 
 RENAMED = {
     "rollout.overlap": "rollout.mode=overlap (overlap=false: the default, mode=lockstep)",

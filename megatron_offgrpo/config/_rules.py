@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 from megatron_offgrpo.config._load import choices, field_types, long_component
 
 if TYPE_CHECKING:
-    from megatron_offgrpo.config._sections import DistillConfig, EnvConfig
+    from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, RewardConfig
     from megatron_offgrpo.config._tree import Config, ParallelConfig, RolloutConfig
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind-all addresses: a server listens on them, a client cannot dial them
 PATHS = ["model.hf_path", "model.megatron_path", "data.path", "data.eval_path", "rollout.fleet_state",
-         "rollout.shm_dir", "distill.teacher_path", "distill.teacher_fleet"]
+         "rollout.shm_dir", "distill.teacher_path", "distill.teacher_fleet",
+         "reward.model", "reward.judge", "reward.fleet"]
 """The keys that name files or directories (``train.out_dir``: the run directory's own check, ``runlog._run_dir``)."""
 POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_step", "rollout.max_new_tokens",
             "rollout.refresh_every", "rollout.full_sync_every", "rollout.bucket_mb", "rollout.max_sampling_rounds",
@@ -48,6 +49,7 @@ def collect_errors(config: Config) -> list[str]:
     errors.extend(_env_errors(config.env))
     errors.extend(_distill_errors(config.distill, config.rollout.temperature))
     errors.extend(_lora_errors(config))
+    errors.extend(_reward_errors(config.reward, config.env.name))
     return errors
 
 
@@ -229,6 +231,38 @@ def _teacherless_errors(d: DistillConfig) -> list[str]:
             "distill.teacher_path (or distill.teacher_fleet); give the teacher, or drop the key"
             for f in dataclasses.fields(d)
             if f.name not in ("teacher_path", "teacher_fleet") and getattr(d, f.name) != _default(f)]
+
+
+def _reward_errors(r: RewardConfig, env_name: str | None) -> list[str]:
+    """The reward model's place (one of model and judge), its weights and bounds; without one, any other
+    ``reward.*`` key set (it would be ignored), as the judge's keys with a scalar model."""
+    if not r.on:
+        return [f"reward.{f.name}={getattr(r, f.name)} without reward.model or reward.judge: it sets how a model "
+                "scores the completions; give the model, or drop the key"
+                for f in dataclasses.fields(r) if getattr(r, f.name) != _default(f)]
+    if r.model and r.judge:
+        return [f"reward.model={r.model!r}, reward.judge={r.judge!r}: give one (a scalar reward model, or a "
+                "generative judge)"]
+    errors = []
+    if r.model:
+        errors += [f"reward.{f.name}={getattr(r, f.name)} with a scalar reward model (reward.model): it sets how a "
+                   "judge replies; drop the key, or give reward.judge instead"
+                   for f in dataclasses.fields(r) if f.name.startswith("judge_") or f.name == "unparsed"
+                   if getattr(r, f.name) != _default(f)]
+    errors += [f"reward.{key}={getattr(r, key)}: must be >= 0" for key in ("rule_weight", "model_weight",
+                                                                           "judge_temperature")
+               if getattr(r, key) < 0]
+    if r.rule_weight == 0 and r.model_weight == 0:
+        errors.append("reward.rule_weight=0, reward.model_weight=0: every reward would be 0 (nothing trains); give "
+                      "either a weight > 0")
+    errors += [f"reward.{key}={getattr(r, key)}: must be >= 1" for key in ("judge_max_tokens", "judge_attempts")
+               if getattr(r, key) < 1]
+    errors += [f"reward.{key}={getattr(r, key)}: must be > 0" for key in ("timeout_s", "clip")
+               if getattr(r, key) is not None and not getattr(r, key) > 0]
+    if env_name:
+        errors.append(f"reward.{'model' if r.model else 'judge'} with env.name={env_name!r}: models score "
+                      "single-turn completions; an episode is rewarded by its environment (score inside it)")
+    return errors
 
 
 def _default(field: dataclasses.Field) -> object:

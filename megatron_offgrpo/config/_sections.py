@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_offgrpo.config._choices import LoraSync, LoraTarget
+from megatron_offgrpo.config._choices import LoraSync, LoraTarget, RewardNormalize, UnparsedVerdict
 
 
 @dataclasses.dataclass
@@ -68,6 +68,63 @@ class DistillConfig:
     def on(self) -> bool:
         """Whether the run distills (a teacher on the trainer's ranks or on its own fleet)."""
         return bool(self.teacher_path or self.teacher_fleet)
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """Rewards from models: a scalar reward model or a generative judge scores every completion on rank 0, alone or
+    beside the rule reward (``data.reward``), each group as soon as it is generated. Whenever the prompts have answers,
+    the rule's reward is also logged as the gold one, every step and on the held-out prompts, beside the model's
+    (``offgrpo report`` draws them against each other: the gap is the over-optimisation). Single-turn only."""
+
+    model: str | None = None
+    """A scalar reward model: a HF directory or hub id of a sequence classifier with one label (a Bradley-Terry RM,
+    ``Qwen2ForSequenceClassification``), reading the policy's prompt and completion; its logit is the score. None:
+    none (see ``judge``)."""
+    judge: str | None = None
+    """Or a generative judge: a HF causal LM (an instruct model) asked through ``judge_template`` whether each
+    completion is right; its verdict is the score. At most one of ``model`` and ``judge``."""
+    fleet: str | None = None
+    """Where ``model`` or ``judge`` runs: the ``--state-dir`` of ``offgrpo fleet start --model MODEL`` (any size and
+    layout; a classifier is served with vLLM's pooling runner), its requests spread over the servers, a failing
+    server's going to the others. None: in rank 0's process (transformers, on CPU: small models)."""
+    judge_template: str = "yes_no"
+    """"yes_no" (is the response right? yes 1, no 0), "score_10" (a grade 0..10, divided by 10), or a file whose
+    first line is "verdict: yes_no" or "verdict: score_10" and whose rest is the judge's message with {question},
+    {response} and optionally {reference} (the ground truth), each alone inside its own <tag>...</tag> pair. The
+    fields are data: "<" and ">" in them are escaped, so no text of the policy's closes a tag; the verdict is read
+    from the judge's reply only."""
+    judge_soft: bool = True
+    """yes_no: the score is P(yes) / (P(yes) + P(no)) from the verdict token's log-probs where the reply begins with a
+    verdict (the hard 1 / 0 otherwise)."""
+    judge_max_tokens: int = 8
+    """Tokens of the judge's reply (the verdict must begin it)."""
+    judge_temperature: float = 0.0
+    """0: the judge replies greedily; > 0: sampled with a seed derived from the sample (its prompt and response), so
+    the same sample gets the same verdict."""
+    unparsed: UnparsedVerdict = "zero"
+    """A reply without a verdict (logged and counted as ``judge_unparsed``): "zero" scores it 0; "resample" asks again
+    with another seed, up to ``judge_attempts`` times, then 0."""
+    judge_attempts: int = 3
+    """unparsed=resample: replies asked of the judge per sample, at most."""
+    rule_weight: float = 1.0
+    """The rule reward's weight in the reward trained on: reward = rule_weight * rule + model_weight * score. 0: the
+    model's score alone (the rule's is still logged as gold when the prompts have answers)."""
+    model_weight: float = 1.0
+    """The model's score's weight (after ``clip`` and ``normalize``)."""
+    clip: float | None = None
+    """The score is clipped to [-clip, clip] before it is weighted (an RM's logits are unbounded). None: not clipped."""
+    normalize: RewardNormalize = "none"
+    """"group": the score is standardised within each group of G (mean 0, std 1; a group of equal scores gets 0)
+    before it is weighted, so its scale matches the rule's; "none": as the model gives it."""
+    timeout_s: float = 120.0
+    """Seconds one scoring request may take on a fleet server; then it goes to the next server (every server failing
+    a sample stops the run naming it)."""
+
+    @property
+    def on(self) -> bool:
+        """Whether a model scores the completions."""
+        return bool(self.model or self.judge)
 
 
 @dataclasses.dataclass

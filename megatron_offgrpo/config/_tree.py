@@ -11,7 +11,7 @@ from megatron_offgrpo.config._choices import (
     EngineKind, Fp8Recipe, KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode,
     SyncKind, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
-from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, LoraConfig, SftConfig
+from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, LoraConfig, RewardConfig, SftConfig
 
 
 @dataclasses.dataclass
@@ -382,6 +382,7 @@ class Config:
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     sft: SftConfig = dataclasses.field(default_factory=SftConfig)
