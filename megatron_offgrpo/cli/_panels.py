@@ -107,6 +107,23 @@ def progress_curves(records: list[dict], window: int) -> list[Curve]:
     return _curves(records, ["reward_mean"], window) + _eval_curves(records)
 
 
+def reward_model_curves(records: list[dict], window: int) -> list[Curve]:
+    """Beside a reward model: the gold (rule) reward of the sampled completions and the greedy held-out accuracy
+    (left), the model's mean score of each (right: its scale is the model's). Where the model's rise and the gold's
+    do not, the policy is over-optimising the model. [] without one."""
+    if not any("reward_model_mean" in r for r in records):
+        return []
+    curves = _curves(records, ["reward_gold_mean"], window)
+    if points := eval_points(records):
+        curves.append(Curve("gold: greedy held-out accuracy", *map(list, zip(*points)), style="o--"))
+    curves += _curves(records, ["reward_model_mean"], window, right=True)
+    held_out = [(0, 0.0, r["eval_start_reward_model"]) for r in records[:1] if "eval_start_reward_model" in r]
+    held_out += [(r["step"] + 1, r["wall_s"] / 60, r["eval_reward_model"]) for r in records if "eval_reward_model" in r]
+    if held_out:
+        curves.append(Curve("model: held-out score", *map(list, zip(*held_out)), style="s:", right=True))
+    return curves
+
+
 def staleness_curves(records: list[dict], window: int) -> list[Curve]:
     """``staleness_mean`` and ``staleness_max`` (steps), ``token_staleness_mean`` when a refresh came in the middle
     of samples (partial rollouts), and ``policy_version`` on the second axis; unsmoothed: the saw-tooth of every v
@@ -190,6 +207,9 @@ PANELS = (
     Panel("accuracy: sampled, greedy held-out, pass@k", "accuracy", "accuracy, eval_accuracy, eval_pass@k",
           accuracy_curves, ylim=UNIT),
     Panel("reward and held-out accuracy", "reward / accuracy", "reward_mean, eval_accuracy", progress_curves),
+    Panel("reward model against the gold reward", "gold reward / accuracy",
+          "reward_gold_mean, eval_accuracy, reward_model_mean, eval_reward_model", reward_model_curves,
+          right_label="reward model's score"),
     Panel("staleness and policy version", "staleness (steps)", "staleness_mean, staleness_max, policy_version",
           staleness_curves, right_label="policy version"),
     Panel("clip fractions", "fraction of the loss tokens", "clip*_fraction", clip_curves),

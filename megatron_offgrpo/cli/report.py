@@ -58,7 +58,7 @@ def plot_runs(runs: dict[str, list[dict]], out: str | Path, window: int = 5, x: 
         raise ValueError(f"window={window}: the moving average needs at least 1 step")
     plt = pyplot()  # the plot extra; without it, one line naming the extra
 
-    fig, axes = plt.subplots(4, 3, figsize=(19, 18))  # the panels, the time split, two slots left blank
+    fig, axes = plt.subplots(4, 3, figsize=(19, 18))  # the panels, the time split, one slot left blank
     other = "wall" if x == "step" else "step"
     for i, (ax, panel) in enumerate(zip(axes.flat, PANELS)):
         axis = other if i == 2 else x  # the third panel: reward and held-out accuracy against the other x

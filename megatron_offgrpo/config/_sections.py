@@ -103,7 +103,7 @@ class RewardConfig:
     """0: the judge replies greedily; > 0: sampled with a seed derived from the sample (its prompt and response), so
     the same sample gets the same verdict."""
     unparsed: UnparsedVerdict = "zero"
-    """A reply without a verdict (logged and counted as ``judge_unparsed``): "zero" scores it 0; "resample" asks again
+    """A reply without a verdict (counted: ``reward_model_unparsed``): "zero" scores it 0; "resample" asks again
     with another seed, up to ``judge_attempts`` times, then 0."""
     judge_attempts: int = 3
     """unparsed=resample: replies asked of the judge per sample, at most."""
@@ -117,6 +117,9 @@ class RewardConfig:
     normalize: RewardNormalize = "none"
     """"group": the score is standardised within each group of G (mean 0, std 1; a group of equal scores gets 0)
     before it is weighted, so its scale matches the rule's; "none": as the model gives it."""
+    overlap: bool = True
+    """Each group is scored as soon as it is generated, while the others generate (engines that generate
+    concurrently: vLLM in process or a fleet); false: once the step's whole round is generated."""
     timeout_s: float = 120.0
     """Seconds one scoring request may take on a fleet server; then it goes to the next server (every server failing
     a sample stops the run naming it)."""

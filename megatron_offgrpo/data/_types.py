@@ -84,6 +84,10 @@ class Sample:
         teacher_logprobs: [T_resp] on-policy distillation's teacher's log-prob of each response token, when a
             teacher's fleet scored the sample (``distill.teacher_fleet``); None otherwise (no teacher, or one on the
             trainer's ranks, which scores the step's micro-batches itself).
+        gold_reward: the rule reward (``data.reward``) when a reward model scores the sample and its prompt has an
+            answer: the gold the model's reward is held against (None otherwise; ``reward`` is then the rule's).
+        model_score: the reward model's score, before ``reward.clip`` and ``normalize`` (None without one).
+        model_parsed: False when a judge's replies held no verdict (``model_score`` is then 0).
         routed_experts: MoE engines that record routing (``model.router_replay``): ``[P + R - 1, layers, top_k]``
             integer tensor, the experts each layer routed each input position to (the prompt and every sampled
             token but the last, which was never fed back); the trainer's forward replays them. None otherwise.
@@ -105,6 +109,9 @@ class Sample:
     trainable: list[bool] | None = None
     turns: int = 1
     teacher_logprobs: list[float] | None = None
+    gold_reward: float | None = None
+    model_score: float | None = None
+    model_parsed: bool = True
 
     def __post_init__(self) -> None:
         if len(self.behavior_logprobs) != len(self.response_ids):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config, RolloutConfig
 from megatron_offgrpo.data import SamplingParams
+from megatron_offgrpo import reward
 from megatron_offgrpo.rollout import specs
 from megatron_offgrpo.sampler._eval import EVAL_BATCH
 from megatron_offgrpo.transports import adapters
@@ -79,3 +80,18 @@ def _collective_host(r) -> str | None:
 
     hosts = {urlparse(s.url).hostname for s in load_state(r.fleet_state).servers}
     return None if all(launcher.is_loopback(host) for host in hosts) else socket.getfqdn()
+
+
+def reward_spec(config: Config) -> reward.RewardSpec | None:
+    """The reward model of ``reward.*`` (None without one). Raises ``TemplateError`` for a judge template that does
+    not load."""
+    r = config.reward
+    if not r.on:
+        return None
+    mix = reward.RewardMix(r.rule_weight, r.model_weight, r.clip, r.normalize)
+    judge = None
+    if r.judge:
+        judge = reward.JudgeSettings(reward.JudgeTemplate.load(r.judge_template), r.judge_max_tokens,
+                                     r.judge_temperature, r.unparsed, r.judge_attempts, r.judge_soft)
+    return reward.RewardSpec("judge" if r.judge else "classifier", r.judge or r.model, r.fleet, judge, mix,
+                             config.parallel.seed, r.timeout_s)

@@ -30,36 +30,46 @@ def pass_ks(n: int) -> list[int]:
     return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n})
 
 
+def _task_score(sample: Sample) -> float:
+    """The rule's reward (gold) beside a reward model, else the reward: accuracy is the task's, not the model's."""
+    return sample.gold_reward if sample.gold_reward is not None else sample.reward
+
+
 def evaluate(rollouts: Callable[[Sequence[Prompt], int, SamplingParams], list[Sample]], prompts: Sequence[Prompt],
              max_new_tokens: int, batch: int = EVAL_BATCH, samples: int = 1, temperature: float = 1.0,
              seed: int = 0) -> dict[str, float]:
-    """Greedy accuracy (mean reward) and mean response length over ``prompts``; with ``samples`` n > 1 also
-    ``eval_pass@k`` (k in ``pass_ks(n)``; a completion is right when its reward is >= 1) and ``eval_avg@n`` (the mean
-    reward of the n completions) sampled at ``temperature`` with a fixed ``seed`` (every evaluation of a run draws
-    alike, so its points compare).
+    """Greedy accuracy (mean reward; the rule's beside a reward model) and mean response length over ``prompts``;
+    with ``samples`` n > 1 also ``eval_pass@k`` (k in ``pass_ks(n)``; a completion is right when its reward is >= 1)
+    and ``eval_avg@n`` (the mean reward of the n completions) sampled at ``temperature`` with a fixed ``seed`` (every
+    evaluation of a run draws alike, so its points compare); beside a reward model also ``eval_reward_model``, its
+    mean score of the greedy completions.
 
     Args:
         rollouts: prompts, n, sampling -> n rewarded samples per prompt (``sampler._generate.Rollouts``: completions
             scored by the task's reward, or multi-turn episodes rewarded by their environment).
     """
     greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    rewards, lengths, right, sampled = [], [], [], []
+    rewards, lengths, right, sampled, scores = [], [], [], [], []
     for start in range(0, len(prompts), batch):
         for sample in rollouts(list(prompts[start:start + batch]), 1, greedy):
-            rewards.append(sample.reward)
+            rewards.append(_task_score(sample))
             lengths.append(len(sample.response_ids))
+            if sample.model_score is not None:
+                scores.append(sample.model_score)
     if samples > 1:
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
         per_call = max(1, batch // samples)
         for start in range(0, len(prompts), per_call):
             chunk = list(prompts[start:start + per_call])
-            group_rewards = [s.reward for s in rollouts(chunk, samples, params)]
+            group_rewards = [_task_score(s) for s in rollouts(chunk, samples, params)]
             for i in range(len(chunk)):
                 mine = group_rewards[i * samples:(i + 1) * samples]
                 right.append(sum(r >= 1.0 for r in mine))
                 sampled.append(sum(mine) / samples)
     n = max(len(rewards), 1)
     result = {"eval_accuracy": sum(rewards) / n, "eval_response_len": sum(lengths) / n, "eval_prompts": len(rewards)}
+    if scores:  # beside a reward model: its mean score of the greedy completions, against the gold accuracy above
+        result["eval_reward_model"] = sum(scores) / len(scores)
     if right:
         for k in pass_ks(samples):
             result[f"eval_pass@{k}"] = sum(pass_at_k(samples, c, k) for c in right) / len(right)

@@ -15,7 +15,7 @@ from megatron_offgrpo.data import PromptStream, Sample
 from megatron_offgrpo.rollout import TeacherFleet, multiturn
 from megatron_offgrpo.runtime import release_free_memory
 from megatron_offgrpo.sampler._builders import sampling_params
-from megatron_offgrpo.sampler._generate import Rollouts
+from megatron_offgrpo.sampler._generate import Rollouts, ScoreTiming
 from megatron_offgrpo.sampler._sampling import RolloutBatch, fill_batch, round_seed
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,11 @@ class BatchMaker:
         (with ``rollout.mode=async_partial`` a refresh may come during a step: then each token carries its own).
         ``drawn()`` is called once the first round's prompts are drawn (the async modes start the next step then).
         """
-        start, episodes = time.perf_counter(), multiturn.EpisodeStats()
-        batch = self._fill(step, drawn, episodes)
+        start, episodes, scoring = time.perf_counter(), multiturn.EpisodeStats(), ScoreTiming()
+        batch = self._fill(step, drawn, episodes, scoring)
         batch.timing["generate_s"] = time.perf_counter() - start
+        if self.rollouts.reward_model is not None:
+            batch.timing |= scoring.metrics()
         if self.teacher is not None:  # the trained samples only (not the groups dynamic sampling left out)
             start = time.perf_counter()
             self.teacher.score(batch.samples)
@@ -49,11 +51,12 @@ class BatchMaker:
         batch.episodes = episodes.metrics()
         return batch
 
-    def _fill(self, step: int, drawn: Callable[[], None], episodes: multiturn.EpisodeStats) -> RolloutBatch:
+    def _fill(self, step: int, drawn: Callable[[], None], episodes: multiturn.EpisodeStats,
+              scoring: ScoreTiming) -> RolloutBatch:
         r = self.config.rollout
         if not r.dynamic_sampling:
-            return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn, episodes))
-        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn, episodes),
+            return RolloutBatch(self._draw(step, 0, r.prompts_per_step, drawn, episodes, scoring))
+        batch = fill_batch(lambda round_, prompts: self._draw(step, round_, prompts, drawn, episodes, scoring),
                            r.prompts_per_step, r.group_size, r.max_sampling_rounds, r.oversample,
                            self.config.algo.advantage_params(), step)
         if batch.stats.degenerate_kept:
@@ -63,14 +66,14 @@ class BatchMaker:
         return batch
 
     def _draw(self, step: int, round_: int, count: int, drawn: Callable[[], None],
-              episodes: multiturn.EpisodeStats) -> list[Sample]:
+              episodes: multiturn.EpisodeStats, scoring: ScoreTiming) -> list[Sample]:
         """The next ``count`` prompts of the stream, G scored samples each, group-major."""
         cfg = self.config
         params = sampling_params(cfg.rollout, seed=round_seed(cfg.parallel.seed, step, round_), step=step)
         with self._stream_lock:
             prompts, group_size = self.stream.next_batch(count), cfg.rollout.group_size
         drawn()
-        samples = self.rollouts(prompts, group_size, params, episodes)
+        samples = self.rollouts(prompts, group_size, params, episodes, scoring)
         release_free_memory()  # the decode steps' logits: not kept beside the optimizer step's buffers
         if len(samples) != len(prompts) * group_size:
             raise RuntimeError(f"engine returned {len(samples)} samples for {len(prompts)} prompts x G={group_size}")

@@ -15,9 +15,10 @@ from megatron_offgrpo.config import Config, ConfigError
 from megatron_offgrpo.data import Prompt, PromptStream, Sample, rewards
 from megatron_offgrpo.envs import EnvironmentContractError
 from megatron_offgrpo.model import load_tokenizer
+from megatron_offgrpo.reward import RewardModel, RewardModelError, TemplateError
 from megatron_offgrpo.rollout import RefreshReport, RolloutEngine, TeacherFleet, errors, make_engine, probes
 from megatron_offgrpo.sampler._async import JOIN_TIMEOUT_S
-from megatron_offgrpo.sampler._builders import engine_spec, verify_tolerance
+from megatron_offgrpo.sampler._builders import engine_spec, reward_spec, verify_tolerance
 from megatron_offgrpo.sampler._eval import evaluate
 from megatron_offgrpo.sampler._generate import Rollouts, env_factory
 from megatron_offgrpo.sampler._maker import BatchMaker
@@ -70,7 +71,13 @@ class RolloutSide:
             make_env = env_factory(config, reward_fn)
         except (ValueError, EnvironmentContractError) as exc:  # before the engine starts
             raise ConfigError(str(exc)) from None
-        engine = make_rollout_engine(config, model_dir, run_dir, max_positions, adapter)
+        reward_model = open_reward_model(config)  # before the engine: a model that does not load stops the run first
+        try:
+            engine = make_rollout_engine(config, model_dir, run_dir, max_positions, adapter)
+        except BaseException:
+            if reward_model is not None:
+                reward_model.close()
+            raise
         if config.rollout.mode == "async_partial" and not engine.partial_rollouts:
             engine.close()  # rollout.engine=auto fell back (its warning says why)
             raise ConfigError(f"rollout.mode=async_partial needs vLLM (in-process or a fleet); the run got the "
@@ -80,7 +87,8 @@ class RolloutSide:
             raise ConfigError("rollout.sync=delta needs vLLM (in-process or a fleet); the run got the transformers "
                               "engine: install vLLM, or set rollout.sync=full")
         teacher = TeacherFleet.from_state(config.distill.teacher_fleet) if config.distill.teacher_fleet else None
-        maker = BatchMaker(config, stream, Rollouts.build(config, engine, tokenizer, reward_fn, make_env), teacher)
+        rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env, reward_model)
+        maker = BatchMaker(config, stream, rollouts, teacher)
         source = make_source(config.rollout, maker, config.train.steps, engine.concurrent_generate)
         return cls(config, engine, maker, source, eval_prompts, log_data(config, data))
 
@@ -156,6 +164,24 @@ class RolloutSide:
             self.source.join(time.monotonic() + JOIN_TIMEOUT_S)
             if self.maker.teacher is not None:
                 self.maker.teacher.close()
+            if self.maker.rollouts.reward_model is not None:
+                self.maker.rollouts.reward_model.close()
+
+
+def open_reward_model(config: Config) -> RewardModel | None:
+    """The reward model of ``reward.*`` loaded, or its fleet connected; None without one. Raises ``ConfigError``
+    (one line) for a model, template or fleet that cannot serve."""
+    from megatron_offgrpo.rollout import errors as rollout_errors
+
+    try:
+        spec = reward_spec(config)
+        return None if spec is None else RewardModel.open(spec)
+    except (TemplateError, RewardModelError, rollout_errors.FleetError) as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:  # transformers: no such directory or hub id, no weights
+        key = "reward.judge" if config.reward.judge else "reward.model"
+        raise ConfigError(f"{key}={config.reward.judge or config.reward.model}: does not load: "
+                          f"{next(iter(str(exc).splitlines()), type(exc).__name__)}") from None
 
 
 def make_rollout_engine(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int,
@@ -202,7 +228,7 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
     rewards, n = [s.reward for s in samples], len(samples)
     mean = sum(rewards) / n
     return {"reward_mean": mean, "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
-            "accuracy": sum(s.reward - s.shaping >= 1.0 for s in samples) / n,
+            "accuracy": sum(task_score(s) >= 1.0 for s in samples) / n, **reward_model_metrics(samples),
             **length_metrics([len(s.response_ids) for s in samples]),
             "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
             "overlong_penalty_mean": sum(s.shaping for s in samples) / n,
@@ -210,6 +236,26 @@ def sample_metrics(samples: Sequence[Sample], step: int, staleness_bound: int) -
             "staleness_max": max(values), "staleness_mean": sum(values) / len(values),
             **staleness_shares("staleness_", hist, staleness_bound),
             **token_staleness_metrics(samples, step, staleness_bound)}
+
+
+def task_score(sample: Sample) -> float:
+    """The task's own score of a sample: the rule's (gold) beside a reward model, else its reward without shaping."""
+    return sample.gold_reward if sample.gold_reward is not None else sample.reward - sample.shaping
+
+
+def reward_model_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Beside a reward model: its mean score (``reward_model_mean``, before clip and normalisation), the gold's
+    (``reward_gold_mean``, the rule's, when the prompts have answers) and the share of judge replies without a
+    verdict (``reward_model_unparsed``; 0 for a classifier); {} without one."""
+    scored = [s for s in samples if s.model_score is not None]
+    if not scored:
+        return {}
+    values = {"reward_model_mean": sum(s.model_score for s in scored) / len(scored),
+              "reward_model_unparsed": sum(not s.model_parsed for s in scored) / len(scored)}
+    gold = [s.gold_reward for s in scored if s.gold_reward is not None]
+    if gold:
+        values["reward_gold_mean"] = sum(gold) / len(gold)
+    return values
 
 
 def staleness_shares(prefix: str, counts: collections.Counter[int], bound: int) -> dict[str, float]:

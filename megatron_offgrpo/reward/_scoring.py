@@ -1,0 +1,90 @@
+"""The run's reward model: which one (``RewardSpec``), where it runs, and a group's rewards from its scores."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Literal, Sequence
+
+from megatron_offgrpo.data import Prompt, Sample
+from megatron_offgrpo.reward._combine import RewardMix
+from megatron_offgrpo.reward._judge import Judge, JudgeSettings
+from megatron_offgrpo.reward._types import ModelScore, Scorer, ScoreRequest, request_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """A reward model, from the ``reward.*`` keys (``sampler`` builds it).
+
+    Attributes:
+        kind: "classifier" (a scalar reward model) or "judge". path: its HF directory or hub id (the trainer reads
+            its config and tokenizer even when a fleet serves it). fleet: the fleet's state directory, or None for
+            rank 0's process. judge: the judge's settings (kind "judge"). mix: how scores and rule rewards mix.
+        seed: the run's seed (a judge's per-completion seeds derive from it). timeout_s: one request's bound on a
+            fleet server. parallel: requests in flight at once on a fleet.
+    """
+
+    kind: Literal["classifier", "judge"]
+    path: str
+    fleet: str | None = None
+    judge: JudgeSettings | None = None
+    mix: RewardMix = RewardMix()
+    seed: int = 0
+    timeout_s: float = 120.0
+    parallel: int = 32
+
+    def __post_init__(self) -> None:
+        if (self.kind == "judge") != (self.judge is not None):
+            raise ValueError(f"RewardSpec(kind={self.kind!r}): judge settings go with a judge, and only with one")
+
+
+class RewardModel:
+    """Scores groups of completions and sets their rewards (thread-safe: groups are scored as they finish)."""
+
+    def __init__(self, scorer: Scorer, mix: RewardMix, seed: int) -> None:
+        self.scorer, self.mix, self.seed = scorer, mix, seed
+
+    @classmethod
+    def open(cls, spec: RewardSpec) -> RewardModel:
+        """Load the model in process, or connect to its fleet (``FleetError`` when no server answers)."""
+        scorer: Scorer
+        if spec.kind == "classifier":
+            if spec.fleet is None:
+                from megatron_offgrpo.reward._local import LocalClassifier
+
+                scorer = LocalClassifier(spec.path)
+            else:
+                from megatron_offgrpo.reward._fleet import FleetClassifier
+
+                scorer = FleetClassifier.from_state(spec.fleet, spec.timeout_s, spec.parallel)
+        else:
+            import transformers
+
+            tokenizer = transformers.AutoTokenizer.from_pretrained(spec.path)
+            if spec.fleet is None:
+                from megatron_offgrpo.reward._local import LocalJudgeModel
+
+                scorer = Judge(LocalJudgeModel(spec.path), tokenizer, spec.judge)
+            else:
+                from megatron_offgrpo.reward._fleet import FleetJudgeModel
+
+                scorer = Judge(FleetJudgeModel.from_state(spec.fleet, spec.timeout_s), tokenizer,
+                               spec.judge, parallel=spec.parallel)
+        return cls(scorer, spec.mix, spec.seed)
+
+    def score_group(self, prompt: Prompt, samples: Sequence[Sample], texts: Sequence[str],
+                    rule: Sequence[float]) -> list[ModelScore]:
+        """Score one group (the samples of ``prompt``, their decoded ``texts``) and set each sample's
+        ``model_score`` and ``reward`` (the mix of its ``rule`` reward and the shaped score)."""
+        requests = [ScoreRequest(prompt.text, prompt.answer, (*s.prompt_ids, *s.response_ids), text,
+                                 request_seed(self.seed, s.prompt_id, s.response_ids))
+                    for s, text in zip(samples, texts, strict=True)]
+        scores = self.scorer.score(requests)
+        for sample, score, reward in zip(samples, scores, self.mix.rewards(rule, [s.value for s in scores])):
+            sample.model_score, sample.model_parsed, sample.reward = score.value, score.parsed, reward
+        return scores
+
+    def close(self) -> None:
+        self.scorer.close()
