@@ -484,7 +484,7 @@ def test_a_teacher_with_another_tokenizer_is_one_line(where, tmp_path, tiny_mode
     assert code == 2 and err.splitlines() == ["error: invalid config:", (
         f"  {key}: its tokenizer differs from the policy's (model.hf_path={tiny_model}): token '<|file_sep|>' is id "
         "151664 in the policy, absent from the teacher's vocabulary; the policy has no tokenizer of its own (the "
-        "bundled Qwen2.5 one stands for it); the teacher scores the policy's token ids, so it needs the policy's "
+        "bundled Qwen2.5 one stands for it); the model scores the policy's token ids, so it needs the policy's "
         "tokenizer (the same ids for the same tokens)")], err
     assert not out.exists()
 
@@ -615,3 +615,32 @@ def test_a_path_over_the_systems_length_limit_is_one_line(tmp_path, capsys):
                       (["sft", f"train.out_dir={deep}"], "train.out_dir")):
         code, err = _run([argv[0], "--config", TINY, *argv[1:]], capsys)
         assert code == 2 and "Traceback" not in err and f"{key}={deep}" in err and "File name too long" in err, err
+
+
+REWARD_CASES = [  # (reward keys, with {rm} / {lm} for a classifier / causal LM directory; the line's text)
+    (["reward.model={lm}"], "reward.model={lm}: a Qwen2ForCausalLM; a scalar reward model is a sequence "
+     "classifier with one label"),
+    (["reward.judge={rm}"], "reward.judge={rm}: a Qwen2ForSequenceClassification; a judge is a causal LM that replies"),
+    (["reward.model=/nonexistent/rm"], "reward.model=/nonexistent/rm: "),
+    (["reward.judge={lm}", "reward.judge_template=likert"], "reward.judge_template='likert': neither a builtin"),
+    (["reward.model={rm}", "reward.judge={lm}"], "give one (a scalar reward model, or a generative judge)"),
+    (["reward.clip=2"], "reward.clip=2.0 without reward.model or reward.judge"),
+    (["reward.model={rm}", "reward.unparsed=resample"], "reward.unparsed=resample with a scalar reward model"),
+    (["reward.model={rm}", "reward.rule_weight=0", "reward.model_weight=0"], "every reward would be 0"),
+    (["reward.model={rm}", "env.name=feedback"], "models score single-turn completions"),
+    (["reward.model={rm}", "reward.fleet={rm}"], "reward.fleet={rm}: "),
+]
+
+
+@pytest.mark.parametrize("keys, message", REWARD_CASES, ids=[c[1][:40] for c in REWARD_CASES])
+def test_a_reward_model_that_cannot_score_is_one_line(keys, message, tmp_path, capsys, tiny_model):
+    from tests.reward.models import classifier_dir
+
+    rm = classifier_dir(tmp_path / "rm")
+    names = {"rm": rm, "lm": tiny_model}
+    out = tmp_path / "run"
+    code, err = _run(["train", "--config", TINY.replace("-sft", ""), f"train.out_dir={out}",
+                      f"model.hf_path={tiny_model}", "model.init=hf", *[k.format(**names) for k in keys]], capsys)
+    assert code == 2 and message.format(**names) in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.startswith("  ")]) == 1, err
+    assert not out.exists()

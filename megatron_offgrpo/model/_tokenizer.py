@@ -43,7 +43,7 @@ def tokenizer_errors(model_dir: Path, key: str, source: str | Path, policy: str 
     if difference is None:
         return []
     return [f"{key}={source}: its tokenizer differs from the policy's (model.hf_path={policy}): {difference}; the "
-            "teacher scores the policy's token ids, so it needs the policy's tokenizer (the same ids for the same "
+            "model scores the policy's token ids, so it needs the policy's tokenizer (the same ids for the same "
             "tokens)"]
 
 

@@ -138,13 +138,65 @@ def model_errors(config: Config, model_dir: str | None = None) -> list[str]:
         lora.lora_spec(arch, config.lora.rank, config.lora.alpha, config.lora.dropout, config.lora.targets, 0)
     except ValueError as exc:
         return [str(exc)]
-    teacher = config.distill.teacher_path
-    if teacher and not model_dir:
+    if model_dir:  # fleet start: the policy's server, no teacher or reward model to check
+        return []
+    teacher, errors = config.distill.teacher_path, []
+    if teacher:
         errors = model_dir_errors(teacher, "distill.teacher_path", tokenizer=True)
         errors = errors or teacher_errors(load_arch(teacher), arch, p.tp, p.pp, p.ep, p.etp)
-        return errors or tokenizer_errors(resolve_model_dir(teacher), "distill.teacher_path", teacher, policy=source)
-    if config.distill.teacher_fleet and not model_dir:
-        return teacher_fleet_errors(config.distill.teacher_fleet, arch, source)
+        errors = errors or tokenizer_errors(resolve_model_dir(teacher), "distill.teacher_path", teacher, policy=source)
+    if config.distill.teacher_fleet:
+        errors = teacher_fleet_errors(config.distill.teacher_fleet, arch, source)
+    return errors or reward_model_errors(config, source)
+
+
+def reward_model_errors(config: Config, policy: str | Path) -> list[str]:
+    """Why ``reward.model`` or ``reward.judge`` cannot score: a directory that does not resolve, a model of the wrong
+    kind (a classifier with one label; a causal LM for a judge), a classifier whose tokenizer numbers the policy's
+    tokens otherwise (it reads the policy's token ids), a judge whose tokenizer does not load, or a ``reward.fleet``
+    not recorded or serving another directory."""
+    import json
+
+    r = config.reward
+    if not r.on:
+        return []
+    key, source = ("reward.judge", r.judge) if r.judge else ("reward.model", r.model)
+    try:
+        directory = resolve_model_dir(source)
+    except FileNotFoundError as exc:
+        return [f"{key}={source}: {exc}"]
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{key}={source}: no readable config.json ({getattr(exc, 'strerror', None) or exc})"]
+    architectures = hf.get("architectures") or ["?"]
+    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if r.model and not (architectures[0].endswith("ForSequenceClassification") and labels == 1):
+        kind = f"{architectures[0]} with {labels} labels" if "Classification" in architectures[0] else architectures[0]
+        return [f"reward.model={source}: a {kind}; a scalar reward model is a "
+                "sequence classifier with one label (its logit is the reward), e.g. Qwen2ForSequenceClassification"]
+    if r.judge and not architectures[0].endswith("ForCausalLM"):
+        return [f"reward.judge={source}: a {architectures[0]}; a judge is a causal LM that replies (for a "
+                "classifier, use reward.model)"]
+    if r.judge:
+        from megatron_offgrpo.reward import JudgeTemplate, TemplateError
+
+        try:
+            JudgeTemplate.load(r.judge_template)
+        except TemplateError as exc:
+            return [str(exc)]
+    errors = tokenizer_errors(directory, key, source, policy=policy if r.model else None)
+    if errors or not r.fleet:
+        return errors
+    from megatron_offgrpo.fleet import load_state
+
+    try:
+        served = Path(load_state(r.fleet).model_dir)
+    except (OSError, ValueError) as exc:
+        return [f"reward.fleet={r.fleet}: {exc}"]
+    if served.exists() and served.resolve() != directory.resolve():
+        return [f"reward.fleet={r.fleet} serves {served}, not {key}={source}: give the directory the fleet serves "
+                "(the trainer reads its tokenizer), or the fleet that serves it"]
     return []
 
 
