@@ -14,6 +14,7 @@ _EXPORTS = {
     "sample_metrics": "megatron_offgrpo.sampler._rollout_side",
     "NoLearningSignalError": "megatron_offgrpo.sampler._sampling",
     "Rollouts": "megatron_offgrpo.sampler._generate",
+    "ScoreTiming": "megatron_offgrpo.sampler._generate",
     "env_factory": "megatron_offgrpo.sampler._generate",
     "evaluate": "megatron_offgrpo.sampler._eval",
     "load_data": "megatron_offgrpo.sampler._prompts",
