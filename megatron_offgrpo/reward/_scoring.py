@@ -70,7 +70,7 @@ class RewardModel:
             else:
                 from megatron_offgrpo.reward._fleet import FleetJudgeModel
 
-                scorer = Judge(FleetJudgeModel.from_state(spec.fleet, spec.timeout_s), tokenizer,
+                scorer = Judge(FleetJudgeModel.from_state(spec.fleet, spec.timeout_s, spec.parallel), tokenizer,
                                spec.judge, parallel=spec.parallel)
         return cls(scorer, spec.mix, spec.seed)
 

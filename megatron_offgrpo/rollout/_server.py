@@ -90,6 +90,28 @@ class ServerClient:
         answer = self._post("/collective_rpc", body, timeout + 30.0)
         return list((answer or {}).get("results") or [])
 
+    def reply(self, token_ids: list[int], max_tokens: int, temperature: float, seed: int,
+              top_logprobs: int) -> tuple[list[int], dict[int, float]]:
+        """One reply to ``token_ids`` (a judge's): its token ids and its first token's ``top_logprobs`` candidates
+        (token id -> log-prob), greedy at temperature 0, else sampled with ``seed``.
+
+        Raises:
+            BadResponse: an answer without one choice, its token ids or the first token's candidates.
+        """
+        params = sampling_body(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed), 1, 0)
+        params["logprobs"] = top_logprobs
+        body = {"token_ids": list(token_ids), "model": self.model, "sampling_params": params}
+        answer = self._post("/inference/v1/generate", body, self.generate_timeout_s)
+        try:
+            (choice,) = answer["choices"]
+            ids = [int(t) for t in choice["token_ids"]]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            first = {int(c["token_id"]): float(c["logprob"]) for c in content[0]["top_logprobs"]} if ids else {}
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise BadResponse(f"server {self.name}: a reply without one choice, its token ids and the first token's "
+                              f"log-probs ({type(exc).__name__}: {str(answer)[:200]})") from None
+        return ids, first
+
 
 def servers_of(state: FleetState, token: str | None = None, **kwargs: Any) -> list[ServerClient]:
     """``ServerClient``s of a recorded fleet (``fleet.load_state``; token: ``records.fleet_token`` unless given); a
