@@ -21,7 +21,7 @@ def hf_dir_errors(directory: str | Path, arch: QwenArch, limit: int = 3) -> list
         files = open_safetensors_dir(directory)
     except CheckpointError as exc:
         return [str(exc)]
-    expected = hf_shapes(arch)
+    expected = _with_classifier_head(hf_shapes(arch), directory, arch.hidden_size)
     missing = [name for name in expected if name not in files]
     errors = []
     if missing:
@@ -38,6 +38,20 @@ def hf_dir_errors(directory: str | Path, arch: QwenArch, limit: int = 3) -> list
         more = f"; and {len(wrong) - limit} more" if len(wrong) > limit else ""
         errors.append(f"weights do not match its config.json: {'; '.join(wrong[:limit])}{more}")
     return errors
+
+
+def _with_classifier_head(expected: dict[str, tuple[int, ...]], directory: Path,
+                          hidden: int) -> dict[str, tuple[int, ...]]:
+    """A sequence classifier's (``*ForSequenceClassification``: a reward model, served on a fleet) tensors: its
+    ``score`` head [num_labels, H] stands where a causal LM's output layer is."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return expected  # the config's own check names it
+    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return expected
+    labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 2)  # transformers' default: 2
+    return {**{k: v for k, v in expected.items() if k != "lm_head.weight"}, "score.weight": (labels, hidden)}
 
 
 DIST_METADATA = "metadata.json"  # megatron's: the backends of a dist checkpoint

@@ -26,6 +26,10 @@ PYTHON_ENV = "OFFGRPO_FLEET_PYTHON"
 """Interpreter that runs the vLLM servers when ``--python`` is not given (the container's vLLM environment)."""
 
 
+MODEL_HELP = ("HF model directory every server loads (a *ForSequenceClassification, e.g. a reward model, is served "
+              "with vLLM's pooling runner: /classify gives its raw logit)")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``fleet`` parser (pass a subparser to embed it in another CLI)."""
     parser = parser or argparse.ArgumentParser(
@@ -33,7 +37,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     sub = parser.add_subparsers(dest="action", required=True)
     start = sub.add_parser("start", help="start N vLLM servers with the worker extension and wait until healthy")
-    start.add_argument("--model", required=True, type=Path, help="HF model directory every server loads")
+    start.add_argument("--model", required=True, type=Path, help=MODEL_HELP)
     start.add_argument(
         "--num-servers", type=int, default=None, help="servers (GPU default: visible GPUs / tp; CPU default: 2)"
     )

@@ -24,8 +24,9 @@ from pathlib import Path
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
 from megatron_offgrpo.fleet._claim import claim_state_dir
 from megatron_offgrpo.fleet._processes import StopIncomplete, pid_runs_server, server_healthy, stop_fleet
+from megatron_offgrpo.fleet._runner import Runner, runner_of
 from megatron_offgrpo.fleet._state import FleetState, ServerRecord
-from megatron_offgrpo.fleet._vllm_settings import VllmSettings
+from megatron_offgrpo.fleet._vllm_settings import TOKENIZER_FILES, VllmSettings
 from megatron_offgrpo.fleet._server_size import (
     ServerSize,
     available_memory_bytes,
@@ -70,6 +71,9 @@ class FleetSpec:
             (the base's outputs), served to requests that name ``adapters.LORA_NAME`` (the clients do: the state
             records the spec). None: no LoRA.
         extra_args: more vLLM CLI arguments. python: interpreter that runs the servers.
+
+    The runner is the model's (``runner()``): a sequence classifier (a reward model) is served with vLLM's pooling
+    runner, its raw logit the score; it takes no ``lora`` and no ``record_routing``.
     """
 
     model_dir: Path
@@ -109,10 +113,23 @@ class FleetSpec:
             errors.append(f"logprobs_mode={self.logprobs_mode!r}: use 'processed_logprobs' or 'raw_logprobs'")
         if self.cpu_bind not in ("spread", "none"):
             errors.append(f"cpu_bind={self.cpu_bind!r}: use 'spread' or 'none'")
+        if not errors and self.runner() == "pooling":
+            errors += self._classifier_errors()
         if not errors:
             errors += self._fit_errors(gpus)
         if errors:
             raise ValueError("cannot start the fleet:\n  " + "\n  ".join(errors))
+
+    def _classifier_errors(self) -> list[str]:
+        """What a sequence classifier's fleet (vLLM's pooling runner) cannot do, or lacks."""
+        why = "the model is a sequence classifier (served with vLLM's pooling runner), which"
+        errors = [f"{field}: {why} {what}" for field, what, given in (
+            ("lora (--lora-rank)", "serves no LoRA adapter", self.lora is not None),
+            ("record_routing (--record-routing)", "generates no tokens to route", self.record_routing)) if given]
+        if not any((Path(self.model_dir) / name).is_file() for name in TOKENIZER_FILES):
+            errors.append(f"model_dir={self.model_dir}: a sequence classifier is served with its tokenizer (vLLM's "
+                          f"pooling endpoints load it): put its tokenizer files there ({', '.join(TOKENIZER_FILES)})")
+        return errors
 
     def _fit_errors(self, gpus: int) -> list[str]:
         # Before any server starts (a 0.5B model's 32768 positions x 256 sequences is 96 GiB of KV cache per server).
@@ -125,6 +142,11 @@ class FleetSpec:
         # on CPU every worker holds its share of the KV cache in the host's memory
         return fit_errors(size, self.num_servers * self.tp, available_memory_bytes(), "MemAvailable",
                           self.max_model_len is None)
+
+    def runner(self) -> Runner:
+        """``pooling`` when the model is a sequence classifier (its ``config.json`` ``architectures``), else
+        ``generate``."""
+        return runner_of(read_hf_config(self.model_dir))
 
     def size(self) -> ServerSize:
         """Each server's sequence length, dtype and KV cache: the fields given, the rest from the model's config."""
@@ -207,7 +229,7 @@ def server_command(
     settings = VllmSettings.build(spec.model_dir, size.dtype, size.max_model_len, size.max_num_seqs,
                                   size.kv_cache_bytes, on_gpu=bool(gpus), record_routing=spec.record_routing,
                                   enforce_eager=spec.enforce_eager or (spec.record_routing and not gpus),
-                                  logprobs_mode=spec.logprobs_mode, lora=spec.lora)
+                                  logprobs_mode=spec.logprobs_mode, lora=spec.lora, runner=spec.runner())
     argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", *settings.server_argv(), "--host", spec.host,
             "--port", str(port), "--served-model-name", spec.served_model_name, "--middleware", MIDDLEWARE,
             "--enable-scale-out"]
@@ -358,6 +380,7 @@ def _spawn_fleet(spec: FleetSpec, state_dir: Path, gpus: int) -> FleetState:
         servers=[],
         size=dataclasses.asdict(spec.size()),
         lora=None if spec.lora is None else spec.lora.to_wire(),
+        runner=spec.runner(),
     )
     lora_dir = None
     if spec.lora is not None:  # version 0: PEFT starts B at zero, so the all-zero adapter serves the base's outputs

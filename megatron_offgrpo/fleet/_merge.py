@@ -18,8 +18,8 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> Fleet
     only on its own node), so ``stop_fleet`` refuses it and ``fleet_status`` reports health only.
 
     Raises:
-        ValueError: no sources, or fleets that differ in model, served name, LoRA adapter or token, or share a server
-            name/URL.
+        ValueError: no sources, or fleets that differ in model, served name, LoRA adapter, runner or token, or share a
+            server name/URL.
         FleetRunning: ``target_dir`` holds a fleet that still runs (or one being started).
         FileNotFoundError: a source has no fleet state.
     """
@@ -27,7 +27,7 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> Fleet
         raise ValueError("merge: give at least one source fleet state (the --state-dir of each `offgrpo fleet start`)")
     states = [load_state(source) for source in sources]
     errors = []
-    for key in ("model_dir", "served_model_name", "lora"):
+    for key in ("model_dir", "served_model_name", "lora", "runner"):
         values = sorted({str(getattr(state, key)) for state in states})
         if len(values) > 1:
             errors.append(f"{key} differs between the fleets ({values}): every fleet must serve the same model")
@@ -53,6 +53,7 @@ def merge_states(sources: Sequence[str | Path], target_dir: str | Path) -> Fleet
         servers=servers,
         merged_from=[str(Path(source).resolve()) for source in sources],
         lora=states[0].lora,
+        runner=states[0].runner,
     )
     with claim_state_dir(target_dir):  # a fleet started there runs on: its record is never replaced by a view
         merged.write(target_dir)  # readers (the trainer, status) never see a half-written file

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_offgrpo.fleet._auth import TOKEN_ENV
+from megatron_offgrpo.fleet._runner import Runner
 
 PID_MAX = 2**31 - 1
 """The largest pid_t: a larger number overflows os.killpg instead of naming no process."""
@@ -45,6 +46,8 @@ class FleetState:
         merged_from: the source state directories of a merged view (``merge_states``); None for a started fleet.
         lora: the policy's LoRA adapter the servers serve (``transports.adapters.AdapterSpec`` in its wire form;
             requests then name ``adapters.LORA_NAME``); None: no LoRA.
+        runner: what the servers run (``fleet._runner.Runner``): ``generate``, or ``pooling`` for a sequence
+            classifier (a reward model scored through ``/classify``). A state written before the field: ``generate``.
     """
 
     model_dir: str
@@ -54,6 +57,7 @@ class FleetState:
     size: dict[str, Any] | None = None
     merged_from: list[str] | None = None
     lora: dict[str, Any] | None = None
+    runner: Runner = "generate"
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written as ``fleet.json`` (a server's None fields left out: a merged state keeps no pid)."""
@@ -125,7 +129,12 @@ def _record(cls: type, data: Any, where: str) -> Any:
 
 
 def _typed(value: Any, hint: Any, where: str) -> Any:
-    """``value`` checked against ``hint``: a dataclass, ``list[X]``, ``dict[str, Any]``, ``X | None``, str, int."""
+    """``value`` checked against ``hint``: a dataclass, ``list[X]``, ``dict[str, Any]``, ``X | None``, a ``Literal``
+    of strings, str, int."""
+    if typing.get_origin(hint) is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ValueError(f"{where}: {_shown(value)} is not one of {list(typing.get_args(hint))}")
+        return value
     if _optional(hint):
         inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         return None if value is None else _typed(value, inner[0], where)

@@ -7,9 +7,11 @@ why, and a test parses the flags with vLLM's own argument parser and compares th
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Literal
 
+from megatron_offgrpo.fleet._runner import POOLER_CONFIG, Runner
 from megatron_offgrpo.fleet._server_size import cpu_prefill_limits
 from megatron_offgrpo.transports import adapters, calls
 
@@ -38,6 +40,8 @@ class VllmSettings:
             which the importance ratio needs ("processed_logprobs"), or of the raw model.
         lora: the policy's LoRA adapter (``lora.sync=adapter``): vLLM's LoRA on, one adapter slot of its rank
             (``adapters.SLOT_ID``, never evicted: ``max_loras = max_cpu_loras = 1``); None: no LoRA.
+        runner: ``generate``, or ``pooling`` for a sequence classifier (a reward model), whose score is its raw
+            logit (``POOLER_CONFIG``: vLLM's sigmoid off).
     """
 
     model: Path
@@ -51,26 +55,35 @@ class VllmSettings:
     cpu_batched_tokens: int | None = None
     logprobs_mode: str = "processed_logprobs"
     lora: adapters.AdapterSpec | None = None
+    runner: Runner = "generate"
 
     @classmethod
     def build(cls, model: str | Path, dtype: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int, *,
               on_gpu: bool, record_routing: bool = False, enforce_eager: bool = True,
               skip_tokenizer_init: bool | None = None, logprobs_mode: str = "processed_logprobs",
-              lora: adapters.AdapterSpec | None = None) -> VllmSettings:
+              lora: adapters.AdapterSpec | None = None, runner: Runner = "generate") -> VllmSettings:
         """The settings of an engine on ``model``; ``skip_tokenizer_init`` None: skip it where the directory has no
         tokenizer files.
 
         Raises:
-            ValueError: routing recorded by hooks (``record_routing`` on CPU) without eager execution.
+            ValueError: routing recorded by hooks (``record_routing`` on CPU) without eager execution; a pooling
+                runner with routing or LoRA (a classifier generates nothing and is never refreshed), or without a
+                tokenizer.
         """
         model = Path(model).resolve()
         routing: Routing = "off" if not record_routing else "vllm" if on_gpu else "hooks"
         if routing == "hooks" and not enforce_eager:
             raise ValueError("record_routing on vLLM CPU needs enforce_eager (the routing hooks do not run in graphs)")
+        if runner == "pooling" and (record_routing or lora is not None):
+            raise ValueError("a pooling runner (a classifier) serves no LoRA adapter and records no routing")
         if skip_tokenizer_init is None:
             skip_tokenizer_init = not any((model / name).is_file() for name in TOKENIZER_FILES)
+        if runner == "pooling" and skip_tokenizer_init:  # vLLM's /classify builds its scorer from the tokenizer
+            raise ValueError(f"{model}: a classifier is served with its tokenizer (vLLM's pooling endpoints load it): "
+                             f"put its tokenizer files ({', '.join(TOKENIZER_FILES)}) in the directory")
         return cls(model, dtype, max_model_len, max_num_seqs, kv_cache_bytes, enforce_eager, routing,
-                   skip_tokenizer_init, None if on_gpu else cpu_prefill_limits(max_model_len)[1], logprobs_mode, lora)
+                   skip_tokenizer_init, None if on_gpu else cpu_prefill_limits(max_model_len)[1], logprobs_mode, lora,
+                   runner)
 
     def engine_args(self) -> dict[str, object]:
         """The settings as ``vllm.EngineArgs`` fields (``vllm.LLM(**...)``)."""
@@ -90,6 +103,8 @@ class VllmSettings:
             args["enable_prefix_caching"] = False  # a cached prompt is computed by another request
         if self.lora is not None:
             args.update(enable_lora=True, max_lora_rank=self.lora.vllm_max_rank(), max_loras=1, max_cpu_loras=1)
+        if self.runner == "pooling":
+            args.update(runner="pooling", pooler_config=dict(POOLER_CONFIG))
         return args
 
     def server_argv(self) -> list[str]:
@@ -111,4 +126,6 @@ class VllmSettings:
         if self.lora is not None:
             argv += ["--enable-lora", "--max-lora-rank", str(self.lora.vllm_max_rank()), "--max-loras", "1",
                      "--max-cpu-loras", "1"]
+        if self.runner == "pooling":
+            argv += ["--runner", "pooling", "--pooler-config", json.dumps(POOLER_CONFIG)]
         return argv

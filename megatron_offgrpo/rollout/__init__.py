@@ -5,7 +5,9 @@ fleet client (``FleetEngine`` over the servers ``fleet`` started, refreshed thro
 an in-process ``VLLMEngine``, or a ``TransformersEngine`` for machines without vLLM. ``probes.verify_refresh``
 checks a refresh against the trainer's probe log-probs (``probes``: the probe, the check, its tolerances).
 ``multiturn`` runs multi-turn episodes over any engine (``multiturn.EpisodeRunner``); ``errors`` holds the room's
-errors (``errors.RefreshError`` ...). ``TeacherFleet`` scores samples on a distillation teacher's own fleet.
+errors (``errors.RefreshError`` ...). ``ScoringPool`` spreads scoring requests over a fleet of their own (a failing
+server's going to the others): ``TeacherFleet`` scores samples on a distillation teacher's, a reward model's fleet
+answers ``ServerClient.classify``.
 Nothing here imports megatron: the rollout side runs where megatron is not installed.
 """
 
@@ -18,6 +20,7 @@ from megatron_offgrpo.rollout._factory import have_vllm, make_engine
 from megatron_offgrpo.rollout._fleet import FleetEngine
 from megatron_offgrpo.rollout._hf_engine import TransformersEngine
 from megatron_offgrpo.rollout._protocol import RolloutEngine
+from megatron_offgrpo.rollout._scoring import ScoringPool
 from megatron_offgrpo.rollout._server import ServerClient, servers_of
 from megatron_offgrpo.rollout._teacher_fleet import TeacherFleet
 from megatron_offgrpo.rollout._types import RefreshReport
@@ -27,6 +30,7 @@ __all__ = [
     "RefreshReport",
     "RetryPolicy",
     "RolloutEngine",
+    "ScoringPool",
     "ServerClient",
     "TeacherFleet",
     "TransformersEngine",

@@ -95,12 +95,16 @@ class FleetEngine:
         """Connect to the fleet recorded by ``offgrpo fleet start`` (its state file and token).
 
         Raises:
-            ValueError: ``lora`` (the adapter refreshes will carry) is not the adapter the fleet was started with.
+            ValueError: ``lora`` (the adapter refreshes will carry) is not the adapter the fleet was started with; the
+                fleet serves a sequence classifier.
         """
         from megatron_offgrpo.fleet import load_state
         from megatron_offgrpo.rollout._server import servers_of
 
         state = load_state(state_file)
+        if state.runner != "generate":  # a classifier's fleet: no text to sample, no weights to refresh
+            raise ValueError(f"the fleet at {state_file} serves a sequence classifier (vLLM's {state.runner} runner): "
+                             "it generates nothing and takes no weight refresh; give it to reward.fleet")
         started = adapters.spec_of(state.lora)
         if started != lora:
             raise ValueError(f"the fleet at {state_file} serves the LoRA adapter {started}, the run's lora.* settings "

@@ -1,4 +1,5 @@
-"""One vLLM server of the fleet, seen from the trainer: generation, control calls and worker RPCs over HTTP."""
+"""One vLLM server of the fleet, seen from the trainer: generation, scoring, control calls and worker RPCs over
+HTTP."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.fleet import FleetState, json_http, processes, records
-from megatron_offgrpo.rollout._samples import sampling_body
+from megatron_offgrpo.rollout._samples import BadResponse, sampling_body
 from megatron_offgrpo.transports import adapters, calls
 
 
@@ -19,7 +20,8 @@ class ServerClient:
     Attributes:
         name: label in logs, samples and errors (e.g. "s0@127.0.0.1:8100"). url: "http://host:port".
         model: the served model name. token: the fleet token (None when the fleet has none).
-        generate_timeout_s: bound on one generation request. control_timeout_s: bound on a control call
+        generate_timeout_s: bound on one generation or scoring request (``classify``: queued behind others on a
+            busy server). control_timeout_s: bound on a control call
             (a pause waits for in-flight requests to drain; a reload of a large model takes seconds).
     """
 
@@ -58,6 +60,26 @@ class ServerClient:
         params = {"n": 1, "max_tokens": 1, "temperature": 0.0, "logprobs": 0, "prompt_logprobs": 0, "detokenize": False}
         body = {"token_ids": list(token_ids), "model": self.model, "sampling_params": params}
         return self._post("/inference/v1/generate", body, self.generate_timeout_s)
+
+    def classify(self, token_ids: list[int]) -> float:
+        """The raw score of ``token_ids`` by a sequence classifier with one label (a reward model on a fleet started
+        on it: vLLM's pooling runner), through ``/classify``: the head's logit at the last token, as HF's
+        ``*ForSequenceClassification`` gives it (the sigmoid vLLM applies by default is turned off here too, so a
+        server started without the fleet's pooler settings answers the same).
+
+        Raises:
+            BadResponse: the answer holds no single score (a classifier of several labels), naming the server.
+            json_http.ServerDown / RequestRejected: the server is unreachable or refused the request.
+        """
+        body = {"model": self.model, "input": [int(t) for t in token_ids], "use_activation": False}
+        answer = self._post("/classify", body, self.generate_timeout_s)
+        try:
+            (row,) = answer["data"]
+            (score,) = row["probs"]
+            return float(score)
+        except (KeyError, TypeError, ValueError) as exc:  # not one row of one number
+            raise BadResponse(f"server {self.name}: /classify answer is not one score of one label "
+                              f"({type(exc).__name__}: {str(answer)[:200]})") from None
 
     def pause(self, keep_in_flight: bool = False) -> None:
         """Stop scheduling: once the in-flight requests have finished (``/pause?mode=wait``), or at once with them

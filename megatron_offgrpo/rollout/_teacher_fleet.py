@@ -13,38 +13,34 @@ fleet needs ``rollout.temperature=1``, where the student's behavior log-probs ar
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
-import logging
 from pathlib import Path
 from typing import Sequence
 
 from megatron_offgrpo.data import Sample
-from megatron_offgrpo.rollout._errors import FleetError
 from megatron_offgrpo.rollout._samples import prompt_logprob_values
-from megatron_offgrpo.rollout._server import ServerClient, servers_of
+from megatron_offgrpo.rollout._scoring import ScoringPool
+from megatron_offgrpo.rollout._server import ServerClient
 
-logger = logging.getLogger(__name__)
+WHAT = "distill.teacher_fleet"
 
 
 class TeacherFleet:
-    """The servers of a teacher's fleet, and the scoring of a step's samples on them."""
+    """The servers of a teacher's fleet, and the scoring of a step's samples on them (through a ``ScoringPool``:
+    spread over the servers, a failing server's requests going to the others)."""
 
-    def __init__(self, servers: list[ServerClient], requests_at_once: int = 32) -> None:
+    def __init__(self, servers: list[ServerClient] | ScoringPool, requests_at_once: int = 32) -> None:
         """Raises ``FleetError`` when no server answers ``/health``."""
-        self.servers = [s for s in servers if s.health()]
-        if not self.servers:
-            raise FleetError(f"distill.teacher_fleet: no server of {[s.name for s in servers]} answers /health: "
-                             "start the teacher's fleet (offgrpo fleet start --model TEACHER --state-dir DIR)")
-        self._pool = concurrent.futures.ThreadPoolExecutor(requests_at_once, thread_name_prefix="offgrpo-teacher")
-        self._next = itertools.count()
+        self.pool = servers if isinstance(servers, ScoringPool) else ScoringPool(servers, WHAT, requests_at_once)
+        self.servers = self.pool.servers
 
     @classmethod
     def from_state(cls, state: str | Path) -> TeacherFleet:
-        """Connect to the teacher's fleet that ``offgrpo fleet start`` recorded (its state directory or file)."""
-        from megatron_offgrpo.fleet import load_state
+        """Connect to the teacher's fleet that ``offgrpo fleet start`` recorded (its state directory or file).
 
-        return cls(servers_of(load_state(state)))
+        Raises:
+            ValueError: the fleet serves a sequence classifier (vLLM's pooling runner), not a causal LM.
+        """
+        return cls(ScoringPool.from_state(state, WHAT, "generate"))
 
     def score(self, samples: Sequence[Sample]) -> None:
         """Set each sample's ``teacher_logprobs``: the teacher's log-prob of each response token.
@@ -52,27 +48,17 @@ class TeacherFleet:
         Raises:
             FleetError: a sample that no server could score.
         """
-        futures = [self._pool.submit(self._score_one, sample, next(self._next)) for sample in samples]
-        for sample, future in zip(samples, futures):
-            sample.teacher_logprobs = future.result()
-
-    def _score_one(self, sample: Sample, turn: int) -> list[float]:
-        tokens = list(sample.prompt_ids) + list(sample.response_ids)
-        errors = []
-        for k in range(len(self.servers)):  # this request's server first, then the others in turn
-            server = self.servers[(turn + k) % len(self.servers)]
-            try:
-                values = prompt_logprob_values(server.probe(tokens), tokens, server.name)
-            except Exception as exc:  # noqa: BLE001 - any failure of one server: the next one scores it
-                errors.append(f"{server.name}: {type(exc).__name__}: {exc}")
-                continue
-            if errors:
-                logger.warning("teacher fleet: %s failed (%s); %s scored the sample", errors[0].split(":")[0],
-                               errors[0], server.name)
-            return values[len(sample.prompt_ids) - 1:]  # the response tokens' log-probs
-        raise FleetError(f"teacher fleet: no server scored sample {sample.prompt_id}/{sample.group_id}: {errors}")
+        scores = self.pool.map(_response_logprobs, samples, [f"{s.prompt_id}/{s.group_id}" for s in samples])
+        for sample, values in zip(samples, scores):
+            sample.teacher_logprobs = values
 
     def close(self) -> None:
-        """Stop the scoring threads: the requests not started are dropped, those in flight end within their HTTP
-        timeout (the servers belong to ``offgrpo fleet stop``)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the scoring threads (``ScoringPool.close``)."""
+        self.pool.close()
+
+
+def _response_logprobs(server: ServerClient, sample: Sample) -> list[float]:
+    """The teacher's log-prob of each of ``sample``'s response tokens, scored by ``server``."""
+    tokens = list(sample.prompt_ids) + list(sample.response_ids)
+    values = prompt_logprob_values(server.probe(tokens), tokens, server.name)
+    return values[len(sample.prompt_ids) - 1:]

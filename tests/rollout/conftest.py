@@ -14,3 +14,18 @@ from tests.rollout.tiny import TINY
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny Qwen2 as a HF directory (version 0: no manifest)."""
     return save_hf_model(dict(TINY), tmp_path_factory.mktemp("rollout") / "tiny", seed=7)
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2 as a scalar reward model (``tiny.CLASSIFIER``, seed 11) with a tokenizer (vLLM's pooling
+    endpoints load one)."""
+    import shutil
+
+    from tests.helpers import TOKENIZER_DIR
+    from tests.rollout.tiny import save_classifier
+
+    path = save_classifier(tmp_path_factory.mktemp("rollout") / "rm", seed=11)
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, path / name)
+    return path

@@ -117,3 +117,27 @@ def routing_mismatches(model_dir: Path, weights: dict[str, torch.Tensor] | None,
         differ += int((hf != got).any(-1).sum())
         total += hf.shape[0] * hf.shape[1]
     return differ, total
+
+
+CLASSIFIER = dict(TINY, architectures=["Qwen2ForSequenceClassification"], num_labels=1, pad_token_id=0)
+"""The tiny Qwen2 as a scalar reward model (one label); token 0 pads (HF pools the last token that is not 0)."""
+
+
+def save_classifier(directory: Path, seed: int = 0) -> Path:
+    """Save a random ``CLASSIFIER`` (fp32 safetensors, its score head included) into ``directory``; returns it."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**CLASSIFIER)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def classifier_logits(model_dir: Path, sequences: list[list[int]]) -> list[float]:
+    """The fp32 HF reference: each sequence's ``[1]`` logit, one forward per sequence (no padding)."""
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [float(model(torch.tensor([ids])).logits[0, 0]) for ids in sequences]
