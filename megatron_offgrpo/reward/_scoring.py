@@ -41,16 +41,26 @@ class RewardSpec:
 
 
 class RewardModel:
-    """Scores groups of completions and sets their rewards (thread-safe: groups are scored as they finish)."""
+    """Scores groups of completions and sets their rewards (thread-safe: groups are scored as they finish).
 
-    def __init__(self, scorer: Scorer, mix: RewardMix, seed: int) -> None:
-        self.scorer, self.mix, self.seed = scorer, mix, seed
+    Args:
+        pad_id: a classifier's ``pad_token_id``: trailing ones are cut from what it reads. HF's classifiers pool
+            the last token that is not padding (how a reward model was trained), vLLM's pooler the last token: a
+            Qwen completion ending in ``<|endoftext|>`` (Qwen's pad) is read at the token before it by both.
+    """
+
+    def __init__(self, scorer: Scorer, mix: RewardMix, seed: int, pad_id: int | None = None) -> None:
+        self.scorer, self.mix, self.seed, self.pad_id = scorer, mix, seed, pad_id
 
     @classmethod
     def open(cls, spec: RewardSpec) -> RewardModel:
         """Load the model in process, or connect to its fleet (``FleetError`` when no server answers)."""
         scorer: Scorer
+        pad_id = None
         if spec.kind == "classifier":
+            import transformers
+
+            pad_id = transformers.AutoConfig.from_pretrained(spec.path).pad_token_id
             if spec.fleet is None:
                 from megatron_offgrpo.reward._local import LocalClassifier
 
@@ -72,19 +82,27 @@ class RewardModel:
 
                 scorer = Judge(FleetJudgeModel.from_state(spec.fleet, spec.timeout_s, spec.parallel), tokenizer,
                                spec.judge, parallel=spec.parallel)
-        return cls(scorer, spec.mix, spec.seed)
+        return cls(scorer, spec.mix, spec.seed, pad_id)
 
     def score_group(self, prompt: Prompt, samples: Sequence[Sample], texts: Sequence[str],
                     rule: Sequence[float]) -> list[ModelScore]:
         """Score one group (the samples of ``prompt``, their decoded ``texts``) and set each sample's
         ``model_score`` and ``reward`` (the mix of its ``rule`` reward and the shaped score)."""
-        requests = [ScoreRequest(prompt.text, prompt.answer, (*s.prompt_ids, *s.response_ids), text,
+        requests = [ScoreRequest(prompt.text, prompt.answer, self._read(s), text,
                                  request_seed(self.seed, s.prompt_id, s.response_ids))
                     for s, text in zip(samples, texts, strict=True)]
         scores = self.scorer.score(requests)
         for sample, score, reward in zip(samples, scores, self.mix.rewards(rule, [s.value for s in scores])):
             sample.model_score, sample.model_parsed, sample.reward = score.value, score.parsed, reward
         return scores
+
+    def _read(self, sample: Sample) -> tuple[int, ...]:
+        """The tokens a classifier reads: prompt and response, without trailing padding."""
+        ids = (*sample.prompt_ids, *sample.response_ids)
+        end = len(ids)
+        while end > 1 and self.pad_id is not None and ids[end - 1] == self.pad_id:
+            end -= 1
+        return ids[:end]
 
     def close(self) -> None:
         self.scorer.close()

@@ -51,10 +51,11 @@ class ScoringPool:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_state(cls, state: str | Path, what: str, runner: serving.Runner,
-                   requests_at_once: int = 32) -> ScoringPool:
+    def from_state(cls, state: str | Path, what: str, runner: serving.Runner, requests_at_once: int = 32,
+                   timeout_s: float | None = None) -> ScoringPool:
         """Connect to the fleet ``offgrpo fleet start`` recorded (its state directory or file), which must serve its
-        model with ``runner`` ("generate": a teacher, a judge; "pooling": a sequence classifier).
+        model with ``runner`` ("generate": a teacher, a judge; "pooling": a sequence classifier); ``timeout_s``
+        bounds each request on each server (None: ``ServerClient``'s generation bound).
 
         Raises:
             ValueError: the fleet runs the other runner (one line naming both).
@@ -64,7 +65,8 @@ class ScoringPool:
             raise ValueError(f"{what}={state}: the fleet serves {recorded.model_dir} with vLLM's {recorded.runner} "
                              f"runner, this needs the {runner} runner (a sequence classifier is served with "
                              "'pooling', a causal LM with 'generate')")
-        return cls(servers_of(recorded), what, requests_at_once)
+        bounds = {} if timeout_s is None else {"generate_timeout_s": timeout_s}
+        return cls(servers_of(recorded, **bounds), what, requests_at_once)
 
     def map(self, fn: Callable[[ServerClient, T], R], items: Sequence[T],
             labels: Sequence[str] | None = None) -> list[R]:

@@ -45,6 +45,14 @@ def test_classifier_scores_equal_hf_forward(rm_dir):
     assert max(expected) - min(expected) > 0.1  # the texts score apart: the check can fail
     single = [model.scorer.score([_request(t)])[0].value for t in texts]  # alone: no padding
     assert single == pytest.approx(expected, abs=1e-5)
+    # a completion ending in Qwen's pad token: HF pools the token before it, and so does the reward model
+    prompt = Prompt("p0", _ids("What is 2 + 2?"), "What is 2 + 2?", "4")
+    padded = _ids("4") + [151643]
+    sample = Sample("p0", 0, list(prompt.prompt_ids), padded, [0.0] * 2, 0, "stop")
+    model.score_group(prompt, [sample], ["4"], [1.0])
+    with torch.no_grad():
+        full = float(hf(torch.tensor([list(prompt.prompt_ids) + padded])).logits[0, 0])
+    assert sample.model_score == pytest.approx(full, abs=1e-5) == expected[0]
 
 
 def test_a_group_gets_mixed_rewards_and_keeps_its_scores(rm_dir):

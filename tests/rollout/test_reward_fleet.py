@@ -96,3 +96,24 @@ def test_a_server_killed_while_scoring_leaves_its_requests_to_the_other(rm_fleet
     assert len(scores) == len(many) + 2 * len(SEQUENCES)
     assert max(abs(a - b) for a, b in zip(scores, expected * 14)) < ATOL
     assert f"reward.fleet: {victim.name}: ServerDown" in caplog.text  # its requests went to the other
+
+
+def test_a_reward_model_on_the_fleet_scores_groups_as_in_process(rm_fleet, classifier_dir):
+    """``reward.model`` with ``reward.fleet``: a group's scores and rewards equal those of the same classifier in
+    rank 0's process (``RewardModel`` over the pool, the teacher fleet's failover)."""
+    from megatron_offgrpo.data import Prompt, Sample
+    from megatron_offgrpo.reward import RewardMix, RewardModel, RewardSpec
+
+    prompt = Prompt("p0", [5, 6, 7], "q", "4")
+    samples = [Sample("p0", 0, [5, 6, 7], ids, [0.0] * len(ids), 0, "stop") for ids in SEQUENCES]
+    on_fleet = RewardModel.open(RewardSpec("classifier", str(classifier_dir), fleet=str(rm_fleet),
+                                           mix=RewardMix(0.0, 1.0)))
+    local = RewardModel.open(RewardSpec("classifier", str(classifier_dir), mix=RewardMix(0.0, 1.0)))
+    try:
+        fleet_scores = on_fleet.score_group(prompt, samples, ["t"] * len(samples), [0.0] * len(samples))
+        local_scores = local.score_group(prompt, samples, ["t"] * len(samples), [0.0] * len(samples))
+    finally:
+        on_fleet.close()
+        local.close()
+    assert max(abs(a.value - b.value) for a, b in zip(fleet_scores, local_scores)) < ATOL
+    assert [s.reward for s in samples] == [s.value for s in local_scores]
