@@ -32,7 +32,7 @@ class FleetClassifier:
 
 
 class FleetJudgeModel:
-    """A judge's replies from the fleet's servers (``ServerClient.reply``), one request per reply."""
+    """A judge's replies from the fleet's servers (``ServerClient.reply``), one request per reply, all at once."""
 
     name = WHAT
 
@@ -43,12 +43,12 @@ class FleetJudgeModel:
     def from_state(cls, state: str | Path, timeout_s: float, parallel: int) -> FleetJudgeModel:
         return cls(ScoringPool.from_state(state, WHAT, "generate", parallel, timeout_s))
 
-    def reply(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
-              top: int) -> tuple[list[int], dict[int, float]]:
-        def ask(server: ServerClient, _: None) -> tuple[list[int], dict[int, float]]:
-            return server.reply(prompt_ids, max_tokens, temperature, seed, top)
+    def replies(self, prompts: Sequence[list[int]], max_tokens: int, temperature: float, seeds: Sequence[int],
+                top: int) -> list[tuple[list[int], dict[int, float]]]:
+        def ask(server: ServerClient, item: tuple[list[int], int]) -> tuple[list[int], dict[int, float]]:
+            return server.reply(item[0], max_tokens, temperature, item[1], top)
 
-        return self.pool.map(ask, [None])[0]
+        return self.pool.map(ask, list(zip(prompts, seeds)))
 
     def close(self) -> None:
         self.pool.close()

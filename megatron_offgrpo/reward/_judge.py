@@ -3,7 +3,6 @@ reply begins with is the score (``_template``: why the policy's text cannot writ
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -13,6 +12,8 @@ from megatron_offgrpo.reward._template import JudgeTemplate, parse_verdict, verd
 from megatron_offgrpo.reward._types import ModelScore, ScoreRequest
 
 logger = logging.getLogger(__name__)
+Reply = tuple[list[int], dict[int, float]]
+"""A judge's reply: its token ids, and its first token's most likely candidates (token id -> log-prob)."""
 TOP_LOGPROBS = 20
 """First-token candidates asked of the judge for the soft score (vLLM's default cap on log-probs is 20)."""
 RESAMPLE_TEMPERATURE = 1.0
@@ -24,9 +25,10 @@ class JudgeModel(Protocol):
 
     name: str
 
-    def reply(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
-              top: int) -> tuple[list[int], dict[int, float]]:
-        """The reply's token ids and the first token's ``top`` candidates' log-probs."""
+    def replies(self, prompts: Sequence[list[int]], max_tokens: int, temperature: float, seeds: Sequence[int],
+                top: int) -> list[Reply]:
+        """One reply per prompt (prompt k sampled with ``seeds[k]`` when ``temperature`` > 0), each with its first
+        token's ``top`` candidates."""
         ...
 
     def close(self) -> None:
@@ -47,15 +49,12 @@ class JudgeSettings:
 
 
 class Judge:
-    """A ``Scorer`` over a judge model; ``parallel`` requests at once (a fleet's servers answer concurrently)."""
+    """A ``Scorer`` over a judge model: a group's prompts are asked at once (a batch in process, concurrent
+    requests on a fleet)."""
 
-    def __init__(self, model: JudgeModel, tokenizer, settings: JudgeSettings, parallel: int = 1) -> None:
+    def __init__(self, model: JudgeModel, tokenizer, settings: JudgeSettings) -> None:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.yes, self.no = verdict_tokens(tokenizer, settings.template.kind)
-        self._pool = concurrent.futures.ThreadPoolExecutor(parallel, thread_name_prefix="offgrpo-judge")
-
-    def score(self, requests: Sequence[ScoreRequest]) -> list[ModelScore]:
-        return list(self._pool.map(self.score_one, requests))
 
     def prompt_ids(self, request: ScoreRequest) -> list[int]:
         """The judge's prompt: the rendered template as a user turn of the judge's chat template (a model without
@@ -66,22 +65,35 @@ class Judge:
                                                       add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def score_one(self, request: ScoreRequest) -> ModelScore:
-        """Ask the judge (again, with another seed, under ``unparsed=resample``) until its reply begins with a
-        verdict; a reply without one scores 0 and is counted (``ModelScore.parsed``)."""
+    def score(self, requests: Sequence[ScoreRequest]) -> list[ModelScore]:
+        """Ask the judge; under ``unparsed=resample`` ask again (another seed, sampled) those whose reply began with
+        no verdict, up to ``attempts`` replies each; a reply without one scores 0 and is counted
+        (``ModelScore.parsed``)."""
         s = self.settings
-        prompt, tries = self.prompt_ids(request), s.attempts if s.unparsed == "resample" else 1
-        reply = ""
-        for attempt in range(tries):
+        prompts = [self.prompt_ids(r) for r in requests]
+        scores: list[ModelScore | None] = [None] * len(requests)
+        last: list[str] = [""] * len(requests)
+        pending = list(range(len(requests)))
+        for attempt in range(s.attempts if s.unparsed == "resample" else 1):
             temperature = s.temperature if attempt == 0 else max(s.temperature, RESAMPLE_TEMPERATURE)
-            tokens, first = self.model.reply(prompt, s.max_tokens, temperature, request.seed + attempt, TOP_LOGPROBS)
-            reply = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            verdict = parse_verdict(reply, s.template.kind)
-            if verdict is not None:
+            replies = self.model.replies([prompts[k] for k in pending], s.max_tokens, temperature,
+                                         [requests[k].seed + attempt for k in pending], TOP_LOGPROBS)
+            left = []
+            for k, (tokens, first) in zip(pending, replies):
+                last[k] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                verdict = parse_verdict(last[k], s.template.kind)
+                if verdict is None:
+                    left.append(k)
+                    continue
                 if s.soft and tokens and tokens[0] in self.yes | self.no:
                     verdict = self._soft(first, verdict)
-                return ModelScore(verdict, True, attempt + 1, reply)
-        return ModelScore(0.0, False, tries, reply)
+                scores[k] = ModelScore(verdict, True, attempt + 1, last[k])
+            pending = left
+            if not pending:
+                break
+        tries = s.attempts if s.unparsed == "resample" else 1
+        return [score if score is not None else ModelScore(0.0, False, tries, last[k])
+                for k, score in enumerate(scores)]
 
     def _soft(self, first: dict[int, float], hard: float) -> float:
         """P(yes) / (P(yes) + P(no)) over the first token's candidates (the hard verdict when neither is among
@@ -91,5 +103,4 @@ class Judge:
         return p_yes / (p_yes + p_no) if p_yes + p_no > 0 else hard
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
         self.model.close()

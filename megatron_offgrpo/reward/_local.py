@@ -59,8 +59,9 @@ class LocalClassifier:
 
 
 class LocalJudgeModel:
-    """A causal LM that replies to a judge's prompt: greedy, or sampled from a ``torch.Generator`` seeded per
-    request (the global RNG is shared with other threads: a seeded sample must not depend on them)."""
+    """A causal LM that replies to a judge's prompts: greedy, or sampled from a ``torch.Generator`` seeded per
+    request (the global RNG is shared with other threads: a seeded sample must not depend on them, nor on the
+    other prompts of its batch)."""
 
     def __init__(self, path: str) -> None:
         import transformers
@@ -70,28 +71,42 @@ class LocalJudgeModel:
         self.eos = _eos_ids(self.model.generation_config.eos_token_id)
         self._lock = threading.Lock()
 
-    def reply(self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int,
-              top: int) -> tuple[list[int], dict[int, float]]:
-        """The reply's tokens and the ``top`` most likely first tokens' log-probs (token id -> log-prob)."""
-        generator = torch.Generator().manual_seed(seed)
-        ids, cache, tokens, first = torch.tensor([prompt_ids]), None, [], {}
+    def replies(self, prompts: Sequence[list[int]], max_tokens: int, temperature: float, seeds: Sequence[int],
+                top: int) -> list[tuple[list[int], dict[int, float]]]:
+        """The prompts' replies, decoded together (left-padded, one KV cache), each sampled from its own generator;
+        each with the ``top`` most likely first tokens' log-probs."""
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        firsts: list[dict[int, float]] = [{} for _ in prompts]
+        done, cache = [False] * len(prompts), None
         with self._lock, torch.inference_mode():
-            for _ in range(max_tokens):
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits[0, -1].float()
-                logprobs = torch.log_softmax(logits, -1)
-                if not tokens:
-                    values, indices = logprobs.topk(top)
-                    first = dict(zip(indices.tolist(), values.tolist()))
-                if temperature == 0:
-                    token = int(logits.argmax())
-                else:
-                    token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
-                tokens.append(token)
-                if token in self.eos:
+            for step in range(max_tokens):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                 use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1].float()
+                if step == 0:
+                    values, indices = torch.log_softmax(logits, -1).topk(top)
+                    firsts = [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+                chosen = []
+                for k, row in enumerate(logits):
+                    if done[k]:  # finished rows decode on (the batch is one tensor) but keep nothing
+                        chosen.append(0)
+                        continue
+                    token = int(row.argmax()) if temperature == 0 else int(
+                        torch.multinomial(torch.softmax(row / temperature, -1), 1, generator=generators[k]))
+                    tokens[k].append(token)
+                    done[k] = token in self.eos
+                    chosen.append(token)
+                if all(done):
                     break
-                ids = torch.tensor([[token]])
-        return tokens, first
+                ids = torch.tensor(chosen)[:, None]
+                mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], -1)
+                positions = positions[:, -1:] + 1
+        return list(zip(tokens, firsts))
 
     def close(self) -> None:
         pass

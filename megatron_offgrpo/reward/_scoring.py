@@ -81,7 +81,7 @@ class RewardModel:
                 from megatron_offgrpo.reward._fleet import FleetJudgeModel
 
                 scorer = Judge(FleetJudgeModel.from_state(spec.fleet, spec.timeout_s, spec.parallel), tokenizer,
-                               spec.judge, parallel=spec.parallel)
+                               spec.judge)
         return cls(scorer, spec.mix, spec.seed, pad_id)
 
     def score_group(self, prompt: Prompt, samples: Sequence[Sample], texts: Sequence[str],
