@@ -127,7 +127,7 @@ class Rollouts:
             ends.append((generated, time.monotonic(), busy))
             return samples
 
-        with concurrent.futures.ThreadPoolExecutor(len(prompts), thread_name_prefix="offgrpo-group") as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts), thread_name_prefix="offgrpo-scored-group") as pool:
             groups = list(pool.map(group, range(len(prompts))))
         timing.add(sum(e[2] for e in ends), max(0.0, max(e[1] for e in ends) - max(e[0] for e in ends)))
         return [sample for samples in groups for sample in samples]
