@@ -51,6 +51,7 @@ class RewardModel:
 
     def __init__(self, scorer: Scorer, mix: RewardMix, seed: int, pad_id: int | None = None) -> None:
         self.scorer, self.mix, self.seed, self.pad_id = scorer, mix, seed, pad_id
+        self._warned = False
 
     @classmethod
     def open(cls, spec: RewardSpec) -> RewardModel:
@@ -92,6 +93,12 @@ class RewardModel:
                                  request_seed(self.seed, s.prompt_id, s.response_ids))
                     for s, text in zip(samples, texts, strict=True)]
         scores = self.scorer.score(requests)
+        unparsed = [score for score in scores if not score.parsed]
+        if unparsed and not self._warned:  # once: the metric counts the rest (reward_model_unparsed)
+            self._warned = True
+            logger.warning("reward.judge: %d of %d replies held no verdict (scored 0 after %d tries), e.g. %r; "
+                           "counted as reward_model_unparsed from now on", len(unparsed), len(scores),
+                           unparsed[0].attempts, unparsed[0].reply[:200])
         for sample, score, reward in zip(samples, scores, self.mix.rewards(rule, [s.value for s in scores])):
             sample.model_score, sample.model_parsed, sample.reward = score.value, score.parsed, reward
         return scores
