@@ -85,17 +85,24 @@ def test_rm_writes_a_classifier_that_scores_as_the_fitter_reported(digit_policy,
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))
     config = json.loads((out / "hf" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForSequenceClassification"] and len(config["id2label"]) == 1
-    assert config["pad_token_id"] == 151643 and (out / "hf" / "model.safetensors").is_file()
+    # the pad id is the end of turn: the score is read at the answer's last token, with or without EOS after it
+    assert config["pad_token_id"] == EOS and (out / "hf" / "model.safetensors").is_file()
 
     model = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "hf")
-    assert model.config.num_labels == 1 and len(report["examples"]) == 4
+    assert model.config.num_labels == 1 and len(report["examples"]) == 4 and tokenizer.pad_token_id == EOS
     for example in report["examples"]:
         ids = tokenizer(example["text"], add_special_tokens=False).input_ids  # the text reads back as the ids scored
         assert ids == example["ids"], example
         with torch.no_grad():
             logit = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         assert logit == pytest.approx(example["score"], abs=1e-4), example
+        assert ids[-1] == EOS  # the digit policy always ends its turn
+        with torch.no_grad():  # and without it (a scorer that drops EOS), or padded: the same score
+            cut = model(input_ids=torch.tensor([ids[:-1]])).logits[0, 0].item()
+            padded = model(input_ids=torch.tensor([ids + [EOS] * 3]), attention_mask=torch.tensor(
+                [[1] * len(ids) + [0] * 3])).logits[0, 0].item()
+        assert cut == pytest.approx(logit, abs=1e-5) and padded == pytest.approx(logit, abs=1e-5)
 
 
 @pytest.mark.slow
