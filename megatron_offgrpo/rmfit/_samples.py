@@ -36,6 +36,7 @@ class LabelledGroup:
 
     @property
     def labels(self) -> list[bool]:
+        """[G] True where the completion is right (its rule reward >= 1)."""
         return [r >= 1.0 for r in self.rewards]
 
     @property
