@@ -129,6 +129,9 @@ RULES: tuple[Rule, ...] = (
     Rule(rf"^offgrpo eval {_TINY} --model runs/tiny-cpu/hf\b", "run", "greedy eval of the trained policy: seconds",
          needs=("sft", "rl-run")),
     Rule(rf"^offgrpo eval {_TINY}", "run", "greedy eval of the tiny model: seconds", needs=("sft",)),
+    Rule(r"^offgrpo rm --config configs/tiny-cpu-rm\.yaml", "run-shortened", "the reward model of make demo's "
+         "200-step warm-up (a 2-step one is never right: nothing to tell apart); 8 questions, 3 steps",
+         append=("rm.prompts=8", "train.eval_prompts=4", "train.steps=3", "train.overwrite=true"), needs=("demo",)),
     Rule(r"^offgrpo convert megatron-to-hf --ckpt runs/tiny-cpu\b", "run", "make demo's v = 4 run's newest checkpoint",
          needs=("sft", "rl-run")),
     Rule(r"^offgrpo report runs/tiny-cpu$", "run", "plots of make demo's v = 4 run", needs=("rl-run",)),

@@ -3,6 +3,7 @@
 
     offgrpo train   --config RECIPE [--resume] [key=value ...]     (under torchrun for several processes)
     offgrpo sft     --config RECIPE [key=value ...]                supervised warm-up -> HF directory
+    offgrpo rm      --config RECIPE [key=value ...]                reward model from labelled samples -> HF dir
     offgrpo eval    --config RECIPE [--model DIR] [--prompts N]    accuracy on the eval split
     offgrpo report  RUN_DIR [RUN_DIR ...] [--x step|wall]          panels + summary of runs, overlaid
     offgrpo config  [--config RECIPE] [key=value ...] | --reference  the resolved config, or every key's docs
@@ -26,6 +27,7 @@ from megatron_offgrpo._megatron_import import missing_megatron
 COMMANDS = {
     "train": "megatron_offgrpo.cli.train",
     "sft": "megatron_offgrpo.cli.sft",
+    "rm": "megatron_offgrpo.cli.rm",
     "eval": "megatron_offgrpo.cli.eval",
     "report": "megatron_offgrpo.cli.report",
     "fleet": "megatron_offgrpo.cli.fleet",
@@ -33,7 +35,7 @@ COMMANDS = {
     "recipes": "megatron_offgrpo.cli.recipes",
 }
 # The sub-commands that end holding torch, megatron and vLLM: run as the process's entry, they end it with end_process
-HEAVY = ("train", "sft", "eval", "convert")
+HEAVY = ("train", "sft", "rm", "eval", "convert")
 CONVERT = {  # sub-command: (module, what it does); the descriptions print without importing torch
     "hf-to-megatron": ("checkpoint_tools.hf_to_megatron", "HF Qwen directory -> megatron dist checkpoint (any "
                        "TP/PP/EP loads it)"),

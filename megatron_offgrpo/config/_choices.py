@@ -27,6 +27,7 @@ LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LoraSync = Literal["adapter", "merged"]
 RewardNormalize = Literal["none", "group"]
 UnparsedVerdict = Literal["zero", "resample"]
+RmLoss = Literal["bce", "pairwise"]
 
 RENAMED = {
     "rollout.overlap": "rollout.mode=overlap (overlap=false: the default, mode=lockstep)",

@@ -25,7 +25,7 @@ POSITIVE = ["parallel.tp", "parallel.pp", "parallel.ep", "rollout.prompts_per_st
             "rollout.refresh_every", "rollout.full_sync_every", "rollout.bucket_mb", "rollout.max_sampling_rounds",
             "optim.micro_batch_tokens",
             "train.steps", "train.max_nonfinite_steps", "train.log_every", "train.eval_prompts", "train.eval_samples",
-            "data.max_prompt_tokens", "data.count"]
+            "data.max_prompt_tokens", "data.count", "rm.groups_per_step"]
 
 
 def _get(config: Config, key: str) -> object:
@@ -50,6 +50,8 @@ def collect_errors(config: Config) -> list[str]:
     errors.extend(_distill_errors(config.distill, config.rollout.temperature))
     errors.extend(_lora_errors(config))
     errors.extend(_reward_errors(config.reward, config.env.name))
+    if config.rm.prompts is not None and config.rm.prompts < 1:
+        errors.append(f"rm.prompts={config.rm.prompts}: must be >= 1 (null: every distinct training question)")
     return errors
 
 

@@ -11,7 +11,8 @@ from megatron_offgrpo.config._choices import (
     EngineKind, Fp8Recipe, KlEstimator, Logger, ModelInit, Precision, PromptFormat, RecClip, RecWeight, RolloutMode,
     SyncKind, TisLevel, TransportKind)
 from megatron_offgrpo.config._load import apply_values, parse_override, read_recipe
-from megatron_offgrpo.config._sections import DistillConfig, EnvConfig, LoraConfig, RewardConfig, SftConfig
+from megatron_offgrpo.config._sections import (DistillConfig, EnvConfig, LoraConfig, RewardConfig, RmConfig,
+                                               SftConfig)
 
 
 @dataclasses.dataclass
@@ -386,6 +387,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     sft: SftConfig = dataclasses.field(default_factory=SftConfig)
+    rm: RmConfig = dataclasses.field(default_factory=RmConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (saved with every run)."""
