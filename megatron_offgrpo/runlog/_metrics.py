@@ -58,9 +58,11 @@ def completion_rows(samples: Sequence[Sample], tokenizer, step: int, groups: int
 
 
 def grpo_progress(values: dict[str, Any]) -> str:
-    """The middle of an RL step's progress line: reward (and a reward model's mean score), accuracy, loss, masking, clipping, version, times."""
+    """The middle of an RL step's progress line: reward (and a reward model's mean score), accuracy, loss, masking,
+    clipping, version, times."""
     model = f"rm {values['reward_model_mean']:.3f} " if "reward_model_mean" in values else ""
-    return (f"reward {values.get('reward_mean', float('nan')):.3f} {model}acc {values.get('accuracy', float('nan')):.3f} "
+    return (f"reward {values.get('reward_mean', float('nan')):.3f} {model}"
+            f"acc {values.get('accuracy', float('nan')):.3f} "
             f"loss {values.get('loss', float('nan')):+.4f} masked {values.get('masked_group_fraction', 0):.2f} "
             f"clip {values.get('clip_fraction', 0):.3f} v{values.get('policy_version', 0)} "
             f"gen {values.get('time_generate_s', 0):.1f}s sync {values.get('time_sync_s', 0):.2f}s "
