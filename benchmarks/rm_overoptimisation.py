@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._runs import offgrpo, run_records  # noqa: E402
 from benchmarks._tables import markdown  # noqa: E402
+from megatron_offgrpo.runlog import held_out_points  # noqa: E402
 
 RECIPE = "configs/tiny-cpu-rm-rl.yaml"
 COLUMNS = ["step", "model score, held-out", "gold accuracy, held-out", "model score, sampled",
@@ -34,9 +35,8 @@ COLUMNS = ["step", "model score, held-out", "gold accuracy, held-out", "model sc
 
 def evaluations(records: list[dict]) -> dict[int, tuple[float, float]]:
     """step -> (the model's mean score, the gold accuracy) of the greedy held-out answers at each evaluation."""
-    points = {0: (records[0]["eval_start_reward_model"], records[0]["eval_start_accuracy"])}
-    points |= {r["step"] + 1: (r["eval_reward_model"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r}
-    return points
+    gold = {step: value for step, _, value in held_out_points(records, "accuracy")}
+    return {step: (value, gold[step]) for step, _, value in held_out_points(records, "reward_model")}
 
 
 def sampled(records: list[dict], step: int, window: int) -> tuple[float, float]:
@@ -49,7 +49,8 @@ def sampled(records: list[dict], step: int, window: int) -> tuple[float, float]:
 def spread(values: list[float], digits: int) -> str:
     """The mean over seeds, with the range when there are several."""
     mean = f"{statistics.fmean(values):.{digits}f}"
-    return mean if len(values) == 1 else f"{mean} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return mean if low == high else f"{mean} ({low} to {high})"
 
 
 def table(runs: dict[int, list[dict]]) -> list[dict]:

@@ -131,7 +131,14 @@ RULES: tuple[Rule, ...] = (
     Rule(rf"^offgrpo eval {_TINY}", "run", "greedy eval of the tiny model: seconds", needs=("sft",)),
     Rule(r"^offgrpo rm --config configs/tiny-cpu-rm\.yaml", "run-shortened", "the reward model of make demo's "
          "200-step warm-up (a 2-step one is never right: nothing to tell apart); 8 questions, 3 steps",
-         append=("rm.prompts=8", "train.eval_prompts=4", "train.steps=3", "train.overwrite=true"), needs=("demo",)),
+         append=("rm.prompts=8", "train.eval_prompts=4", "train.steps=3", "train.overwrite=true"), needs=("demo",),
+         provides="rm"),
+    Rule(r"^offgrpo train --config configs/tiny-cpu-rm-rl\.yaml$", "run-shortened", "GRPO against that reward model "
+         "(80 steps), 2 steps with an evaluation: the model's and the gold reward logged", append=_SHORT_RL + (
+             "train.eval_every=1", "train.eval_prompts=8", "train.overwrite=true"), needs=("demo", "rm"),
+         forbid=_VLLM),
+    Rule(r"^offgrpo train --config configs/tiny-cpu-rm-rl\.yaml ", "dry", "the recipe's override example: another "
+         "seed of the same run; its keys must load with the recipe"),
     Rule(r"^offgrpo convert megatron-to-hf --ckpt runs/tiny-cpu\b", "run", "make demo's v = 4 run's newest checkpoint",
          needs=("sft", "rl-run")),
     Rule(r"^offgrpo report runs/tiny-cpu$", "run", "plots of make demo's v = 4 run", needs=("rl-run",)),

@@ -85,6 +85,8 @@ def setup_logging(run_dir: str | Path, verbose: bool = False) -> RunLogs:
         if rank > 0:
             console.setLevel(logging.WARNING)
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars
+        if "transformers.utils.logging" in sys.modules:  # imported already (a preflight read a tokenizer): it read
+            sys.modules["transformers.utils.logging"].disable_progress_bar()  # the variable then
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
     logging.captureWarnings(True)  # warnings.warn -> "py.warnings": into the file, filtered on the console
     _route_vllm(path, fmt, verbose)

@@ -18,11 +18,16 @@ TIME_KEYS = {"generate": "time_generate_s", "sync": "time_sync_s", "train": "tim
 SUMMARY_FILE = "summary.json"
 
 
+def held_out_points(records: list[dict], metric: str) -> list[tuple[int, float, float]]:
+    """(step, wall-clock minutes, value) of ``eval_{metric}`` at every evaluation, the one before the first update
+    (``eval_start_{metric}``) included."""
+    points = [(0, 0.0, r[f"eval_start_{metric}"]) for r in records[:1] if f"eval_start_{metric}" in r]
+    return points + [(r["step"] + 1, r["wall_s"] / 60, r[f"eval_{metric}"]) for r in records if f"eval_{metric}" in r]
+
+
 def eval_points(records: list[dict]) -> list[tuple[int, float, float]]:
     """(step, wall-clock minutes, greedy accuracy) of every evaluation, the one before the first update included."""
-    points = [(0, 0.0, r["eval_start_accuracy"]) for r in records[:1] if "eval_start_accuracy" in r]
-    points += [(r["step"] + 1, r["wall_s"] / 60, r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
-    return points
+    return held_out_points(records, "accuracy")
 
 
 def pass_points(records: list[dict]) -> tuple[str, list[tuple[int, float, float]]]:
@@ -33,9 +38,7 @@ def pass_points(records: list[dict]) -> tuple[str, list[tuple[int, float, float]
     if not keys:
         return "", []
     metric = max(keys, key=lambda key: int(key.split("@")[1]))
-    points = [(0, 0.0, r[f"eval_start_{metric}"]) for r in records[:1] if f"eval_start_{metric}" in r]
-    points += [(r["step"] + 1, r["wall_s"] / 60, r[f"eval_{metric}"]) for r in records if f"eval_{metric}" in r]
-    return metric, points
+    return metric, held_out_points(records, metric)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,9 @@ class RunSummary:
         time_s: seconds spent generating, refreshing the engine's weights (``sync``) and training, summed over steps.
         reward: mean sampled reward over the first and the last fifth of the steps (at least one step each).
         accuracy: the same of the sampled accuracy (the task's score, shaping left out).
+        reward_model, held_out_model: beside a reward model, its mean score of the sampled completions (first and
+            last fifth of the steps) and of the greedy held-out ones (first and last evaluation); the accuracies
+            above are then the rule's, the gold.
         held_out: greedy held-out accuracy of the first and the last evaluation, as (step, accuracy, step,
             accuracy); step 0 is the one before the first update. None with fewer than two evaluations.
         pass_metric: the largest pass@k the evaluations report ("" without ``train.eval_samples`` > 1).
@@ -71,6 +77,8 @@ class RunSummary:
     staleness_max: int | None
     refreshes: int
     refresh_every: int | None
+    reward_model: tuple[float, float] | None = None
+    held_out_model: tuple[float, float] | None = None
 
     @property
     def time_share(self) -> dict[str, float]:
@@ -115,6 +123,9 @@ def run_summary(records: list[dict[str, Any]]) -> RunSummary:
         staleness_max=max((r["staleness_max"] for r in records if "staleness_max" in r), default=None),
         refreshes=sum(a != b for a, b in zip(versions, versions[1:])),
         refresh_every=min(b - a for a, b in zip(served, served[1:])) if len(served) > 1 else None,
+        reward_model=_head_tail(head, tail, "reward_model_mean"),
+        held_out_model=(model[0][2], model[-1][2]) if len(model := held_out_points(records, "reward_model")) > 1
+        else None,
     )
 
 
@@ -149,6 +160,10 @@ def format_summary(summary: RunSummary, where: dict[str, str | None]) -> str:
                 if summary.time_share else "")]
     lines.append(f"  sampled reward {_change(summary.reward)}, accuracy {_change(summary.accuracy)} "
                  "(first -> last fifth of the steps)")
+    if summary.reward_model is not None:
+        lines.append(f"  reward model's score {_change(summary.reward_model)} sampled"
+                     + (f", {_change(summary.held_out_model)} held out" if summary.held_out_model else "")
+                     + " (the accuracies are the rule's: the gold)")
     if summary.held_out is not None:
         s0, a0, s1, a1 = summary.held_out
         lines.append(f"  greedy held-out accuracy {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})"

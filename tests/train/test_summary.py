@@ -90,3 +90,24 @@ def test_write_summary_puts_the_fields_and_the_locations_in_summary_json(tmp_pat
         "run_dir": str(tmp_path), "metrics": str(tmp_path / "metrics.jsonl"), "hf": str(tmp_path / "hf"),
         "checkpoint": str(done), "report": f"offgrpo report {tmp_path}"}
     assert summary == run_summary(_records())
+
+
+def test_beside_a_reward_model_the_summary_and_the_report_set_its_score_against_the_gold():
+    from megatron_offgrpo.cli._panels import reward_model_curves
+
+    records = [{"step": s, "wall_s": 6.0 * (s + 1), "reward_mean": float(s), "accuracy": 0.5 - 0.1 * s,
+                "reward_model_mean": float(s), "reward_gold_mean": 0.5 - 0.1 * s} for s in range(5)]
+    records[0] |= {"eval_start_accuracy": 0.4, "eval_start_reward_model": -1.0}
+    records[1] |= {"eval_accuracy": 0.6, "eval_reward_model": 2.0}
+    records[4] |= {"eval_accuracy": 0.2, "eval_reward_model": 5.0}
+    summary = run_summary(records)
+    assert summary.reward_model == (0.0, 4.0) and summary.held_out_model == (-1.0, 5.0)
+    text = format_summary(summary, {"run_dir": "r", "metrics": "r/metrics.jsonl", "hf": None, "checkpoint": None,
+                                    "report": "offgrpo report r"})
+    assert "reward model's score 0.000 -> 4.000 sampled, -1.000 -> 5.000 held out" in text
+    curves = {c.name: c for c in reward_model_curves(records, 1)}
+    assert set(curves) == {"reward_gold_mean", "gold: greedy held-out accuracy", "reward_model_mean",
+                           "model: held-out score"}
+    assert curves["model: held-out score"].step == [0, 2, 5] and curves["model: held-out score"].right
+    assert curves["gold: greedy held-out accuracy"].y == [0.4, 0.6, 0.2]
+    assert reward_model_curves([{k: v for k, v in r.items() if "model" not in k} for r in records], 1) == []
