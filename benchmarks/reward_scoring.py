@@ -21,7 +21,6 @@ Usage: python benchmarks/reward_scoring.py [--steps 6] [--judge-tokens 8] [--out
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E402
-from benchmarks._tables import markdown  # noqa: E402
+from benchmarks._tables import write_table  # noqa: E402
 
 TOKENIZER = REPO / "megatron_offgrpo" / "assets" / "qwen2-tokenizer"
 VARIANTS = ("rule", "classifier", "judge", "judge-fleet")
@@ -104,10 +103,7 @@ def main() -> int:
     finally:
         if (state / "fleet.json").exists():
             offgrpo("fleet", "stop", "--state-dir", str(state))
-    table = markdown(COLUMNS, rows)
-    (out / "reward_scoring.md").write_text(table + "\n")
-    (out / "reward_scoring.json").write_text(json.dumps(rows, indent=1))
-    print(table)
+    write_table(out, "reward_scoring", COLUMNS, rows)
     return 0
 
 

@@ -17,7 +17,6 @@ Usage: python benchmarks/rm_overoptimisation.py [--seeds 1234 1 2] [--steps 80] 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._runs import offgrpo, run_records  # noqa: E402
-from benchmarks._tables import markdown  # noqa: E402
+from benchmarks._tables import write_table  # noqa: E402
 from megatron_offgrpo.runlog import held_out_points  # noqa: E402
 
 RECIPE = "configs/tiny-cpu-rm-rl.yaml"
@@ -120,12 +119,8 @@ def main() -> int:
         offgrpo("train", "--config", RECIPE, f"parallel.seed={seed}", *steps, f"train.out_dir={run}",
                 "train.overwrite=true")
         runs[seed] = run_records(run)
-    rows = table(runs)
-    text = markdown(COLUMNS, rows)
-    (out / "rm_overoptimisation.md").write_text(text + "\n")
-    (out / "rm_overoptimisation.json").write_text(json.dumps(rows, indent=1))
+    write_table(out, "rm_overoptimisation", COLUMNS, table(runs))
     plot(runs, args.plot or out / "rm_overoptimisation.png")
-    print(text)
     return 0
 
 

