@@ -55,10 +55,11 @@ mirror() {
 MIRROR="${MIRROR:-$(mirror)}"
 
 step() { echo "+ $*"; [[ $DRY_RUN == 1 ]] || "$@"; }
-timed() {  # a step with its wall time
-  local start=$SECONDS
-  step "$@"
-  [[ $DRY_RUN == 1 ]] || echo "build_image.sh: $(( SECONDS - start )) s: $*"
+timed() {  # a step with its wall time and exit status
+  local start=$SECONDS rc=0
+  step "$@" || rc=$?
+  [[ $DRY_RUN == 1 ]] || echo "build_image.sh: $(( SECONDS - start )) s (exit $rc): $*"
+  return $rc
 }
 
 make_base() {
@@ -70,7 +71,7 @@ make_base() {
   local rootfs=/var/tmp/offgrpo-rootfs.XXXXXX
   [[ $DRY_RUN == 1 ]] || rootfs="$(mktemp -d /var/tmp/offgrpo-rootfs.XXXXXX)"
   timed debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$MIRROR"
-  step bash -c "cp /usr/local/share/ca-certificates/*.crt '$rootfs/usr/local/share/ca-certificates/' 2>/dev/null || true"
+  step find /usr/local/share/ca-certificates -name '*.crt' -exec cp -t "$rootfs/usr/local/share/ca-certificates" {} +
   step chroot "$rootfs" update-ca-certificates
   step bash -c "rm -rf '$rootfs'/var/cache/apt/archives/*.deb '$rootfs'/var/lib/apt/lists/*"
   timed bash -c "tar -C '$rootfs' --numeric-owner -c . | podman import --change 'CMD=[\"/bin/bash\"]' - '$BASE'"
@@ -95,11 +96,13 @@ else
   timed podman build -f Dockerfile.cpu --target torch-standin --build-arg BASE_IMAGE="$BASE" \
     --build-arg TORCH_WHEEL="$WHEEL_NAME" -t "$STANDIN" .
   # ./Dockerfile must stop at its last RUN, launch/check_image.py, naming what only NVIDIA's image has; a failure
-  # anywhere before it (a broken install step) or a check that passes is an error of this script.
+  # anywhere before it (a broken install step) or a check that passes is an error of this script. --layers=false:
+  # one working container, committed only at the end, which the check never reaches; with layers, committing the
+  # vLLM venv's layer (vLLM's CUDA wheels, about 14 GB) took about three times that on disk and ran out of space.
   log=/dev/null
   [[ $DRY_RUN == 1 ]] || log="$(mktemp /var/tmp/offgrpo-standin-build.XXXXXX)"
   set +e
-  timed podman build -f Dockerfile --build-arg BASE_IMAGE="$STANDIN" -t "$GPU_IMAGE" . 2>&1 | tee "$log"
+  timed podman build --layers=false -f Dockerfile --build-arg BASE_IMAGE="$STANDIN" -t "$GPU_IMAGE" . 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   [[ $DRY_RUN == 1 ]] && exit 0

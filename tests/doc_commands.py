@@ -2,7 +2,7 @@
 
 Sources: fenced ```bash blocks of README.md and docs/*.md (every logical line, `\\` continuations joined, split at
 `;` and `&&`), their inline `code` spans whose first word is a command (`offgrpo`, `python`, `torchrun`, `make`,
-`sbatch`, `docker`, `huggingface-cli`/`hf`, a script under launch/ or benchmarks/), and the `# Download:`,
+`sbatch`, `docker`, `podman`, `huggingface-cli`/`hf`, a script under launch/ or benchmarks/), and the `# Download:`,
 `# Launch:`, `# Override:` lines of each configs/*.yaml header with their continuation lines.
 
 Each command is looked up in RULES (first match wins); a command that matches no rule fails its test, so a new
@@ -12,7 +12,7 @@ command in the docs cannot escape CI. Modes:
     dry            not run (GPU, Slurm, Docker, hub weights, minutes of benchmark): its sub-command's --help must
                    list every --flag it uses (and a {choice} its value), its key=value overrides must load with
                    megatron_offgrpo.config.load_config of its recipe; sbatch runs the script's DRY_RUN=1,
-                   `make T` runs `make -n T`, `docker run` checks the command inside the image
+                   `make T` runs `make -n T`, `docker run` / `podman run` check the command inside the image
     help           a name or synopsis (`offgrpo fleet merge`, `offgrpo report RUN_DIR`): its --help exits 0 and
                    lists the flags shown; a script path must exist (shell scripts: `bash -n`)
     skip           not run here, for the reason given
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The first word of a command (after VAR=value assignments); `...` opens a recipe header's override example.
-_PROGRAMS = r"offgrpo|python3?|torchrun|make|sbatch|srun|docker|huggingface-cli|hf|bash|pip"
+_PROGRAMS = r"offgrpo|python3?|torchrun|make|sbatch|srun|docker|podman|huggingface-cli|hf|bash|pip"
 _SCRIPT = r"(?:\./)?(?:launch|benchmarks)/[\w./-]+\.(?:py|sh|sbatch)"
 COMMAND_START = re.compile(rf"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:(?:{_PROGRAMS})(?:\s|$)|{_SCRIPT}(?:\s|$))")
 _SHELL_FENCE = {"bash", "sh", "shell", "console"}
@@ -82,6 +82,14 @@ RULES: tuple[Rule, ...] = (
     Rule(r"^(\S+=\S* )*sbatch ", "dry", "no Slurm in CI: the script's DRY_RUN=1 on NODES named after --nodes"),
     Rule(r"^docker build ", "dry", "no Docker in CI: the build context holds the Dockerfile"),
     Rule(r"^docker run ", "dry", "no Docker in CI: the command inside the image is checked statically"),
+    Rule(r"^podman run ", "dry", "no podman in CI: the command inside the image is checked statically (the CPU image's "
+         "runs: tests/launch/test_container_image.py, -m container)"),
+    Rule(r"^podman (kill|stop|wait|exec|logs|rm|rmi|ps|images|image|system)\b", "skip", "container management: no "
+         "podman in CI (tests/launch/test_container_image.py stops, waits on and removes its containers)"),
+    Rule(r"^launch/build_image\.sh( --[\w-]+)* --(dry-run|help)$", "run", "prints the image build's steps or its "
+         "usage and runs nothing: a second"),
+    Rule(r"^launch/build_image\.sh( --[\w-]+)*$", "dry", "builds images with podman as root (minutes; no podman in "
+         "CI): its --help must list the flags"),
     Rule(r"Qwen2\.5-(0\.5B|7B)|Qwen3-30B-A3B|configs/qwen(2\.5|3)-|runs/qwen(2\.5|3)-|\bckpt_(tp|ep|megatron)", "dry",
          _HUB),
     Rule(r"benchmarks/gpu_step\.py .*--device cpu --tiny", "run", "the GPU benchmark's CPU mode: seconds"),
@@ -293,7 +301,8 @@ def extract_all(root: Path) -> list[DocCommand]:
 _WORD = re.compile(r"^[a-z][a-z-]*$")
 OVERRIDE = re.compile(r"^[a-z_]+(\.[a-z_0-9]+)+=")
 _DOCKER_VALUE_OPTS = {"-v", "--volume", "-e", "--env", "--env-file", "--gpus", "--network", "--name", "-w",
-                      "--workdir", "--shm-size", "--ipc", "-p", "--publish", "--entrypoint", "-u", "--user", "--mount"}
+                      "--workdir", "--shm-size", "--ipc", "-p", "--publish", "--entrypoint", "-u", "--user", "--mount",
+                      "--pod", "--pid", "--ulimit", "--stop-timeout"}
 
 
 def peel_env(tokens: list[str]) -> tuple[dict[str, str], list[str]]:

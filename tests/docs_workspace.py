@@ -154,6 +154,8 @@ class DocsWorkspace:
     def dry(self, cmd: DocCommand) -> list[str]:
         """Problems of a command that is not run: flags, recipe keys, Makefile target, Slurm or Docker dry forms."""
         env, argv = peel_env(shlex.split(cmd.text))
+        if argv[:2] in (["docker", "run"], ["podman", "run"]):
+            argv = docker_inner(argv)
         if argv[0] == "...":  # a recipe header's override example
             return self.config_problems(["--config", cmd.path, *argv[1:]])
         if argv[0] == "make":
@@ -163,8 +165,6 @@ class DocsWorkspace:
         if argv[:2] == ["docker", "build"]:
             dockerfile = flag_value(argv, "-f", "--file") or str(Path(argv[-1]) / "Dockerfile")
             return [] if (self.root / dockerfile).is_file() else [f"{dockerfile}: no such file in the build context"]
-        if argv[:2] == ["docker", "run"]:
-            argv = docker_inner(argv)
         if argv[0] == "pip":
             import tomllib  # Python >= 3.11, as CI
 

@@ -70,6 +70,9 @@ def test_rule_table_is_closed() -> None:
     ('pip install --constraint c.txt -e ".[plot,no-such-extra]"', "README.md", "extra 'no-such-extra' is not one of"),
     ("pip install --no-such-flag torch", "README.md", "--no-such-flag: not a flag of `pip install`"),
     ("python benchmarks/async_rollout.py --set optim.no_such_key=1", "docs/benchmarks.md", "optim.no_such_key"),
+    ("podman run --rm --init -v r:/r img offgrpo train --config configs/tiny-cpu.yaml optim.no_such_key=1",
+     "docs/install.md", "optim.no_such_key"),
+    ("launch/build_image.sh --no-such-flag", "README.md", "--no-such-flag: not a flag of `launch/build_image.sh`"),
 ])
 def test_dry_checks_catch_drift(text: str, path: str, expected: str, docs_cwd: DocsWorkspace) -> None:
     """The dry checks themselves: a made-up flag, recipe key or choice is reported (no command is run)."""
