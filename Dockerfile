@@ -9,7 +9,9 @@
 # transformer-engine>=2.9.0a0,<2.12.0); launch/check_image.py verifies that at build time and stops the build if not.
 # So the base moves with megatron-core: a newer release of this container, with a TE of 2.12 or later, needs the
 # megatron-core that supports it (BASE_IMAGE below is a build argument; check_image.py says which TE it found).
-# Not yet built or run: no Docker and no GPU where this was written.
+# Not yet built on NVIDIA's base or run on a GPU. Built with podman on a stand-in base (Debian, a venv with the CPU
+# torch as `python`: Dockerfile.cpu's torch-standin stage) by `launch/build_image.sh --gpu-standin`, which passes when
+# every step succeeds up to launch/check_image.py and that check fails naming Transformer Engine and apex.
 #
 # Two Python environments, because vLLM and the container each need their own torch:
 #   * the system python (trainer) keeps the container's torch, TE and apex. Every pip install into it runs under
