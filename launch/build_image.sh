@@ -20,7 +20,7 @@
 # Environment: IMAGE (megatron-offgrpo:0.1.0-cpu), BASE (localhost/offgrpo-debian:bookworm),
 #   TORCH_WHEEL (/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl), MIRROR (apt's Debian URI),
 #   STANDIN (localhost/offgrpo-torch-standin:bookworm), GPU_IMAGE (megatron-offgrpo:0.1.0-standin).
-# Measured on 2 cores (docs/benchmarks.md, "Container image"): base 2.5 min, CPU image ~10 min.
+# Measured on 2 cores (docs/benchmarks.md, "Container image"): base 45 s, CPU image 4 min, --gpu-standin 5 min.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -97,8 +97,8 @@ else
     --build-arg TORCH_WHEEL="$WHEEL_NAME" -t "$STANDIN" .
   # ./Dockerfile must stop at its last RUN, launch/check_image.py, naming what only NVIDIA's image has; a failure
   # anywhere before it (a broken install step) or a check that passes is an error of this script. --layers=false:
-  # one working container, committed only at the end, which the check never reaches; with layers, committing the
-  # vLLM venv's layer (vLLM's CUDA wheels, about 14 GB) took about three times that on disk and ran out of space.
+  # one working container, committed only at the end, which the check never reaches (it grew the disk by 18 GB);
+  # with layers, committing the vLLM venv's layer (vLLM's CUDA wheels) ran out of the 42 GB that were free.
   log=/dev/null
   [[ $DRY_RUN == 1 ]] || log="$(mktemp /var/tmp/offgrpo-standin-build.XXXXXX)"
   set +e
