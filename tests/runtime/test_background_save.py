@@ -1,0 +1,93 @@
+"""``runtime.BackgroundSave``: megatron's asynchronous checkpoint write in a forked process, its results handed back
+through a file of the checkpoint (``runtime._save_queue``), and every way it can fail said on every rank: a writer
+that died, one past its bound (killed with its own writers), never a commit of an incomplete checkpoint."""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_offgrpo.runtime._save_queue import FileResults
+from tests.helpers import REPO
+
+
+def test_the_file_results_queue_has_one_slot_and_is_empty_once_read(tmp_path):
+    results = FileResults(tmp_path / ".write_results.1.pkl")
+    with pytest.raises(queue.Empty):
+        results.get_nowait()  # a writer that died before putting anything: megatron's "should not be empty"
+    results.put({0: ["result"]})
+    assert not list(tmp_path.glob("*.part")) and pickle.loads(results.path.read_bytes()) == {0: ["result"]}
+    assert results.get_nowait() == {0: ["result"]}
+    with pytest.raises(queue.Empty):
+        results.get_nowait()  # read once: never handed to a later save
+
+
+SCRIPT = """
+    import os, time
+    from pathlib import Path
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron_offgrpo.runtime import BackgroundSave, SaveFailed, init_parallel
+
+    init_parallel(1, 1)
+    root = Path({root!r})
+    weight = torch.arange(12.0).reshape(3, 4)
+    committed = []
+
+    def save(name, background, **env):
+        os.environ.update(OFFGRPO_TEST_SAVE_DELAY_S=env.get("delay", "0"))
+        out = root / name
+        out.mkdir()
+        request = background.prepare({{"w": ShardedTensor.from_rank_offsets("w", weight)}}, out)
+        background.start(request, name, lambda: committed.append(name))
+        return out
+
+    background = BackgroundSave("cpu")
+    out = save("good", background, delay="1")
+    weight.add_(100.0)  # the next step, at once: the writer (asleep) must still write the values at the save
+    background.poll()  # still writing: returns at once
+    assert background.what == "good" and committed == []
+    background.finish("the test")
+    empty = {{"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}}
+    assert committed == ["good"] and torch.equal(dist_checkpointing.load(empty, str(out))["w"], weight - 100.0)
+    assert not list(out.glob(".write_results*")), "the results file is read and removed"
+
+    save("killed", background, delay="30")
+    background._writer().kill()  # the writer dies (an OOM kill): the save fails, never commits
+    try:
+        background.finish("the test")
+        raise AssertionError("no error")
+    except SaveFailed as exc:
+        print("KILLED", exc)
+
+    slow = BackgroundSave("cpu", timeout_s=1.0)
+    save("slow", slow, delay="30")
+    writer = slow._writer()
+    start = time.monotonic()
+    try:
+        slow.finish("the test")
+        raise AssertionError("no error")
+    except SaveFailed as exc:
+        print("TIMED OUT", exc)
+    assert time.monotonic() - start < 15 and not writer.is_alive() and slow.what is None
+    save("after", background)  # a failed save leaves nothing behind that a later one trips on
+    background.finish("the test")
+    print("COMMITTED", committed)
+"""
+
+
+def test_a_background_save_writes_the_state_at_its_start_and_fails_loudly(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT.format(root=str(tmp_path)))], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "KILLED killed: not written: the background writer of rank 0 failed (its log says how)" in lines
+    assert "TIMED OUT slow: not written: the background writer of rank 0 timed out (its log says how)" in lines
+    assert lines[-1] == "COMMITTED ['good', 'after']"
+    assert "exited with code -9" in proc.stderr and "was still writing after 1 s" in proc.stderr
