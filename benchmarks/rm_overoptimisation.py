@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks._runs import offgrpo, run_records  # noqa: E402
 from benchmarks._tables import write_table  # noqa: E402
-from megatron_offgrpo.runlog import held_out_points  # noqa: E402
+from megatron_offgrpo.runlog import eval_points  # noqa: E402
 
 RECIPE = "configs/tiny-cpu-rm-rl.yaml"
 COLUMNS = ["step", "model score, held-out", "gold accuracy, held-out", "model score, sampled",
@@ -34,8 +34,8 @@ COLUMNS = ["step", "model score, held-out", "gold accuracy, held-out", "model sc
 
 def evaluations(records: list[dict]) -> dict[int, tuple[float, float]]:
     """step -> (the model's mean score, the gold accuracy) of the greedy held-out answers at each evaluation."""
-    gold = {step: value for step, _, value in held_out_points(records, "accuracy")}
-    return {step: (value, gold[step]) for step, _, value in held_out_points(records, "reward_model")}
+    gold = {step: value for step, _, value in eval_points(records, "accuracy")}
+    return {step: (value, gold[step]) for step, _, value in eval_points(records, "reward_model")}
 
 
 def sampled(records: list[dict], step: int, window: int) -> tuple[float, float]:

@@ -12,7 +12,7 @@ import math
 import statistics
 from typing import Callable
 
-from megatron_offgrpo.runlog import eval_points, held_out_points, pass_points
+from megatron_offgrpo.runlog import eval_points, pass_points
 
 TIME_PARTS = (("time_generate_s", "generate"), ("time_sync_s", "weight sync"), ("time_train_s", "train"))
 """The parts of a step's time, bottom to top of the stacked bars."""
@@ -117,7 +117,7 @@ def reward_model_curves(records: list[dict], window: int) -> list[Curve]:
     if points := eval_points(records):
         curves.append(Curve("gold: greedy held-out accuracy", *map(list, zip(*points)), style="o--"))
     curves += _curves(records, ["reward_model_mean"], window, right=True)
-    if held_out := held_out_points(records, "reward_model"):
+    if held_out := eval_points(records, "reward_model"):
         curves.append(Curve("model: held-out score", *map(list, zip(*held_out)), style="s:", right=True))
     return curves
 

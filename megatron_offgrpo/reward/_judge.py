@@ -74,7 +74,8 @@ class Judge:
         scores: list[ModelScore | None] = [None] * len(requests)
         last: list[str] = [""] * len(requests)
         pending = list(range(len(requests)))
-        for attempt in range(s.attempts if s.unparsed == "resample" else 1):
+        tries = s.attempts if s.unparsed == "resample" else 1
+        for attempt in range(tries):
             temperature = s.temperature if attempt == 0 else max(s.temperature, RESAMPLE_TEMPERATURE)
             replies = self.model.replies([prompts[k] for k in pending], s.max_tokens, temperature,
                                          [requests[k].seed + attempt for k in pending], TOP_LOGPROBS)
@@ -91,7 +92,6 @@ class Judge:
             pending = left
             if not pending:
                 break
-        tries = s.attempts if s.unparsed == "resample" else 1
         return [score if score is not None else ModelScore(0.0, False, tries, last[k])
                 for k, score in enumerate(scores)]
 

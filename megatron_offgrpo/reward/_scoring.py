@@ -56,11 +56,11 @@ class RewardModel:
     @classmethod
     def open(cls, spec: RewardSpec) -> RewardModel:
         """Load the model in process, or connect to its fleet (``FleetError`` when no server answers)."""
+        import transformers
+
         scorer: Scorer
         pad_id = None
         if spec.kind == "classifier":
-            import transformers
-
             pad_id = transformers.AutoConfig.from_pretrained(spec.path).pad_token_id
             if spec.fleet is None:
                 from megatron_offgrpo.reward._local import LocalClassifier
@@ -71,8 +71,6 @@ class RewardModel:
 
                 scorer = FleetClassifier.from_state(spec.fleet, spec.timeout_s, spec.parallel)
         else:
-            import transformers
-
             tokenizer = transformers.AutoTokenizer.from_pretrained(spec.path)
             if spec.fleet is None:
                 from megatron_offgrpo.reward._local import LocalJudgeModel

@@ -23,7 +23,6 @@ _EXPORTS = {
     "finish_summary": "megatron_offgrpo.runlog._summary",
     "checkpoints": "megatron_offgrpo.runlog._checkpoints",
     "eval_points": "megatron_offgrpo.runlog._summary",
-    "held_out_points": "megatron_offgrpo.runlog._summary",
     "pass_points": "megatron_offgrpo.runlog._summary",
 }
 __all__ = sorted(_EXPORTS)

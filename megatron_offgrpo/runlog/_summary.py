@@ -18,16 +18,11 @@ TIME_KEYS = {"generate": "time_generate_s", "sync": "time_sync_s", "train": "tim
 SUMMARY_FILE = "summary.json"
 
 
-def held_out_points(records: list[dict], metric: str) -> list[tuple[int, float, float]]:
-    """(step, wall-clock minutes, value) of ``eval_{metric}`` at every evaluation, the one before the first update
-    (``eval_start_{metric}``) included."""
+def eval_points(records: list[dict], metric: str = "accuracy") -> list[tuple[int, float, float]]:
+    """(step, wall-clock minutes, value) of ``eval_{metric}`` (greedy accuracy by default) at every evaluation, the
+    one before the first update (``eval_start_{metric}``) included."""
     points = [(0, 0.0, r[f"eval_start_{metric}"]) for r in records[:1] if f"eval_start_{metric}" in r]
     return points + [(r["step"] + 1, r["wall_s"] / 60, r[f"eval_{metric}"]) for r in records if f"eval_{metric}" in r]
-
-
-def eval_points(records: list[dict]) -> list[tuple[int, float, float]]:
-    """(step, wall-clock minutes, greedy accuracy) of every evaluation, the one before the first update included."""
-    return held_out_points(records, "accuracy")
 
 
 def pass_points(records: list[dict]) -> tuple[str, list[tuple[int, float, float]]]:
@@ -38,7 +33,7 @@ def pass_points(records: list[dict]) -> tuple[str, list[tuple[int, float, float]
     if not keys:
         return "", []
     metric = max(keys, key=lambda key: int(key.split("@")[1]))
-    return metric, held_out_points(records, metric)
+    return metric, eval_points(records, metric)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +119,7 @@ def run_summary(records: list[dict[str, Any]]) -> RunSummary:
         refreshes=sum(a != b for a, b in zip(versions, versions[1:])),
         refresh_every=min(b - a for a, b in zip(served, served[1:])) if len(served) > 1 else None,
         reward_model=_head_tail(head, tail, "reward_model_mean"),
-        held_out_model=(model[0][2], model[-1][2]) if len(model := held_out_points(records, "reward_model")) > 1
+        held_out_model=(model[0][2], model[-1][2]) if len(model := eval_points(records, "reward_model")) > 1
         else None,
     )
 

@@ -74,18 +74,18 @@ class RolloutSide:
         reward_model = open_reward_model(config)  # before the engine: a model that does not load stops the run first
         try:
             engine = make_rollout_engine(config, model_dir, run_dir, max_positions, adapter)
-        except BaseException:
+            if config.rollout.mode == "async_partial" and not engine.partial_rollouts:
+                engine.close()  # rollout.engine=auto fell back (its warning says why)
+                raise ConfigError(f"rollout.mode=async_partial needs vLLM (in-process or a fleet); the run got the "
+                                  f"{engine.name} engine: install vLLM, or set rollout.mode=async")
+            if config.rollout.sync == "delta" and engine.name == "transformers":
+                engine.close()  # rollout.engine=auto fell back (its warning says why)
+                raise ConfigError("rollout.sync=delta needs vLLM (in-process or a fleet); the run got the "
+                                  "transformers engine: install vLLM, or set rollout.sync=full")
+        except BaseException:  # the reward model's threads and memory go with the run that did not start
             if reward_model is not None:
                 reward_model.close()
             raise
-        if config.rollout.mode == "async_partial" and not engine.partial_rollouts:
-            engine.close()  # rollout.engine=auto fell back (its warning says why)
-            raise ConfigError(f"rollout.mode=async_partial needs vLLM (in-process or a fleet); the run got the "
-                              f"{engine.name} engine: install vLLM, or set rollout.mode=async")
-        if config.rollout.sync == "delta" and engine.name == "transformers":
-            engine.close()  # rollout.engine=auto fell back (its warning says why)
-            raise ConfigError("rollout.sync=delta needs vLLM (in-process or a fleet); the run got the transformers "
-                              "engine: install vLLM, or set rollout.sync=full")
         teacher = TeacherFleet.from_state(config.distill.teacher_fleet) if config.distill.teacher_fleet else None
         rollouts = Rollouts.build(config, engine, tokenizer, reward_fn, make_env, reward_model)
         maker = BatchMaker(config, stream, rollouts, teacher)
@@ -171,12 +171,10 @@ class RolloutSide:
 def open_reward_model(config: Config) -> RewardModel | None:
     """The reward model of ``reward.*`` loaded, or its fleet connected; None without one. Raises ``ConfigError``
     (one line) for a model, template or fleet that cannot serve."""
-    from megatron_offgrpo.rollout import errors as rollout_errors
-
     try:
         spec = reward_spec(config)
         return None if spec is None else RewardModel.open(spec)
-    except (TemplateError, RewardModelError, rollout_errors.FleetError) as exc:
+    except (TemplateError, RewardModelError, errors.FleetError) as exc:
         raise ConfigError(str(exc)) from None
     except OSError as exc:  # transformers: no such directory or hub id, no weights
         key = "reward.judge" if config.reward.judge else "reward.model"

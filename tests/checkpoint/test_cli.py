@@ -28,5 +28,5 @@ def test_offgrpo_unknown_command_lists_valid_ones():
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "valid: hf-to-megatron, megatron-to-hf, roundtrip" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "megatron_offgrpo.cli", "trian"], capture_output=True, text=True)
-    valid = "train, sft, eval, report, fleet, config, recipes, convert"  # every sub-command, in the order of --help
+    valid = "train, sft, rm, eval, report, fleet, config, recipes, convert"  # every sub-command, in the order of --help
     assert proc.returncode == 2 and f"error: unknown command 'trian'; valid: {valid}\n" in proc.stderr

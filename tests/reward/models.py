@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.helpers import REPO
+from tests.helpers import REPO, TOKENIZER_DIR
 
 ASSET = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
-TOKENIZER = REPO / "megatron_offgrpo" / "assets" / "qwen2-tokenizer"
+TOKENIZER = TOKENIZER_DIR
 
 
 def _config(**changes) -> transformers.PretrainedConfig:

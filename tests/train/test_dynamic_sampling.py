@@ -158,7 +158,7 @@ def test_a_checkpoint_keeps_the_overlap_prefetch_or_draws_a_failed_ones_prompts_
         assert list(state.ready) == [0] and state.stream["position"] == 4  # B = 4 prompts drawn, batch kept
         assert side.batch(0) is state.ready[0]
 
-        def engine_died(step, round_, count, drawn, episodes):
+        def engine_died(step, round_, count, drawn, episodes, scoring):
             side.maker.stream.next_batch(count)  # the prompts are drawn, then the engine fails
             raise RuntimeError("the engine died")
 
