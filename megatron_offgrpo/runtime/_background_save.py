@@ -3,10 +3,10 @@ async_sharded_save=True)``) run by its fork-based caller, one save at a time, ev
 
 megatron-core 0.16's ``AsyncCallsQueue(persistent=False)`` schedules the save's ``AsyncRequest`` on a
 ``TemporalAsyncCaller``: the tensors are staged to the host first (``preload_fn``: a device-to-host copy on GPU; on
-CPU the tensors themselves, not copied), then one process is forked to write them (it forks a writer per file in
-turn), and the trainer goes on. The fork is the snapshot: the writer sees the memory as it was at the fork, and the
-trainer's next optimizer step, which changes the parameters and optimizer state in place, changes only its own pages
-(copy-on-write; the host then holds a second copy of what the step changed until the writer exits). The spawned
+CPU a copy too, ``runtime._fork_snapshot``), then one process is forked to write them (it forks a writer per file in
+turn), and the trainer goes on. The staged copies are the snapshot: the trainer's next optimizer step, which changes
+the parameters and optimizer state in place, changes pages the writer does not map (the host holds the copy until
+the writer exits). The spawned
 persistent worker is not used: it imports torch in a new process and would move CPU tensors into shared memory,
 where the next step would change them under the writer.
 
@@ -36,11 +36,12 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_offgrpo.runtime._fork_snapshot import ForkSnapshot
 from megatron_offgrpo.runtime._save_queue import results_through_file
 
 logger = logging.getLogger(__name__)
@@ -96,14 +97,24 @@ class BackgroundSave:
         with results_through_file(directory):
             return dist_checkpointing.save(sharded_state_dict, str(directory), async_sharded_save=True)
 
-    def start(self, request, what: str, commit: Callable[[], None]) -> None:
+    def start(self, request, what: str, commit: Callable[[], None], private: Sequence[torch.Tensor] = ()) -> None:
         """Finish the save in flight, then fork the writer of ``request`` (megatron's ``AsyncRequest``) and return;
-        ``commit`` runs on every rank after megatron's finalization, once every rank's writer is done."""
+        ``commit`` runs on every rank after megatron's finalization, once every rank's writer is done. A CPU job's
+        tensors are copied and kept out of the fork with ``private`` (the other tensors its step writes: the
+        gradient buffers), see ``runtime._fork_snapshot``."""
         self.finish("before the next save")
         request.add_finalize_fn(commit)
+        snapshot = None
         if request.async_fn is not None:  # None: nothing of this checkpoint is written by this rank
             request = request._replace(async_fn=functools.partial(_write_in_background, request.async_fn, os.getpid()))
-        self._calls.schedule_async_request(request)
+            if torch.device(self.device).type == "cpu" and request.preload_fn is not None:
+                snapshot = ForkSnapshot(request.preload_fn, private)
+                request = request._replace(preload_fn=snapshot.stage)
+        try:
+            self._calls.schedule_async_request(request)
+        finally:
+            if snapshot is not None:
+                snapshot.release()
         self.what, self._started = what, time.monotonic()
         logger.info("%s: writing in the background", what)
 

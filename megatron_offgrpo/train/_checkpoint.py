@@ -160,7 +160,8 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: Traine
     if background is None:
         commit()
     else:
-        background.start(request, f"checkpoint {final}", commit)
+        grads = [param.main_grad for param in model.parameters() if getattr(param, "main_grad", None) is not None]
+        background.start(request, f"checkpoint {final}", commit, private=grads)
     return final
 
 

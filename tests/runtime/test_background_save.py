@@ -1,5 +1,6 @@
 """``runtime.BackgroundSave``: megatron's asynchronous checkpoint write in a forked process, its results handed back
-through a file of the checkpoint (``runtime._save_queue``), and every way it can fail said on every rank: a writer
+through a file of the checkpoint (``runtime._save_queue``), from a copy (the trainer's own tensors are not mapped by
+the writer: its next step copies no page), and every way it can fail said on every rank: a writer
 that died, one past its bound (killed with its own writers), never a commit of an incomplete checkpoint."""
 
 from __future__ import annotations
@@ -37,24 +38,36 @@ SCRIPT = """
 
     init_parallel(1, 1)
     root = Path({root!r})
-    weight = torch.arange(12.0).reshape(3, 4)
+    weight = torch.arange(float(1 << 20)).reshape(1024, 1024)  # 4 MiB: pages of its own
+    grad = torch.zeros(1 << 20)
     committed = []
+
+    def mapped(pid, tensor):  # whether process pid maps the middle byte of tensor
+        at = tensor.data_ptr() + tensor.nbytes // 2
+        for line in open(f"/proc/{{pid}}/maps"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= at < end:
+                return True
+        return False
 
     def save(name, background, **env):
         os.environ.update(OFFGRPO_TEST_SAVE_DELAY_S=env.get("delay", "0"))
         out = root / name
         out.mkdir()
         request = background.prepare({{"w": ShardedTensor.from_rank_offsets("w", weight)}}, out)
-        background.start(request, name, lambda: committed.append(name))
+        background.start(request, name, lambda: committed.append(name), private=[grad])
         return out
 
     background = BackgroundSave("cpu")
     out = save("good", background, delay="1")
+    writer = background._writer()
+    assert not mapped(writer.pid, weight) and not mapped(writer.pid, grad), "the trainer's tensors are kept out"
+    assert mapped(os.getpid(), weight)
     weight.add_(100.0)  # the next step, at once: the writer (asleep) must still write the values at the save
     background.poll()  # still writing: returns at once
     assert background.what == "good" and committed == []
     background.finish("the test")
-    empty = {{"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}}
+    empty = {{"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1024, 1024))}}
     assert committed == ["good"] and torch.equal(dist_checkpointing.load(empty, str(out))["w"], weight - 100.0)
     assert not list(out.glob(".write_results*")), "the results file is read and removed"
 
