@@ -55,8 +55,11 @@ def _policy(config_dir: Path, precision: str):
 
 
 def _step(policy) -> float:
+    from megatron_offgrpo.runtime import release_free_memory
+
     start = time.perf_counter()
     policy.optimizer.step()
+    release_free_memory()  # as the trainer does after each optimizer step
     return time.perf_counter() - start
 
 

@@ -7,7 +7,9 @@ next optimizer step 6.8 s slower, more than the 5.4 s a synchronous save blocks 
 step writes device memory and megatron's staging copy (device to host) is what the writer reads, so there is no such
 cost. ``ForkSnapshot`` gives a CPU job the same shape: it stages a copy of every tensor (megatron's
 ``preload_fn`` returns the tensors themselves on CPU) and marks the pages that lie wholly inside the originals and
-the gradient buffers ``MADV_DONTFORK`` for the one ``fork`` that makes the writer, then shares them again. The writer maps the copies alone; the trainer's step then writes pages no other
+the gradient buffers ``MADV_DONTFORK`` for the one ``fork`` that makes the writer, then shares them again; the
+heap's free pages, which the next step's buffers would reuse (``runtime._memory`` keeps them), go back to the kernel
+before that fork. The writer maps the copies alone; the trainer's step then writes pages no other
 process maps. The writer never touches the originals (a touch would end it with SIGSEGV: a failed save, said on
 every rank, never a wrong file).
 """
@@ -20,6 +22,8 @@ import mmap
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from megatron_offgrpo.runtime._memory import release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,7 @@ class ForkSnapshot:
         originals = [tensor for _, _, (_, tensors) in buckets for _, tensor in tensors]
         copies = [(file, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
                   for file, key, (data, tensors) in buckets]
+        release_free_memory()  # the heap's free pages: the next step's buffers would reuse them, shared with the writer
         madvise = _madvise()
         if madvise is not None:
             ranges = _page_ranges(originals + self.private)

@@ -1,7 +1,7 @@
 """``train.async_save``: checkpoints written in the background hold the state of the step they were started at (the
 next step changes the weights while the writer runs), become visible only when complete, survive a ``kill -9`` of
 the trainer during a write (the previous one stays the newest, ``--resume`` from it is exact, the writer dies with
-the trainer), and work with the distributed optimizer, TP and LoRA (tests/workers/async_save_worker.py for the
+the trainer), and work with the distributed optimizer, PP and LoRA (tests/workers/async_save_worker.py for the
 layouts). Elsewhere: a SIGTERM during a background write (tests/train/test_signals.py), TP2 with async partial
 rollouts (tests/train/test_delta_layouts.py), one process (tests/runtime/test_background_save.py)."""
 
@@ -33,7 +33,7 @@ def hf_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("nproc,layout", [
     (2, ["optim.distributed_optimizer=true"]),
-    (2, ["parallel.tp=2", "lora.rank=4", "lora.alpha=8", "lora.sync=merged"])], ids=["dp2-distopt", "tp2-lora"])
+    (2, ["parallel.pp=2", "lora.rank=4", "lora.alpha=8", "lora.sync=merged"])], ids=["dp2-distopt", "pp2-lora"])
 def test_a_background_checkpoint_holds_the_step_it_was_started_at(hf_dir, tmp_path, nproc, layout):
     proc = run_torchrun(WORKER, nproc, [hf_dir, str(tmp_path / "run"), *layout])
     assert proc.stdout.count("EXACT") == nproc, proc.stdout[-3000:]

@@ -83,7 +83,7 @@ def main() -> None:
         side.restore(f"{run_dir}/checkpoints/step_{step:08d}")
         _same(side, saved[step], f"checkpoint of step {step}")
     loss = side.learn(samples).metrics["loss"]
-    print(f"EXACT tp={side.ctx.tp_size} dp={side.ctx.dp_size} loss={loss:.6f}")
+    print(f"EXACT tp={side.ctx.tp_size} pp={side.ctx.pp_size} dp={side.ctx.dp_size} loss={loss:.6f}")
 
 
 if __name__ == "__main__":
