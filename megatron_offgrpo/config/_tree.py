@@ -340,9 +340,10 @@ class TrainConfig:
     save_every: int = 50
     """Checkpoint every N steps (0: only at the end)."""
     async_save: bool = False
-    """Write checkpoints in the background: the step goes on once the tensors are staged (a forked writer; on GPU after
-    a device-to-host copy) and the checkpoint appears, whole, once every rank wrote it: at the latest before the next
-    save, a load, a stop or the end. The host holds up to one more copy of the model and optimizer state meanwhile."""
+    """Write checkpoints in the background: the step goes on once the tensors are staged (copied to host memory: from
+    the GPU, or within the host on CPU) for a forked writer, and the checkpoint appears, whole, once every rank wrote
+    it: at the latest before the next save, a load, a stop or the end. The host holds one more copy of this rank's
+    model and optimizer state until then."""
     export_every: int = 0
     """Also write the policy as a HF directory every N steps, out_dir/exports/step_N (0: only the final out_dir/hf,
     which every run writes after its last step)."""

@@ -36,12 +36,12 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_offgrpo.runtime._fork_snapshot import ForkSnapshot
+from megatron_offgrpo.runtime._fork_snapshot import ForkSnapshot, step_tensors
 from megatron_offgrpo.runtime._save_queue import results_through_file
 
 logger = logging.getLogger(__name__)
@@ -97,17 +97,18 @@ class BackgroundSave:
         with results_through_file(directory):
             return dist_checkpointing.save(sharded_state_dict, str(directory), async_sharded_save=True)
 
-    def start(self, request, what: str, commit: Callable[[], None], private: Sequence[torch.Tensor] = ()) -> None:
+    def start(self, request, what: str, commit: Callable[[], None], model=None, optimizer=None) -> None:
         """Finish the save in flight, then fork the writer of ``request`` (megatron's ``AsyncRequest``) and return;
-        ``commit`` runs on every rank after megatron's finalization, once every rank's writer is done. A CPU job's
-        tensors are copied and kept out of the fork with ``private`` (the other tensors its step writes: the
-        gradient buffers), see ``runtime._fork_snapshot``."""
+        ``commit`` runs on every rank after megatron's finalization, once every rank's writer is done. On CPU the
+        saved tensors are copied, and they and every tensor a step of ``model`` and ``optimizer`` (megatron's) writes
+        are kept out of the fork (``runtime._fork_snapshot``)."""
         self.finish("before the next save")
         request.add_finalize_fn(commit)
         snapshot = None
         if request.async_fn is not None:  # None: nothing of this checkpoint is written by this rank
             request = request._replace(async_fn=functools.partial(_write_in_background, request.async_fn, os.getpid()))
             if torch.device(self.device).type == "cpu" and request.preload_fn is not None:
+                private = step_tensors(model, optimizer) if model is not None else []
                 snapshot = ForkSnapshot(request.preload_fn, private)
                 request = request._replace(preload_fn=snapshot.stage)
         try:

@@ -54,12 +54,24 @@ def _page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
     return ranges
 
 
+def step_tensors(model, optimizer) -> list[torch.Tensor]:
+    """What a training step writes in place: megatron ``model``'s parameters and gradient buffers, and each inner
+    optimizer's parameters (fp32 main copies under mixed precision) and state (a save's tensors may be copies)."""
+    params = list(model.parameters())
+    tensors = params + [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        tensors += [p for group in inner.param_groups for p in group["params"]]
+        tensors += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
 class ForkSnapshot:
     """The staging of one background save of a CPU job (``preload`` is megatron's ``preload_fn``).
 
     Args:
         preload: returns megatron-core 0.16's write buckets, ``[(file, key, (bytes, [(item, tensor)]))]``.
-        private: the trainer's tensors its step writes besides the saved ones (the gradient buffers).
+        private: the trainer's tensors its step writes (``step_tensors``), kept out of the fork with the saved ones.
     """
 
     def __init__(self, preload: Callable[[], list], private: Sequence[torch.Tensor] = ()) -> None:

@@ -71,18 +71,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _step_tensors(model, optimizer) -> list[torch.Tensor]:
-    """What a training step writes in place: the parameters, their gradient buffers, and each inner optimizer's
-    parameters (fp32 main copies under mixed precision) and state (a save's tensors may be copies of these)."""
-    params = list(model.parameters())
-    tensors = params + [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = chained.optimizer
-        tensors += [p for group in inner.param_groups for p in group["params"]]
-        tensors += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
-    return tensors
-
-
 def _sharded(model, optimizer, is_loading: bool) -> dict[str, Any]:
     model_sd = model.sharded_state_dict()
     return {
@@ -172,7 +160,7 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: Traine
     if background is None:
         commit()
     else:
-        background.start(request, f"checkpoint {final}", commit, private=_step_tensors(model, optimizer))
+        background.start(request, f"checkpoint {final}", commit, model, optimizer)
     return final
 
 

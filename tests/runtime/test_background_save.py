@@ -29,7 +29,7 @@ def test_the_file_results_queue_has_one_slot_and_is_empty_once_read(tmp_path):
 
 
 SCRIPT = """
-    import os, time
+    import os, time, types
     from pathlib import Path
     import torch
     from megatron.core import dist_checkpointing
@@ -39,7 +39,10 @@ SCRIPT = """
     init_parallel(1, 1)
     root = Path({root!r})
     weight = torch.arange(float(1 << 20)).reshape(1024, 1024)  # 4 MiB: pages of its own
-    grad = torch.zeros(1 << 20)
+    # a trainer's model and megatron-style optimizer (its torch optimizer as .optimizer): what its step writes
+    model = torch.nn.Linear(1024, 1024, bias=False)
+    model.weight.main_grad = torch.zeros(1 << 20)
+    optimizer = types.SimpleNamespace(optimizer=torch.optim.Adam(model.parameters()))
     committed = []
 
     def mapped(pid, tensor):  # whether process pid maps the middle byte of tensor
@@ -55,13 +58,14 @@ SCRIPT = """
         out = root / name
         out.mkdir()
         request = background.prepare({{"w": ShardedTensor.from_rank_offsets("w", weight)}}, out)
-        background.start(request, name, lambda: committed.append(name), private=[grad])
+        background.start(request, name, lambda: committed.append(name), model, optimizer)
         return out
 
     background = BackgroundSave("cpu")
     out = save("good", background, delay="1")
     writer = background._writer()
-    assert not mapped(writer.pid, weight) and not mapped(writer.pid, grad), "the trainer's tensors are kept out"
+    for kept in (weight, model.weight, model.weight.main_grad):
+        assert not mapped(writer.pid, kept), "the trainer's tensors are kept out of the writer's fork"
     assert mapped(os.getpid(), weight)
     weight.add_(100.0)  # the next step, at once: the writer (asleep) must still write the values at the save
     background.poll()  # still writing: returns at once
