@@ -15,7 +15,8 @@ What megatron leaves to the caller, done here:
   metadata, then ``commit`` (the caller's: the checkpoint made visible). ``poll`` finalizes a finished save without
   waiting; ``finish`` waits, at most ``timeout_s``, logging every 30 s what it waits for; a new save finishes the
   one in flight first.
-- a failed or stuck writer is a ``SaveFailed`` on every rank (the same line), never a checkpoint missing or
+- a failed or stuck writer is a ``SaveFailed`` on every rank (the same cause, with the free space of the rank's
+  disk: torch's writer says only "unexpected pos" when the disk is full), never a checkpoint missing or
   repeated: a writer that exited with an error or died before handing its results back fails megatron's
   finalization (``CheckpointException``), one still running past ``timeout_s`` is killed with its own writers.
 - the writer dies with the trainer (``PR_SET_PDEATHSIG``): a ``kill -9`` of the trainer leaves no process writing
@@ -33,6 +34,7 @@ import ctypes
 import functools
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -52,7 +54,7 @@ PROGRESS_S = 30.0
 
 
 class SaveFailed(RuntimeError):
-    """A checkpoint written in the background was not written (raised on every rank, the same message)."""
+    """A checkpoint written in the background was not written (raised on every rank, the same cause)."""
 
 
 def _write_in_background(write: Callable, parent: int, *args, **kwargs) -> None:
@@ -85,15 +87,17 @@ class BackgroundSave:
         self._calls = self._new_queue()
         self.device, self.timeout_s = device, timeout_s
         self.what: str | None = None  # the save in flight (its name in every line), None when none is
+        self._snapshot = ForkSnapshot()  # a CPU job's host copies, reused by every save
+        self._directory: Path | None = None  # the last save's
         self._started = 0.0
 
-    @staticmethod
-    def prepare(sharded_state_dict: dict, directory: Path):
+    def prepare(self, sharded_state_dict: dict, directory: Path):
         """megatron's save of ``sharded_state_dict`` into ``directory`` up to the writing (collective): the plan,
         rank 0's common state; returns the ``AsyncRequest`` that ``start`` writes. Its results come back through a
         file of ``directory`` (``runtime._save_queue``)."""
         from megatron.core import dist_checkpointing
 
+        self._directory = Path(directory)
         with results_through_file(directory):
             return dist_checkpointing.save(sharded_state_dict, str(directory), async_sharded_save=True)
 
@@ -104,18 +108,15 @@ class BackgroundSave:
         are kept out of the fork (``runtime._fork_snapshot``)."""
         self.finish("before the next save")
         request.add_finalize_fn(commit)
-        snapshot = None
         if request.async_fn is not None:  # None: nothing of this checkpoint is written by this rank
             request = request._replace(async_fn=functools.partial(_write_in_background, request.async_fn, os.getpid()))
             if torch.device(self.device).type == "cpu" and request.preload_fn is not None:
                 private = step_tensors(model, optimizer) if model is not None else []
-                snapshot = ForkSnapshot(request.preload_fn, private)
-                request = request._replace(preload_fn=snapshot.stage)
+                request = request._replace(preload_fn=self._snapshot.staging(request.preload_fn, private))
         try:
             self._calls.schedule_async_request(request)
         finally:
-            if snapshot is not None:
-                snapshot.release()
+            self._snapshot.release()
         self.what, self._started = what, time.monotonic()
         logger.info("%s: writing in the background", what)
 
@@ -168,7 +169,7 @@ class BackgroundSave:
             what, (kind, rank) = self.what, (("timed out", flags[2]) if flags[2] else ("failed", flags[1]))
             self._kill()
             raise SaveFailed(f"{what}: not written: the background writer of rank {int(rank) - 1} {kind} (its log "
-                             "says how)")
+                             f"says how; {self._free_space()})")
         if flags[0]:
             return  # a writer is still at work somewhere
         self._finalize()
@@ -183,8 +184,16 @@ class BackgroundSave:
             self._calls = self._new_queue()
             causes = "; ".join(f"rank {rank}: {' '.join(str(failure[0]).split())}"
                                for rank, failure in sorted(exc.failures.items())) or "see rank 0's error"
-            raise SaveFailed(f"{what}: not written: its background write failed ({causes})") from None
+            raise SaveFailed(f"{what}: not written: its background write failed ({causes}; {self._free_space()})"
+                             ) from None
         logger.info("%s: background write done in %.1f s", what, time.monotonic() - self._started)
+
+    def _free_space(self) -> str:
+        """How much its disk has left: a full disk fails torch's writer with a bare "unexpected pos" error."""
+        if self._directory is None:
+            return "the disk's free space unknown"
+        existing = next(path for path in (self._directory, *self._directory.parents) if path.exists())
+        return f"{shutil.disk_usage(existing).free / 2**30:.1f} GiB free on the disk of {self._directory}"
 
     def _kill(self) -> None:
         """Kill this rank's writer and its own writers, forget the save."""

@@ -17,6 +17,7 @@ every rank, never a wrong file).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 from typing import Callable, Iterable, Sequence
@@ -67,32 +68,36 @@ def step_tensors(model, optimizer) -> list[torch.Tensor]:
 
 
 class ForkSnapshot:
-    """The staging of one background save of a CPU job (``preload`` is megatron's ``preload_fn``).
+    """The host copies a CPU job's background saves are written from: made on the first save, refilled in place by
+    the next ones (the previous writer has exited by then), so that only the first save pays for their pages."""
 
-    Args:
-        preload: returns megatron-core 0.16's write buckets, ``[(file, key, (bytes, [(item, tensor)]))]``.
-        private: the trainer's tensors its step writes (``step_tensors``), kept out of the fork with the saved ones.
-    """
-
-    def __init__(self, preload: Callable[[], list], private: Sequence[torch.Tensor] = ()) -> None:
-        self.preload, self.private = preload, list(private)
+    def __init__(self) -> None:
+        self._copies: list[torch.Tensor] = []
         self._advised: list[tuple[int, int]] = []
 
-    def stage(self) -> list:
-        """The write buckets holding copies, the originals kept out of the next fork (megatron calls this right
-        before it forks the writer)."""
-        buckets = self.preload()
+    def staging(self, preload: Callable[[], list], private: Sequence[torch.Tensor]) -> Callable[[], list]:
+        """The ``preload_fn`` for megatron to call right before it forks the writer: ``preload`` (megatron's, which
+        returns 0.16's write buckets ``[(file, key, (bytes, [(item, tensor)]))]``) with every tensor copied, the
+        originals and ``private`` (``step_tensors``) kept out of that fork."""
+        return functools.partial(self._stage, preload, list(private))
+
+    def _stage(self, preload: Callable[[], list], private: list[torch.Tensor]) -> list:
+        buckets = preload()
         originals = [tensor for _, _, (_, tensors) in buckets for _, tensor in tensors]
-        copies = [(file, key, (data, [(item, tensor.clone()) for item, tensor in tensors]))
-                  for file, key, (data, tensors) in buckets]
+        kept = self._copies
+        self._copies = [kept[i].copy_(tensor) if i < len(kept) and _same_layout(kept[i], tensor) else tensor.clone()
+                        for i, tensor in enumerate(originals)]
+        copies = iter(self._copies)
+        staged = [(file, key, (data, [(item, next(copies)) for item, _ in tensors])) for file, key, (data, tensors)
+                  in buckets]
         release_free_memory()  # the heap's free pages: the next step's buffers would reuse them, shared with the writer
         madvise = _madvise()
         if madvise is not None:
-            ranges = _page_ranges(originals + self.private)
+            ranges = _page_ranges(originals + private)
             self._advised = [(at, size) for at, size in ranges if madvise(at, size, MADV_DONTFORK) == 0]
             if len(self._advised) < len(ranges):
                 logger.debug("MADV_DONTFORK refused for %d of %d ranges", len(ranges) - len(self._advised), len(ranges))
-        return copies
+        return staged
 
     def release(self) -> None:
         """After the fork: later forks map those pages again (a synchronous save's writers read them)."""
@@ -100,3 +105,7 @@ class ForkSnapshot:
         for at, size in self._advised:
             madvise(at, size, MADV_DOFORK)
         self._advised = []
+
+
+def _same_layout(copy: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return copy.shape == tensor.shape and copy.dtype == tensor.dtype and copy.stride() == tensor.stride()

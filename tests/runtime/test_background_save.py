@@ -83,6 +83,15 @@ SCRIPT = """
     except SaveFailed as exc:
         print("KILLED", exc)
 
+    import shutil
+    gone = save("gone", background, delay="1")
+    shutil.rmtree(gone)  # its directory removed under the writer: the write fails, said with the disk's free space
+    try:
+        background.finish("the test")
+        raise AssertionError("no error")
+    except SaveFailed as exc:
+        print("GONE", exc)
+
     slow = BackgroundSave("cpu", timeout_s=1.0)
     save("slow", slow, delay="30")
     writer = slow._writer()
@@ -93,8 +102,10 @@ SCRIPT = """
     except SaveFailed as exc:
         print("TIMED OUT", exc)
     assert time.monotonic() - start < 15 and not writer.is_alive() and slow.what is None
-    save("after", background)  # a failed save leaves nothing behind that a later one trips on
-    background.finish("the test")
+    weight.mul_(2.0)
+    out = save("after", background)  # a failed save leaves nothing behind that a later one trips on
+    background.finish("the test")  # and the host copies, reused, hold this save's values, not the first one's
+    assert torch.equal(dist_checkpointing.load(empty, str(out))["w"], weight)
     print("COMMITTED", committed)
 """
 
@@ -104,7 +115,13 @@ def test_a_background_save_writes_the_state_at_its_start_and_fails_loudly(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert "KILLED killed: not written: the background writer of rank 0 failed (its log says how)" in lines
-    assert "TIMED OUT slow: not written: the background writer of rank 0 timed out (its log says how)" in lines
+    free = "GiB free on the disk of"
+    assert any(line.startswith("KILLED killed: not written: the background writer of rank 0 failed (its log says "
+                               f"how; ") and free in line for line in lines), lines
+    assert any(line.startswith("TIMED OUT slow: not written: the background writer of rank 0 timed out (its log "
+                               "says how; ") and free in line for line in lines), lines
     assert lines[-1] == "COMMITTED ['good', 'after']"
+    gone = next(line for line in lines if line.startswith("GONE"))
+    assert gone.startswith("GONE gone: not written: the background writer of rank 0 failed") and (
+        f"{free} {tmp_path / 'gone'})" in gone), gone
     assert "exited with code -9" in proc.stderr and "was still writing after 1 s" in proc.stderr
