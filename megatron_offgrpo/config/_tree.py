@@ -343,7 +343,7 @@ class TrainConfig:
     """Write checkpoints in the background: the step goes on once the tensors are staged (copied to host memory: from
     the GPU, or within the host on CPU) for a forked writer, and the checkpoint appears, whole, once every rank wrote
     it: at the latest before the next save, a load, a stop or the end. The host holds one more copy of this rank's
-    model and optimizer state until then."""
+    model and optimizer state (on CPU from the first save on: its copies are refilled by each save)."""
     export_every: int = 0
     """Also write the policy as a HF directory every N steps, out_dir/exports/step_N (0: only the final out_dir/hf,
     which every run writes after its last step)."""
