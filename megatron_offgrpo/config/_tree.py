@@ -215,6 +215,13 @@ class RolloutConfig:
         """Generation runs ahead of the trainer on its own, under ``max_staleness`` (mode async or async_partial)."""
         return self.mode in ("async", "async_partial")
 
+    def serving_dtype(self, precision: str) -> str:
+        """The dtype the engine generates in and refreshes arrive in: ``dtype``, whose "auto" follows
+        ``model.precision`` (fp8 and bf16 runs serve bf16)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if precision == "fp32" else "bfloat16"
+
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences
         of one step, ``max_new_tokens x prompts_per_step x group_size``. The one definition: the trainer builds its

@@ -94,8 +94,7 @@ class TrainerSide:
         if arch.is_moe:
             side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
         if config.rollout.sync == "delta" and ctx.rank == 0:  # where the export's buckets arrive
-            dtype = config.rollout.dtype if config.rollout.dtype != "auto" else (
-                "float32" if config.model.precision == "fp32" else "bfloat16")  # as sampler's serving_dtype
+            dtype = config.rollout.serving_dtype(config.model.precision)
             side.delta = DeltaSender(getattr(torch, dtype), config.rollout.full_sync_every,
                                      config.rollout.bucket_mb * 1024**2, config.rollout.delta_compression)
         return side

@@ -117,7 +117,7 @@ def test_a_background_save_writes_the_state_at_its_start_and_fails_loudly(tmp_pa
     lines = proc.stdout.splitlines()
     free = "GiB free on the disk of"
     assert any(line.startswith("KILLED killed: not written: the background writer of rank 0 failed (its log says "
-                               f"how; ") and free in line for line in lines), lines
+                               "how; ") and free in line for line in lines), lines
     assert any(line.startswith("TIMED OUT slow: not written: the background writer of rank 0 timed out (its log "
                                "says how; ") and free in line for line in lines), lines
     assert lines[-1] == "COMMITTED ['good', 'after']"
