@@ -17,6 +17,17 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "megatron_offgrpo" / "assets" / "qwen2-tokenizer"
 
 
+def with_tokenizer(directory: Path) -> Path:
+    """``directory`` (a saved model) with the bundled tokenizer's files beside it, as vLLM and ``AutoTokenizer``
+    load them; returns it."""
+    import shutil
+
+    for path in TOKENIZER_DIR.iterdir():
+        if path.is_file():
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
 def tiny_hf_config(model_type: str = "qwen2", tied: bool = False, layers: int = 4) -> dict:
     """A tiny config exercising every feature: GQA (4 heads, 2 groups), qkv bias (qwen2), q/k norm and an explicit
     head_dim that differs from hidden/heads (qwen3)."""

@@ -215,6 +215,13 @@ class RolloutConfig:
         """Generation runs ahead of the trainer on its own, under ``max_staleness`` (mode async or async_partial)."""
         return self.mode in ("async", "async_partial")
 
+    def serving_dtype(self, precision: str) -> str:
+        """The dtype the engine generates in and refreshes arrive in: ``dtype``, whose "auto" follows
+        ``model.precision`` (fp8 and bf16 runs serve bf16)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if precision == "fp32" else "bfloat16"
+
     def drgrpo_constant(self) -> float:
         """Dr.GRPO's constant (``algo.aggregation=token_sum_norm``): the longest possible response times the sequences
         of one step, ``max_new_tokens x prompts_per_step x group_size``. The one definition: the trainer builds its
@@ -339,6 +346,11 @@ class TrainConfig:
     second run into it is refused); not empty, not a file nor under one."""
     save_every: int = 50
     """Checkpoint every N steps (0: only at the end)."""
+    async_save: bool = False
+    """Write checkpoints in the background: the step goes on once the tensors are staged (copied to host memory: from
+    the GPU, or within the host on CPU) for a forked writer, and the checkpoint appears, whole, once every rank wrote
+    it: at the latest before the next save, a load, a stop or the end. The host holds one more copy of this rank's
+    model and optimizer state (on CPU from the first save on: its copies are refilled by each save)."""
     export_every: int = 0
     """Also write the policy as a HF directory every N steps, out_dir/exports/step_N (0: only the final out_dir/hf,
     which every run writes after its last step)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 STATE = "trainer_state.json"
 TAIL_FILE = "log_tail.json"
+UNCOMPARED_KEYS = ("train.resume", "train.overwrite", "train.steps", "train.async_save")
+"""Config keys a resume does not compare with the checkpoint's run (``changed_keys``): how a resume is asked for, the
+schedule's length (the resume's schedule line says what changed), how checkpoints are written."""
 
 Record = dict[str, Any]
 
@@ -28,6 +32,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = Path(run_dir) / "checkpoints"
     done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE).exists())
     return done[-1] if done else None
+
+
+def sweep_partial(run_dir: str | Path) -> list[Path]:
+    """Remove the ``step_X.tmp`` directories a killed save left (never loadable: the rename is the commit); returns
+    them. Only the run's rank 0 calls it, before the run writes any checkpoint."""
+    swept = sorted((Path(run_dir) / "checkpoints").glob("step_*.tmp"))
+    for path in swept:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.warning("removed %s, left by a checkpoint save that was interrupted", path)
+    return swept
+
+
+def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """``section.key old -> new`` for every config key whose value differs from the checkpoint's run (the
+    objective may have changed); [] for a checkpoint without its config."""
+    return [f"{section}.{key} {value!r} -> {now[section][key]!r}" for section, keys in (saved or {}).items()
+            for key, value in keys.items() if key in now.get(section, {}) and now[section][key] != value
+            and f"{section}.{key}" not in UNCOMPARED_KEYS]
 
 
 def checkpoint_step(path: str | Path) -> int:

@@ -19,14 +19,6 @@ def sampling_params(rollout: RolloutConfig, seed: int | None = None, step: int =
                           seed=seed, priority=step if rollout.asynchronous() else 0)
 
 
-def serving_dtype(rollout: RolloutConfig, precision: str) -> str:
-    """The dtype an in-process engine generates in: ``rollout.dtype``, whose "auto" follows ``model.precision``
-    (fp8 and bf16 runs serve bf16)."""
-    if rollout.dtype != "auto":
-        return rollout.dtype
-    return "float32" if precision == "fp32" else "bfloat16"
-
-
 def verify_tolerance(rollout: RolloutConfig, precision: str, derived: float | None = None) -> float:
     """Max |fleet - trainer| probe log-prob after a refresh: ``rollout.verify_tolerance`` when set; else, serving
     float32, ``derived`` (``rollout.probes.probe_bound`` of the model, from the trainer) when given; else the
@@ -35,9 +27,9 @@ def verify_tolerance(rollout: RolloutConfig, precision: str, derived: float | No
 
     if rollout.verify_tolerance is not None:
         return rollout.verify_tolerance
-    if derived is not None and serving_dtype(rollout, precision) == "float32":
+    if derived is not None and rollout.serving_dtype(precision) == "float32":
         return derived
-    return probes.probe_atol(serving_dtype(rollout, precision))
+    return probes.probe_atol(rollout.serving_dtype(precision))
 
 
 def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_positions: int,
@@ -51,7 +43,7 @@ def engine_spec(config: Config, model_dir: Path, run_dir: Path | None, max_posit
             bucket_bytes=r.bucket_mb * 1024**2, collective_host=_collective_host(r), shm_dir=Path(r.shm_dir),
             record_routing=routing, partial_rollouts=r.mode == "async_partial", lora=adapter)
     # the dtype explicit: vLLM's "auto" may serve fp32 weights in bf16 on CPU, and the probe check would (rightly) fail
-    dtype = serving_dtype(r, config.model.precision)
+    dtype = r.serving_dtype(config.model.precision)
     if r.engine == "transformers":
         return specs.TransformersSpec(model_dir, dtype, record_routing=routing)
     return specs.VllmSpec(model_dir, dtype, max_model_len=generation_length(config, max_positions),

@@ -23,7 +23,8 @@ _EXPORTS = {
     "policy_step": "megatron_offgrpo.train._step",
     "token_logprobs": "megatron_offgrpo.train._step",
     "export_buckets": "megatron_offgrpo.train._weights",
+    "checkpoint": "megatron_offgrpo.train._checkpoint",  # save_checkpoint, TrainerState: the async-save benchmark
 }
 __all__ = sorted(_EXPORTS)
 
-__getattr__ = lazy_door(_EXPORTS)
+__getattr__ = lazy_door(_EXPORTS, whole=("checkpoint",))

@@ -7,12 +7,14 @@ convert megatron-to-hf`` exports the checkpoint without the recipe), ``rollout_s
 the prompt stream's position and the batches generated but not yet trained), ``log_tail.json`` (the metrics records and
 completion rows since the previous checkpoint, fsynced in the run's files first: ``runlog.checkpoints``) and
 ``trainer_state.json`` (step, engine version, scheduler) written last. A step is written into ``step_X.tmp`` and renamed
-by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete.
+by rank 0 after every rank finished, so a crash (even ``kill -9``) never leaves a directory that looks complete. With
+``train.async_save`` the tensors are written in the background (``runtime.BackgroundSave``), renamed once finalized.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from checkpoint_tools import dist_ckpt, files
 from megatron_offgrpo.runlog import checkpoints, writing
+from megatron_offgrpo.runtime import BackgroundSave
 
 logger = logging.getLogger(__name__)
 ROLLOUT_STATE = "rollout_state.pt"
@@ -34,16 +37,6 @@ OPTIM_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
-
-
-def sweep_partial_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Remove the ``step_X.tmp`` directories a killed save left (never loadable: the rename is the commit); returns
-    them. Only the run's rank 0 calls it, before the run writes any checkpoint."""
-    swept = sorted((Path(run_dir) / "checkpoints").glob("step_*.tmp"))
-    for path in swept:
-        shutil.rmtree(path, ignore_errors=True)
-        logger.warning("removed %s, left by a checkpoint save that was interrupted", path)
-    return swept
 
 
 def sweep_partial_exports(run_dir: str | Path) -> list[Path]:
@@ -123,7 +116,7 @@ class TrainerState:
 
 def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: TrainerState, keep: int = 2, *,
                     card: dist_ckpt.DistModelCard, extra_dirs: Sequence[Path] = (), rollout_state: Any = None,
-                    log_tail: dict[str, list] | None = None) -> Path:
+                    log_tail: dict[str, list] | None = None, background: BackgroundSave | None = None) -> Path:
     """Save the checkpoint of ``trainer_state.step`` (collective: every rank calls it). Keeps the newest ``keep``.
 
     Args:
@@ -132,23 +125,30 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: Traine
             binary file, ``rollout_state.pt``, beside the JSON state).
         log_tail: rank 0's records and completion rows since the previous checkpoint, already durable in the run's
             files (``MetricsLog.checkpoint_tail``): ``log_tail.json``, what a resume restores a lost one from.
+        background: ``train.async_save``: this returns once a forked process writes the tensors (the other files
+            are written now) and the rename comes when ``background`` finalizes it (at the latest before a save).
     """
     from megatron.core import dist_checkpointing
 
     from megatron_offgrpo.runtime import use_in_process_save_queue
 
-    use_in_process_save_queue()  # megatron's own spawns a server that imports torch: 3 s on the first save
     root = Path(run_dir) / "checkpoints"
     final = _step_dir(root, trainer_state.step)
     tmp = final.with_name(final.name + ".tmp")
+    if background is not None:  # the save in flight: before this one's tmp (its commit prunes the old steps)
+        background.finish("before the next save")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    sharded = _sharded(model, optimizer, is_loading=False)
     with writing(tmp):  # a full disk leaves step_N.tmp, named in the error: never a complete-looking step
-        dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(tmp))
+        if background is None:
+            use_in_process_save_queue()  # megatron's own spawns a server that imports torch: 3 s on the first save
+            dist_checkpointing.save(sharded, str(tmp))
+        else:
+            request = background.prepare(sharded, tmp)
         torch.save(_rng_state(), tmp / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
     if dist.get_rank() == 0:
         with writing(tmp):
             dist_ckpt.write_model_card(tmp, card, extra_dirs)
@@ -156,18 +156,31 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, trainer_state: Traine
                 torch.save(rollout_state, tmp / ROLLOUT_STATE)
             if log_tail is not None:
                 (tmp / checkpoints.TAIL_FILE).write_text(json.dumps(log_tail, default=float))
-            (tmp / checkpoints.STATE).write_text(trainer_state.to_json())
+    commit = functools.partial(_publish, tmp, final, trainer_state.to_json(), keep)
+    if background is None:
+        commit()
+    else:
+        background.start(request, f"checkpoint {final}", commit, model, optimizer)
+    return final
+
+
+def _publish(tmp: Path, final: Path, state_json: str, keep: int) -> None:
+    """The commit of a checkpoint whose files are all written: rank 0 writes ``trainer_state.json`` into ``tmp``,
+    renames it ``final`` and keeps the newest ``keep``. Collective."""
+    dist.barrier()  # every rank's files are written
+    if dist.get_rank() == 0:
+        with writing(tmp):
+            (tmp / checkpoints.STATE).write_text(state_json)
             fd = os.open(tmp, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
+        for old in sorted(p for p in final.parent.glob("step_*") if not p.name.endswith(".tmp"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint saved: %s", final)
     dist.barrier()
-    return final
 
 
 def load_checkpoint(path: str | Path, model, optimizer) -> TrainerState:
@@ -189,7 +202,6 @@ def load_checkpoint(path: str | Path, model, optimizer) -> TrainerState:
 
 
 SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
-UNCOMPARED_KEYS = ("train.resume", "train.overwrite", "train.steps")  # how a resume is asked for; steps: the schedule
 
 
 def resume_schedule(scheduler, saved: dict[str, Any]) -> None:
@@ -206,14 +218,6 @@ def resume_schedule(scheduler, saved: dict[str, Any]) -> None:
     logger.warning("resume: the learning-rate schedule differs from the checkpoint's (%s): re-planned from step %d "
                    "with the recipe's values (lr now %.3g)", ", ".join(changed), saved["num_steps"],
                    scheduler.optimizer.param_groups[0]["lr"])
-
-
-def changed_keys(saved: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
-    """``section.key old -> new`` for every config key whose value differs from the checkpoint's run (the
-    objective may have changed); [] for a checkpoint without its config."""
-    return [f"{section}.{key} {value!r} -> {now[section][key]!r}" for section, keys in (saved or {}).items()
-            for key, value in keys.items() if key in now.get(section, {}) and now[section][key] != value
-            and f"{section}.{key}" not in UNCOMPARED_KEYS]
 
 
 def load_rollout_state(path: str | Path, trainer_state: TrainerState):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from megatron_offgrpo.config import Config
 from megatron_offgrpo.model import resolve_model_dir
-from megatron_offgrpo.runlog import MetricsLog, open_metrics_log, write_run_info
+from megatron_offgrpo.runlog import MetricsLog, checkpoints, open_metrics_log, write_run_info
 from megatron_offgrpo.sampler import RolloutSide
-from megatron_offgrpo.train._checkpoint import sweep_partial_checkpoints, sweep_partial_exports
+from megatron_offgrpo.train._checkpoint import sweep_partial_exports
 from megatron_offgrpo.train._trainer_side import TrainerSide
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def setup(config: Config) -> tuple[TrainerSide, RolloutSide | None, MetricsLog |
     run_dir, rank0 = Path(config.train.out_dir), trainer.ctx.rank == 0
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        sweep_partial_checkpoints(run_dir)
+        checkpoints.sweep_partial(run_dir)
         sweep_partial_exports(run_dir)
     v0 = trainer.export_hf(run_dir / "weights" / "v0")
     if not rank0:

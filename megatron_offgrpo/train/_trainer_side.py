@@ -19,7 +19,7 @@ from megatron_offgrpo.config import Config
 from megatron_offgrpo.data import Sample
 from megatron_offgrpo.model import QwenArch, load_arch, output_weight
 from megatron_offgrpo.rollout import probes
-from megatron_offgrpo.runtime import ParallelContext, init_parallel, release_free_memory
+from megatron_offgrpo.runtime import BackgroundSave, ParallelContext, init_parallel, release_free_memory
 from megatron_offgrpo.transports import Buckets, adapters, deltas
 from megatron_offgrpo.train._batch import (
     MicroBatch,
@@ -54,6 +54,7 @@ class TrainerSide:
         router_load: MoE models: counts each step's routing (the ``moe_*`` metrics).
         delta: ``rollout.sync=delta``, on global rank 0: the image of the last version sent, what deltas measure from.
         refresh_metrics: the figures of the refreshes since the last step's record (``_sync.refresh_metrics``).
+        background: ``train.async_save``: the checkpoint written in the background, if one is.
     """
 
     config: Config
@@ -68,6 +69,7 @@ class TrainerSide:
     router_load: RouterLoad | None = None
     delta: DeltaSender | None = None
     refresh_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last delta-mode refresh's
+    background: BackgroundSave | None = None
 
     @classmethod
     def build(cls, config: Config) -> TrainerSide:
@@ -87,11 +89,12 @@ class TrainerSide:
             side.reference = frozen_policy(policy.model, arch, ctx, config.model, initial=True)
         if config.distill.on:
             side.teacher = Teacher.build(config, ctx, arch)
+        if config.train.async_save:
+            side.background = BackgroundSave(ctx.device)
         if arch.is_moe:
             side.router_load = RouterLoad(policy.model, arch.num_layers, arch.num_experts)
         if config.rollout.sync == "delta" and ctx.rank == 0:  # where the export's buckets arrive
-            dtype = config.rollout.dtype if config.rollout.dtype != "auto" else (
-                "float32" if config.model.precision == "fp32" else "bfloat16")  # as sampler's serving_dtype
+            dtype = config.rollout.serving_dtype(config.model.precision)
             side.delta = DeltaSender(getattr(torch, dtype), config.rollout.full_sync_every,
                                      config.rollout.bucket_mb * 1024**2, config.rollout.delta_compression)
         return side
@@ -203,10 +206,18 @@ class TrainerSide:
         state = TrainerState(step, version, self.policy.scheduler.state_dict(), self.config.to_dict())
         save_checkpoint(self.config.train.out_dir, self.policy.model, self.policy.optimizer, state,
                         card=model_card(self.policy.model, self.arch, self.ctx, source),
-                        extra_dirs=hf_extra_dirs(source), rollout_state=rollout_state, log_tail=log_tail)
+                        extra_dirs=hf_extra_dirs(source), rollout_state=rollout_state, log_tail=log_tail,
+                        background=self.background)
+
+    def saved(self, wait: str | None = None) -> None:
+        """``train.async_save``: publish the checkpoint written in the background once every rank's writer is done,
+        with ``wait`` (why) waiting for it (collective; a failed write: ``runtime.SaveFailed`` on every rank)."""
+        if self.background is not None:
+            self.background.finish(wait) if wait else self.background.poll()
 
     def restore(self, checkpoint: Path) -> TrainerState:
         """Model, optimizer, RNG and LR schedule from ``checkpoint``; returns its saved state (collective)."""
+        self.saved("before a load")
         state = load_checkpoint(checkpoint, self.policy.model, self.policy.optimizer)
         resume_schedule(self.policy.scheduler, state.scheduler)
         return state

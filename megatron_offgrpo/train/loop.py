@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from megatron_offgrpo.data import Sample
 from megatron_offgrpo.envs import EnvironmentContractError, EnvironmentTimeout
 from megatron_offgrpo.runlog import MetricsLog, checkpoints, finish_summary
 from megatron_offgrpo.sampler import RolloutSide, sample_metrics
-from megatron_offgrpo.train._checkpoint import changed_keys, load_rollout_state
+from megatron_offgrpo.train._checkpoint import load_rollout_state
 from megatron_offgrpo.train._setup import setup
 from megatron_offgrpo.train._stop import RunStopped, StopRequest
 from megatron_offgrpo.train._sync import (GENERATION_FAILURES, StepRefresh, on_rank0_shared, refresh, share_samples,
@@ -76,6 +77,8 @@ def _train(config: Config, stop: StopRequest) -> TrainResult:
     try:
         return _run(config, stop, trainer, rollout, log)
     except BaseException:
+        if trainer.background is not None:  # no collective now: the other ranks may be gone
+            trainer.background.abandon()
         _close_after_error(rollout, log)
         raise
 
@@ -133,6 +136,7 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
         if log is not None:
             log.log(step, metrics, samples)
         if nonfinite >= config.train.max_nonfinite_steps:
+            trainer.saved("before stopping on non-finite losses")
             raise RuntimeError(f"{nonfinite} non-finite losses in a row (step {step}): stopping; lower optim.lr "
                                f"or check the data, then resume from {checkpoints.latest_checkpoint(run_dir)}")
         _persist(trainer, rollout, log, step + 1, version)
@@ -140,6 +144,7 @@ def _run(config: Config, stop: StopRequest, trainer: TrainerSide, rollout: Rollo
         logger.info("policy exported to %s", run_dir / "hf")
     if trainer.export_adapter(run_dir / "adapter") is not None:  # LoRA: the adapter alone, for PEFT on the base
         logger.info("adapter exported to %s", run_dir / "adapter")
+    trainer.saved("at the end of the run")  # the last step's, written beside the exports
     summary = None
     if rollout is not None:
         rollout.close()
@@ -166,7 +171,7 @@ def _start(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog | 
     state = trainer.restore(checkpoint)
     if rollout is not None:
         rollout.load_resume_state(load_rollout_state(checkpoint, state))
-    if changed := changed_keys(state.config, cfg.to_dict()):
+    if changed := checkpoints.changed_keys(state.config, cfg.to_dict()):
         logger.warning("resume: keys changed since the checkpoint: %s", ", ".join(changed))
     step = state.step
     if step % cfg.rollout.refresh_every:
@@ -232,6 +237,7 @@ def _persist(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog 
     """After ``done`` steps: the checkpoint (every ``train.save_every``, and the last) and the periodic HF export
     (every ``train.export_every`` before the last, whose export is ``out_dir/hf``). Collective."""
     cfg = trainer.config.train
+    trainer.saved()  # train.async_save: the checkpoint written in the background is published once it is done
     if _save_due(cfg, done):
         _save(trainer, rollout, log, done, version)
     if (out := _export_dir(cfg, done)) is not None and trainer.export_hf(out) is not None:
@@ -265,6 +271,7 @@ def _stopped(trainer: TrainerSide, rollout: RolloutSide | None, log: MetricsLog 
     run_dir = Path(trainer.config.train.out_dir)
     if done > start and not _save_due(trainer.config.train, done):
         _save(trainer, rollout, log, done, version)
+    trainer.saved(f"before stopping on {signal.Signals(signum).name}")
     if rollout is not None:
         rollout.close()
         log.close()

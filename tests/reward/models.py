@@ -12,13 +12,12 @@ transformers and vLLM both load.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 import transformers
 
-from tests.helpers import REPO, TOKENIZER_DIR
+from tests.helpers import REPO, TOKENIZER_DIR, with_tokenizer
 
 ASSET = REPO / "megatron_offgrpo" / "assets" / "tiny-qwen2"
 TOKENIZER = TOKENIZER_DIR
@@ -31,13 +30,6 @@ def _config(**changes) -> transformers.PretrainedConfig:
     return config
 
 
-def _with_tokenizer(directory: Path) -> Path:
-    for path in TOKENIZER.iterdir():
-        if path.is_file():
-            shutil.copy(path, directory / path.name)
-    return directory
-
-
 def classifier_dir(directory: Path, seed: int = 0) -> Path:
     """A one-label ``Qwen2ForSequenceClassification`` (pad = ``<|endoftext|>``, as Qwen's tokenizer)."""
     config = _config(num_labels=1, architectures=["Qwen2ForSequenceClassification"], pad_token_id=151643,
@@ -45,7 +37,7 @@ def classifier_dir(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = transformers.AutoModelForSequenceClassification.from_config(config)
     model.save_pretrained(directory)
-    return _with_tokenizer(directory)
+    return with_tokenizer(directory)
 
 
 def verdict_judge_dir(directory: Path, logits: dict[str, float], seed: int = 0) -> Path:
@@ -67,4 +59,4 @@ def verdict_judge_dir(directory: Path, logits: dict[str, float], seed: int = 0) 
             (token,) = tokenizer.encode(word, add_special_tokens=False)
             model.lm_head.weight[token, 0] = value
     model.save_pretrained(directory)
-    return _with_tokenizer(directory)
+    return with_tokenizer(directory)

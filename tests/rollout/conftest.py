@@ -20,12 +20,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 def classifier_dir(tmp_path_factory) -> Path:
     """The tiny Qwen2 as a scalar reward model (``tiny.CLASSIFIER``, seed 11) with a tokenizer (vLLM's pooling
     endpoints load one)."""
-    import shutil
-
-    from tests.helpers import TOKENIZER_DIR
+    from tests.helpers import with_tokenizer
     from tests.rollout.tiny import save_classifier
 
-    path = save_classifier(tmp_path_factory.mktemp("rollout") / "rm", seed=11)
-    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER_DIR / name, path / name)
-    return path
+    return with_tokenizer(save_classifier(tmp_path_factory.mktemp("rollout") / "rm", seed=11))

@@ -39,8 +39,11 @@ def train_env() -> dict[str, str]:
 
 def train_proc(nproc: int, out_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """A finished training run under torchrun (its output captured); raises with its stderr when it failed."""
-    proc = subprocess.run(train_cmd(nproc, out_dir, *overrides), cwd=REPO, env=train_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    for _ in range(3):  # the free port may be taken by a parallel test's job before torchrun binds it: a new port
+        proc = subprocess.run(train_cmd(nproc, out_dir, *overrides), cwd=REPO, env=train_env(), capture_output=True,
+                              text=True, timeout=timeout)
+        if proc.returncode == 0 or nproc == 1 or "EADDRINUSE" not in proc.stdout + proc.stderr:
+            break
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stderr[-8000:]}")
     return proc

@@ -2,8 +2,9 @@
 step: every layout's export gathers to global rank 0, whose ``DeltaSender`` encodes it, so each layout is one short
 run whose refreshes go full then delta, every one verified on the probe.
 
-- TP2, with async generation and partial rollouts (``rollout.mode=async_partial``): a refresh is installed between
-  two decode steps of the steps in flight, so a delta may land while requests are frozen in the engine;
+- TP2, with async generation and partial rollouts (``rollout.mode=async_partial``) and checkpoints written in the
+  background (``train.async_save``): a refresh is installed between two decode steps of the steps in flight, so a
+  delta may land while requests are frozen in the engine;
 - PP2 with LoRA merged sync: the stages' merged tensors arrive from two ranks;
 - the tiny Qwen3-MoE at EP2: each rank holds half of every layer's experts, and the worker reloads a layer's stacked
   experts together from its patched image, which vLLM CPU's expert repack (``fleet/_moe_repack.py``) then lays out:
@@ -43,8 +44,14 @@ def test_tp2_async_partial_rollouts_take_deltas(tmp_path):
     2 cores, ``partial_fraction`` 1.0 in that step), so the bound is what is held on every step."""
     steps = 4
     train_proc(2, tmp_path, "parallel.tp=2", "rollout.mode=async_partial", "rollout.prompts_per_step=1",
-               "rollout.group_size=2", "rollout.max_new_tokens=400", f"train.steps={steps}", *DELTA)
+               "rollout.group_size=2", "rollout.max_new_tokens=400", f"train.steps={steps}", *DELTA,
+               "train.async_save=true", "train.save_every=2")
     records = _deltas_verified(tmp_path, steps)
+    log = (tmp_path / "train.log").read_text()  # checkpoints written in the background while generation goes on
+    for step in (2, 4):
+        assert f"checkpoint {tmp_path}/checkpoints/step_{step:08d}: writing in the background" in log
+        assert (tmp_path / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").exists()
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
     for r in records:  # the staleness bound (v = 1) held on every sample's oldest token
         assert 0 <= r["staleness_max"] <= 1 and r["token_staleness_mean"] <= r["staleness_mean"] + 1e-9
     print(f"\npartial fractions {[r['partial_fraction'] for r in records]}")

@@ -8,15 +8,15 @@ import pytest
 
 from megatron_offgrpo.config import RolloutConfig
 from megatron_offgrpo.rollout import have_vllm
-from megatron_offgrpo.sampler._builders import serving_dtype, verify_tolerance
+from megatron_offgrpo.sampler._builders import verify_tolerance
 from tests.train.conftest import metrics, train_proc
 
 
 def test_auto_follows_the_trainers_precision_and_a_named_dtype_wins():
-    assert serving_dtype(RolloutConfig(), "fp32") == "float32"
-    assert serving_dtype(RolloutConfig(), "bf16") == serving_dtype(RolloutConfig(), "fp8") == "bfloat16"
-    assert serving_dtype(RolloutConfig(dtype="bfloat16"), "fp32") == "bfloat16"
-    assert serving_dtype(RolloutConfig(dtype="float32"), "bf16") == "float32"
+    assert RolloutConfig().serving_dtype("fp32") == "float32"
+    assert RolloutConfig().serving_dtype("bf16") == RolloutConfig().serving_dtype("fp8") == "bfloat16"
+    assert RolloutConfig(dtype="bfloat16").serving_dtype("fp32") == "bfloat16"
+    assert RolloutConfig(dtype="float32").serving_dtype("bf16") == "float32"
     # the probe is checked at the coarser side's tolerance
     assert verify_tolerance(RolloutConfig(dtype="bfloat16"), "fp32") == verify_tolerance(RolloutConfig(), "bf16")
     assert verify_tolerance(RolloutConfig(), "fp32") < verify_tolerance(RolloutConfig(dtype="bfloat16"), "fp32")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_offgrpo.config import load_config
-from megatron_offgrpo.train._checkpoint import changed_keys, resume_schedule, sweep_partial_checkpoints
+from megatron_offgrpo.runlog._checkpoints import changed_keys, sweep_partial
+from megatron_offgrpo.train._checkpoint import resume_schedule
 from megatron_offgrpo.runlog._metrics import MetricsLog
 from megatron_offgrpo.runlog._run_dir import LOCK_FILE, claim_run_dir
 from tests.helpers import REPO
@@ -57,7 +58,7 @@ def test_resume_drops_the_steps_it_redoes_and_continues_the_clock(tmp_path):
 def test_interrupted_checkpoint_saves_are_swept(tmp_path):
     (tmp_path / "checkpoints" / "step_00000004.tmp").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000002").mkdir()
-    assert [p.name for p in sweep_partial_checkpoints(tmp_path)] == ["step_00000004.tmp"]
+    assert [p.name for p in sweep_partial(tmp_path)] == ["step_00000004.tmp"]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000002"]
 
 
@@ -86,7 +87,8 @@ def test_a_resume_with_more_steps_re_plans_the_schedule(caplog):
 
 def test_a_resume_names_the_keys_that_changed():
     saved = load_config(RECIPE).to_dict()
-    now = load_config(RECIPE, ["algo.eps_high=0.28", "train.steps=80", "train.resume=true"]).to_dict()
+    now = load_config(RECIPE, ["algo.eps_high=0.28", "train.steps=80", "train.resume=true",
+                               "train.async_save=true"]).to_dict()
     assert changed_keys(saved, now) == ["algo.eps_high 0.2 -> 0.28"]  # steps and resume are how a resume is asked
     assert changed_keys(None, now) == []
 

@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.slow]
 # v=1: every step boundary is one a resume reproduces exactly (the engine serves the step's own weights)
 RUN = ["rollout.refresh_every=1", "train.save_every=0"]
 STEPS = 6  # the one-process run: stopped twice (once by each signal), each within two steps of its start
+BACKGROUND = ("train.async_save=true", "train.save_every=1")
+DELAY = "OFFGRPO_TEST_SAVE_DELAY_S"  # runtime.BackgroundSave's writer sleeps this long before it writes
 
 
 def _cmd(out, *overrides: str) -> list[str]:
@@ -48,13 +50,18 @@ def _stopped_by(sig: signal.Signals, code: int, out: Path, *overrides: str) -> i
     """Start the run (or its resume), send ``sig`` once it logged a step of its own, and check how it stops: exit
     ``code``, one line naming the checkpoint of the step it stopped at, no export; returns that step."""
     before = len(metrics(out)) if (out / "metrics.jsonl").exists() else 0
-    proc = subprocess.Popen(_cmd(out, *overrides), cwd=REPO, env=train_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=_restore_sigint)
+    background = "train.async_save=true" in overrides
+    proc = subprocess.Popen(_cmd(out, *overrides), cwd=REPO, env=train_env() | ({DELAY: "2"} if background else {}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_restore_sigint,
+                            start_new_session=background)
     deadline = time.time() + 600
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") > before):
         assert proc.poll() is None and time.time() < deadline, "the run ended before it logged a step"
         time.sleep(0.02)
-    proc.send_signal(sig)  # during the next step: it stops at the boundary after it at the latest
+    if background:  # the writer of the step just logged is asleep: the signal comes while it is in flight
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)  # during the next step: it stops at the boundary after it at the latest
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == code, err[-4000:]
     assert "Traceback" not in err, err[-4000:]
@@ -68,17 +75,20 @@ def _stopped_by(sig: signal.Signals, code: int, out: Path, *overrides: str) -> i
     tail = json.loads((ckpt / "log_tail.json").read_text())["metrics"]
     assert tail and tail[-1]["step"] == steps - 1 and all(r in metrics(out) for r in tail)
     assert not (out / "hf").exists()  # the trained policy's export is the finished run's, never a stopped one's
-    if overrides:
+    if "train.resume=true" in overrides:
         assert "resumed from" in err
     return steps
 
 
 def test_a_signal_checkpoints_the_step_it_stops_at_and_resume_continues_exactly(tmp_path, uninterrupted):
     """SIGTERM stops the run, SIGINT its resume, and a second resume finishes it: the uninterrupted run's metrics,
-    step for step. (One run for both signals: the second stop is also a stopped resume's.)"""
+    step for step. (One run for both signals: the second stop is also a stopped resume's.) The stopped runs write
+    their checkpoints in the background (``train.async_save``, one every step, each writer asleep 2 s first), so the
+    signal, sent to the whole process group as a scheduler does, finds a write in flight: the writer ignores it, the
+    trainer finishes that write, then writes and publishes the checkpoint of the step it stops at."""
     out = tmp_path / "run"
-    first = _stopped_by(signal.SIGTERM, 143, out)
-    _stopped_by(signal.SIGINT, 130, out, "train.resume=true")
+    first = _stopped_by(signal.SIGTERM, 143, out, *BACKGROUND)
+    _stopped_by(signal.SIGINT, 130, out, *BACKGROUND, "train.resume=true")
     resumed = subprocess.run(_cmd(out, "train.resume=true"), cwd=REPO, env=train_env(), capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
