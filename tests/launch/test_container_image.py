@@ -5,7 +5,7 @@
 on it with the in-process vLLM CPU engine until ``podman kill --signal TERM`` stops it (the trainer checkpoints and
 the container exits 143), and a third, new container resumes the run from the mounted run directory and finishes it
 (its run log names the checkpoint it continues from). Measured on 2 cores (2026-11-29): 56 s with the image current
-(the build is a cache hit), 3.6-4.2 min when the image's environment is rebuilt (any change to the code, the README or
+(the build is a cache hit), 3.5-4.2 min when the image's environment is rebuilt (any change to the code, the README or
 the dependencies comes before `make setup` in Dockerfile.cpu).
 
 Skipped, with a one-line reason, where podman is missing or cannot run a container under the project's
