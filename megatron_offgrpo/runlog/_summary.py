@@ -57,7 +57,8 @@ class RunSummary:
         staleness_max: the largest staleness of any sample.
         refreshes: the steps whose engine served another version than the step before's (weight refreshes seen by
             the samples; the refresh for the final evaluation is not one).
-        refresh_every: v, the smallest gap between the versions served (None with a single version).
+        refresh_every: v, the most common gap between the versions served (None with a single version): a run
+            resumed from a checkpoint between two refreshes refreshes once at its resume, one shorter gap.
     """
 
     steps: int
@@ -107,6 +108,7 @@ def run_summary(records: list[dict[str, Any]]) -> RunSummary:
     metric, passes = pass_points(records)
     versions = [r["policy_version"] for r in records if "policy_version" in r]
     served = sorted(set(versions))
+    gaps = [b - a for a, b in zip(served, served[1:])]
     stale = [r["staleness_mean"] for r in records if "staleness_mean" in r]
     return RunSummary(
         steps=len(records), wall_min=records[-1].get("wall_s", 0.0) / 60,
@@ -117,7 +119,7 @@ def run_summary(records: list[dict[str, Any]]) -> RunSummary:
         staleness_mean=sum(stale) / len(stale) if stale else None,
         staleness_max=max((r["staleness_max"] for r in records if "staleness_max" in r), default=None),
         refreshes=sum(a != b for a, b in zip(versions, versions[1:])),
-        refresh_every=min(b - a for a, b in zip(served, served[1:])) if len(served) > 1 else None,
+        refresh_every=max(gaps, key=lambda gap: (gaps.count(gap), gap)) if gaps else None,
         reward_model=_head_tail(head, tail, "reward_model_mean"),
         held_out_model=(model[0][2], model[-1][2]) if len(model := eval_points(records, "reward_model")) > 1
         else None,

@@ -42,6 +42,13 @@ def test_the_summary_of_hand_worked_records():
     assert s.refreshes == 4 and s.refresh_every == 2  # versions 0 0 2 2 4 4 6 6 8 8
 
 
+def test_v_is_the_most_common_gap_between_versions_whatever_a_resume_adds():
+    """A v = 4 run resumed from step 13's checkpoint (SIGTERM stops at any step) refreshes once at its resume."""
+    versions = [0] * 4 + [4] * 4 + [8] * 4 + [12, 13, 13, 13, 13, 17, 17, 17, 17, 21]
+    records = [{"step": s, "wall_s": float(s), "policy_version": v} for s, v in enumerate(versions)]
+    assert run_summary(records).refresh_every == 4
+
+
 def test_what_a_run_did_not_log_is_none_not_an_error():
     s = run_summary([{"step": 0, "wall_s": 30.0}, {"step": 1, "wall_s": 60.0}])
     assert (s.reward, s.accuracy, s.held_out, s.held_out_pass, s.staleness_mean, s.refresh_every) == (None,) * 6
