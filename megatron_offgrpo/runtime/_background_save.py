@@ -5,10 +5,8 @@ megatron-core 0.16's ``AsyncCallsQueue(persistent=False)`` schedules the save's 
 ``TemporalAsyncCaller``: the tensors are staged to the host first (``preload_fn``: a device-to-host copy on GPU; on
 CPU a copy too, ``runtime._fork_snapshot``), then one process is forked to write them (it forks a writer per file in
 turn), and the trainer goes on. The staged copies are the snapshot: the trainer's next optimizer step, which changes
-the parameters and optimizer state in place, changes pages the writer does not map (the host holds the copy until
-the writer exits). The spawned
-persistent worker is not used: it imports torch in a new process and would move CPU tensors into shared memory,
-where the next step would change them under the writer.
+the parameters and optimizer state in place, changes pages the writer does not map. The spawned persistent worker is
+not used: it imports torch in a new process and would move CPU tensors into shared memory.
 
 What megatron leaves to the caller, done here:
 - finalization on every rank, when every rank's writer has exited (one all-reduce of two flags): megatron's

@@ -9,9 +9,9 @@ cost. ``ForkSnapshot`` gives a CPU job the same shape: it stages a copy of every
 ``preload_fn`` returns the tensors themselves on CPU) and marks the pages that lie wholly inside the originals and
 the gradient buffers ``MADV_DONTFORK`` for the one ``fork`` that makes the writer, then shares them again; the
 heap's free pages, which the next step's buffers would reuse (``runtime._memory`` keeps them), go back to the kernel
-before that fork. The writer maps the copies alone; the trainer's step then writes pages no other
-process maps. The writer never touches the originals (a touch would end it with SIGSEGV: a failed save, said on
-every rank, never a wrong file).
+before that fork. The writer maps the copies alone; the trainer's step then writes pages no other process maps.
+The writer never touches the originals (a touch would end it with SIGSEGV: a failed save, said on every rank, never
+a wrong file).
 """
 
 from __future__ import annotations
