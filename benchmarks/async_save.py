@@ -2,12 +2,12 @@
 (random weights, one process, the trainer's own ``save_checkpoint`` of the megatron model and its Adam state).
 
 Per save, medians of ``--repeats``: the seconds ``save_checkpoint`` holds the trainer (sync: the whole write and
-fsync; async: the plan, the small files and the fork of the writer), the extra seconds of the optimizer step right
-after it over one with no save in flight (async on CPU: the copy-on-write of every page that step changes while the
-writer still maps it), their sum (the step's blocked time per save), and the seconds from the save's start until the
-checkpoint is published (async: written in the background while the step runs). The step here is the optimizer
-step alone (Adam over every parameter, on fixed random gradients): the part of a training step that changes what is
-saved.
+fsync; async: the plan, the small files, the host copies of the tensors and the fork of the writer), the extra
+seconds of the optimizer step right after it over one with no save in flight (the first write to each page a
+writer's fork shared, and the writer's share of the cores), their sum (the step's blocked time per save), and the
+seconds from the save's start until the checkpoint is published (async: written in the background while the step
+runs). The step here is the optimizer step alone (Adam over every parameter, on fixed random gradients): the part of
+a training step that changes what is saved.
 
 Usage: python benchmarks/async_save.py [--config DIR] [--precision fp32] [--repeats 3] [--workdir DIR] [--out DIR]
 """
