@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_offgrpo.cli import main
@@ -221,12 +221,14 @@ def test_a_missing_recipe_is_one_line(tmp_path, capsys):
 
 
 _KEYS = [f"{s}.{f}" for s, section in vars(Config()).items() for f in vars(section)]
-_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.integers(), st.floats(allow_nan=True),
                     st.text(max_size=12), st.lists(st.integers(), max_size=3))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.one_of(st.sampled_from(_KEYS), st.text(max_size=15)), _VALUES), max_size=4))
+@example(pairs=[("rollout.prompts_per_step", 1.4044477616111843e+306)])  # once overflowed float() in a rule
+@example(pairs=[("rollout.max_new_tokens", 2**63), ("rollout.group_size", 2**62)])
 def test_the_loader_only_ever_raises_config_errors(pairs):
     overrides = [f"{key}={value}" for key, value in pairs]
     try:

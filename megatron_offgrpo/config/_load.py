@@ -68,6 +68,9 @@ def type_name(hint: object) -> str:
     return f"{text} | None" if optional else text
 
 
+_INT_LIMIT = 2**63 - 1
+
+
 def coerce(value: object, hint: object, key: str) -> object:
     """Convert a YAML/CLI value to the field's type ``hint`` (resolved), naming the key on failure. A choice key's
     value is only made a string here: ``Config.validate`` checks it against the choices with every other rule, so
@@ -89,7 +92,10 @@ def coerce(value: object, hint: object, key: str) -> object:
         if base is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
-            return int(value)
+            number = int(value)
+            if abs(number) > _INT_LIMIT:  # every int key is a count or size; past int64 it only overflows later
+                raise ConfigError(f"{key}={value!r}: out of range (at most {_INT_LIMIT})")
+            return number
         if base is float:
             return float(value)
         if base is str or typing.get_origin(base) is typing.Literal:
@@ -100,6 +106,8 @@ def coerce(value: object, hint: object, key: str) -> object:
             if isinstance(value, (dict, bool, int, float)):
                 raise ValueError(value)
             return [str(v) for v in value]
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r}: expected {type_name(base)}") from None
     return value
