@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from tests.doc_commands import GENERATED_DOCS, RULES, UNITS, DocCommand, command_unit, match_rule, unit_of
-from tests.docs_workspace import COMMANDS, DocsWorkspace, check_command, param, provider_of, workspace_fixture
+from tests.docs_workspace import (COMMANDS, DocsWorkspace, check_command, param, provider_of, unit_commands,
+                                  workspace_fixture)
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -25,7 +26,7 @@ def docs_cwd(tmp_path_factory):
     yield from workspace_fixture(tmp_path_factory, "rest")
 
 
-@pytest.mark.parametrize("cmd", [param(c) for c in COMMANDS if command_unit(c) == "rest"])
+@pytest.mark.parametrize("cmd", [param(c) for c in unit_commands("rest")])
 def test_documented_command(cmd: DocCommand, docs_cwd: DocsWorkspace) -> None:
     check_command(cmd, docs_cwd)
 

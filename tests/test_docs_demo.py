@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tests.doc_commands import DocCommand, command_unit, match_rule
-from tests.docs_workspace import COMMANDS, DocsWorkspace, check_command, param, workspace_fixture
+from tests.doc_commands import DocCommand, match_rule
+from tests.docs_workspace import COMMANDS, DocsWorkspace, check_command, param, unit_commands, workspace_fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -46,6 +46,6 @@ def test_make_demo(docs_cwd: DocsWorkspace) -> None:
     assert "Traceback" not in outcome.output
 
 
-@pytest.mark.parametrize("cmd", [param(c) for c in COMMANDS if command_unit(c) == "demo"])
+@pytest.mark.parametrize("cmd", [param(c) for c in unit_commands("demo")])
 def test_documented_command(cmd: DocCommand, docs_cwd: DocsWorkspace) -> None:
     check_command(cmd, docs_cwd)

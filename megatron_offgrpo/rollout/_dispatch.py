@@ -75,7 +75,6 @@ class ServerPool:
         self._lock = threading.Lock()
         self._inflight = {n: 0 for n in names}
         self._failures = {n: 0 for n in names}
-        self._down = {n: threading.Event() for n in names}  # set while dead: its waiting tasks give up
         self.dead: dict[str, str] = {}
         self.benched: dict[str, str] = {}
         self.retries = 0  # requests that failed and were sent again (for logs and tests)
@@ -118,12 +117,17 @@ class ServerPool:
             if name in self.dead:
                 return
             self.dead[name] = reason
-            self._down[name].set()
         logger.warning("server %s marked dead: %s", name, reason)
 
-    def down(self, name: str) -> threading.Event:
-        """Set while ``name`` is dead."""
-        return self._down[name]
+    def why_dead(self, name: str) -> str | None:
+        """Why ``name`` is dead, or None while it is not (the calls waiting on it give up once it says why)."""
+        with self._lock:
+            return self.dead.get(name)
+
+    def alive(self) -> list[str]:
+        """Servers not marked dead: serving, or out of rotation until a refresh repairs them."""
+        with self._lock:
+            return [n for n in self._inflight if n not in self.dead]
 
     def bench(self, name: str, reason: str) -> None:
         """Take ``name`` out of rotation (e.g. a failed refresh) until ``restore``."""
@@ -135,7 +139,6 @@ class ServerPool:
         with self._lock:
             self.benched.pop(name, None)
             self.dead.pop(name, None)
-            self._down[name].clear()
             self._failures[name] = 0
 
 
@@ -147,7 +150,7 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
         if name is None:
             break
         try:
-            result = _unless_marked_dead(pool, name, functools.partial(send, name, index))
+            result = unless_given_up(functools.partial(pool.why_dead, name), functools.partial(send, name, index))
         except json_http.RequestRejected as exc:  # the request itself is wrong: no other server will accept it
             pool.release(name)
             raise FleetError(f"group {index} rejected by server {name}: {exc}") from None
@@ -166,33 +169,36 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
     )
 
 
-def _unless_marked_dead(pool: ServerPool, name: str, call: Callable[[], T]) -> T:
-    """``call()`` (a request to server ``name``), run in a thread of its own so that the task can give it up when
-    the pool marks ``name`` dead: then ``ServerDown``. The abandoned request ends with the server's read timeout or
-    connection; its answer, if one ever comes, is dropped (the group is resent elsewhere, never produced twice)."""
+def unless_given_up(given_up: Callable[[], str | None], call: Callable[[], T]) -> T:
+    """``call()`` (a request to one server), run in a thread of its own so that it is given up, ``ServerDown``, as
+    soon as ``given_up()`` says why (``ServerPool.why_dead``: the server was marked dead, e.g. by its health checks):
+    a frozen server would otherwise hold the caller until the request's read timeout, minutes. The abandoned request
+    ends with the server's read timeout or connection; its answer, if one ever comes, is dropped (a group is resent
+    elsewhere, never produced twice; a refresh counts the server as failed)."""
+    if (reason := given_up()) is not None:
+        raise json_http.ServerDown(f"server given up ({reason}): request not sent")
     answer: Future = Future()
 
     def run() -> None:
         try:
             answer.set_result(call())
-        except BaseException as exc:  # raised in the task's thread below
+        except BaseException as exc:  # raised in the caller's thread below
             answer.set_exception(exc)
 
-    threading.Thread(target=run, name=f"offgrpo-request-{name}", daemon=True).start()
-    down = pool.down(name)
+    threading.Thread(target=run, name="offgrpo-request", daemon=True).start()
     while True:
         try:
             return answer.result(timeout=0.25)
         except FutureTimeout:
-            if down.is_set():
-                raise json_http.ServerDown(f"server {name} marked dead with this request in flight "
-                                           f"({pool.dead.get(name)}): request given up") from None
+            if (reason := given_up()) is not None:
+                raise json_http.ServerDown(f"server marked dead with this request in flight ({reason}): request "
+                                           "given up") from None
 
 
 class HealthWatch:
-    """While generations are in flight (``watching``), checks every serving server's ``/health`` every
-    ``policy.health_every_s``; ``policy.dead_after`` failed checks in a row mark it dead, and the groups in flight on
-    it are resent elsewhere (``_unless_marked_dead``).
+    """While generations or a refresh are in flight (``watching``), checks every live server's ``/health`` every
+    ``policy.health_every_s``; ``policy.dead_after`` failed checks in a row mark it dead, and the requests in flight on
+    it are given up (``unless_given_up``): groups are resent elsewhere, a refresh goes on without it.
 
     Why: a killed server resets its connections and its requests fail at once, but a frozen one (SIGSTOP, a hung
     driver) or one whose node vanished without a reset holds them until the generation's read timeout, minutes.
@@ -207,7 +213,8 @@ class HealthWatch:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Checks run from the first caller's entry to the last one's exit (generations from several threads)."""
+        """Checks run from the first caller's entry to the last one's exit (generations from several threads, a
+        refresh from the trainer's)."""
         with self._lock:
             self._watchers += 1
             if self._thread is None:
@@ -227,7 +234,7 @@ class HealthWatch:
                 if not self._watchers:
                     self._thread = None
                     return
-            for name in self._pool.serving():
+            for name in self._pool.alive():  # out of rotation too: a refresh waits on it
                 try:
                     self._check(name, self._policy.health_timeout_s)
                     failed[name] = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -70,10 +72,12 @@ class FleetEngine:
         names = [s.name for s in servers]
         if len(set(names)) != len(names):
             raise ValueError(f"FleetEngine servers: duplicate names {names}: each server needs its own name")
-        self.servers = {s.name: s for s in servers}
         self.transport = transport
         self.policy = policy or RetryPolicy()
         self.pool = ServerPool(names, self.policy.dead_after)
+        # every call to a server is given up once the pool marks it dead (a frozen server holds calls for minutes)
+        self.servers = {s.name: dataclasses.replace(s, given_up=functools.partial(self.pool.why_dead, s.name))
+                        for s in servers}
         self._refresh_lock = threading.Lock()
         self._revive_every_s, self._last_revive = revive_every_s, time.monotonic()
         self._version = self._connect()
@@ -85,7 +89,8 @@ class FleetEngine:
         # Generations from several threads go to the servers at once (each server batches what it is sent), except
         # where a worker's routing hooks record one generation's experts at a time.
         self.concurrent_generate = not record_routing or set(self._routing_sources.values()) == {"vllm"}
-        # a frozen server (or one whose node vanished) would hold its requests until the generation's read timeout
+        # a frozen server (or one whose node vanished) would hold its requests and a refresh's calls until their
+        # read timeout: while either is in flight, failed health checks mark it dead and its calls are given up
         self._health = HealthWatch(self.pool, lambda name, timeout: self.servers[name].check_health(timeout),
                                    self.policy)
 
@@ -147,19 +152,37 @@ class FleetEngine:
         return newest
 
     def _revive(self) -> None:
-        """Bring dead servers that answer again back, if they hold the fleet's version (rate-limited)."""
+        """Bring dead servers that answer again back (rate-limited; never during a refresh): into rotation if they
+        hold the fleet's version, else out of rotation until the next refresh installs it (a server given up in the
+        middle of one may hold the previous version, or none). Each is resumed first: a server given up during a
+        refresh may have been left paused."""
         if not self.pool.dead or time.monotonic() - self._last_revive < self._revive_every_s:
             return
-        self._last_revive = time.monotonic()
-        for name in list(self.pool.dead):
-            server = self.servers[name]
-            try:
-                if server.health(2.0) and self._worker_version(server) == self._version:
-                    self._label(server, self._version)
-                    self.pool.restore(name)
-                    logger.info("server %s is back at version %d", name, self._version)
-            except Exception as exc:  # still down
-                logger.debug("server %s still down: %s", name, exc)
+        if not self._refresh_lock.acquire(blocking=False):
+            return
+        try:
+            self._last_revive = time.monotonic()
+            for name in list(self.pool.dead):
+                server = dataclasses.replace(self.servers[name], given_up=None)  # the pool has given it up
+                try:
+                    if not server.health(2.0):
+                        continue
+                    held = self._worker_version(server)
+                    server.resume()
+                    if held == self._version:
+                        server.reset_prefix_cache(in_flight=True)  # the KV of requests given up with the server
+                        self._label(server, held)
+                        self.pool.restore(name)
+                        logger.info("server %s is back at version %d", name, held)
+                    else:
+                        self.pool.restore(name)
+                        self.pool.bench(name, f"back at version {held}, the fleet serves {self._version}")
+                        logger.info("server %s is back at version %d: the next refresh brings it to the fleet's",
+                                    name, held)
+                except Exception as exc:  # still down
+                    logger.debug("server %s still down: %s", name, exc)
+        finally:
+            self._refresh_lock.release()
 
     def version(self) -> int:
         """The version the serving servers hold."""
@@ -277,7 +300,7 @@ class FleetEngine:
             server.set_version_label(version)
             label = server.version_label()
         except Exception as exc:
-            return f"installed, but labelling the version failed: {exc}"
+            return f"installed, but resetting its prefix cache or labelling the version failed: {exc}"
         return None if label == str(version) else f"installed, but the engine reports version label {label!r}"
 
     def update_weights(self, weights: Buckets | Path | adapters.AdapterPayload, version: int) -> RefreshReport:
@@ -293,7 +316,7 @@ class FleetEngine:
             ValueError: a version that does not increase. RefreshError: naming each server that did not install
                 it (they keep their previous weights; with at least one success they leave the rotation).
         """
-        with self._refresh_lock:
+        with self._refresh_lock, self._health.watching():
             require_newer(version, self._version, "fleet")
             start = time.perf_counter()
             prepared = self.transport.prepare(weights, version)

@@ -4,11 +4,13 @@ HTTP."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from megatron_offgrpo.data import Prompt, SamplingParams
 from megatron_offgrpo.fleet import FleetState, json_http, processes, records
+from megatron_offgrpo.rollout._dispatch import unless_given_up
 from megatron_offgrpo.rollout._samples import BadResponse, sampling_body
 from megatron_offgrpo.transports import adapters, calls
 
@@ -23,6 +25,9 @@ class ServerClient:
         generate_timeout_s: bound on one generation or scoring request (``classify``: queued behind others on a
             busy server). control_timeout_s: bound on a control call
             (a pause waits for in-flight requests to drain; a reload of a large model takes seconds).
+        given_up: None, or why the fleet gave this server up (``ServerPool.why_dead``): a call in flight is then
+            abandoned at once (``ServerDown``) instead of waiting out its timeout on a frozen server; a
+            ``FleetEngine`` sets it on its servers. ``health`` and ``check_health`` are never given up.
     """
 
     name: str
@@ -31,9 +36,15 @@ class ServerClient:
     token: str | None = None
     generate_timeout_s: float = 600.0
     control_timeout_s: float = 600.0
+    given_up: Callable[[], str | None] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None, query: str = "") -> Any:
+        call = functools.partial(json_http.call_json, method, self.url + path, body, self.token,
+                                 timeout or self.control_timeout_s, query)
+        return call() if self.given_up is None else unless_given_up(self.given_up, call)
 
     def _post(self, path: str, body: Any = None, timeout: float | None = None, query: str = "") -> Any:
-        return json_http.call_json("POST", self.url + path, body, self.token, timeout or self.control_timeout_s, query)
+        return self._request("POST", path, body, timeout, query)
 
     def health(self, timeout: float = 5.0) -> bool:
         """True when the server answers ``/health``."""
@@ -103,7 +114,7 @@ class ServerClient:
 
     def version_label(self) -> str:
         """The engine's current weight-version label."""
-        info = json_http.call_json("GET", self.url + "/weight_info", None, self.token, self.control_timeout_s)
+        info = self._request("GET", "/weight_info")
         return str(info["weight_version"])
 
     def call(self, request: calls.WorkerRequest, timeout: float) -> list[object]:

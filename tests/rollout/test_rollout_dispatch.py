@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_offgrpo.rollout._dispatch import HealthWatch, RetryPolicy, ServerPool, run_groups
+from megatron_offgrpo.rollout._dispatch import HealthWatch, RetryPolicy, ServerPool, run_groups, unless_given_up
 from megatron_offgrpo.rollout._errors import FleetError
 from megatron_offgrpo.fleet import json_http
 from megatron_offgrpo.rollout._samples import BadResponse
@@ -118,9 +118,37 @@ def test_a_frozen_server_found_by_its_health_checks_loses_its_groups_to_the_othe
         thaw.set()
     assert time.monotonic() - start < 5  # two checks 0.1 s apart, not the 30 s a request would wait
     assert out == [(i, "b") for i in range(8)]
-    assert "a" in pool.dead and "health checks" in pool.dead["a"] and pool.down("a").is_set()
+    assert "a" in pool.dead and "health checks" in pool.why_dead("a")
     pool.restore("a")
-    assert not pool.down("a").is_set() and pool.serving() == ["a", "b"]
+    assert pool.why_dead("a") is None and pool.serving() == ["a", "b"]
+
+
+def test_a_server_out_of_rotation_is_checked_too_and_a_call_on_a_dead_one_is_given_up():
+    """A refresh also waits on servers out of rotation (it repairs them), so the checks cover every server not
+    dead; a call already waiting on a server is given up once it is marked dead, one to a dead server is not sent."""
+    policy = RetryPolicy(health_every_s=0.05, health_timeout_s=0.05)
+    pool = ServerPool(["a", "b"], policy.dead_after)
+    pool.bench("a", "a failed refresh")
+    checked = set()
+
+    def check(server, timeout):
+        checked.add(server)
+        if server == "a":
+            raise json_http.ServerDown("GET /health: ReadTimeout")
+
+    thaw = threading.Event()
+    start = time.monotonic()
+    try:
+        with HealthWatch(pool, check, policy).watching(), pytest.raises(json_http.ServerDown,
+                                                                         match="in flight.*health checks"):
+            unless_given_up(lambda: pool.why_dead("a"), lambda: thaw.wait(30))
+    finally:
+        thaw.set()
+    assert time.monotonic() - start < 5 and checked == {"a", "b"} and pool.alive() == ["b"]
+    sent = []
+    with pytest.raises(json_http.ServerDown, match="not sent"):
+        unless_given_up(lambda: pool.why_dead("a"), lambda: sent.append("a"))
+    assert not sent
 
 
 def test_health_checks_run_only_while_a_generation_is_in_flight():

@@ -23,7 +23,7 @@ pytest.importorskip(
 )
 
 from megatron_offgrpo.fleet import FleetSpec, fleet_status, json_http, load_state  # noqa: E402
-from megatron_offgrpo.rollout import FleetEngine, ServerClient, servers_of  # noqa: E402
+from megatron_offgrpo.rollout import FleetEngine, RetryPolicy, ServerClient, servers_of  # noqa: E402
 from megatron_offgrpo.rollout._errors import FleetError, RefreshError  # noqa: E402
 from megatron_offgrpo.rollout._verify import make_probe_ids, verify_refresh  # noqa: E402
 from megatron_offgrpo.transports import (  # noqa: E402
@@ -270,6 +270,40 @@ def test_a_frozen_server_loses_its_groups_to_the_others_in_seconds(fleet):
     deadline = time.monotonic() + 60
     while not ServerClient(victim.name, victim.url, token=TOKEN).health(2.0) and time.monotonic() < deadline:
         time.sleep(0.5)  # thawed: it answers again (and serves the tests after this one)
+
+
+def test_a_server_frozen_at_a_refresh_is_given_up_in_seconds_and_the_next_refresh_repairs_it(fleet, tmp_path):
+    """SIGSTOP on a server just before a refresh: its pause call is held without a word. The health checks run during
+    a refresh too: they mark it dead, its call is given up, and the version is installed on the other server in
+    seconds instead of after the control call's timeout (600 s). Thawed, it comes back out of rotation (it holds the
+    previous version; it is resumed, as its pause may land after the refresh) and the next refresh repairs it."""
+    import signal
+
+    policy = RetryPolicy(health_every_s=0.5, health_timeout_s=5.0)  # 5 s: a live server on a loaded CPU answers
+    engine = _engine(fleet, "disk", tmp_path, policy=policy, revive_every_s=0.0)
+    base = hf_weights(Path(load_state(fleet).model_dir))
+    victim, other = (s.name for s in load_state(fleet).servers)
+    pid = load_state(fleet).servers[0].pid
+    version = engine.version() + 1
+    os.killpg(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RefreshError, match=f"(?s)version {version}.*{victim}: pause failed.*health checks"):
+            engine.update_weights(as_buckets(perturbed(base, 61)), version)
+        given_up_s = time.monotonic() - start
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    print(f"\nfrozen server: refresh done without it {given_up_s:.1f} s after SIGSTOP")
+    assert given_up_s < 60 and engine.version() == version and victim in engine.pool.dead
+    deadline = time.monotonic() + 60
+    while not ServerClient(victim, load_state(fleet).servers[0].url).health(2.0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    samples = engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)  # finds it back, at the previous version
+    assert {(s.server, s.policy_version) for s in samples} == {(other, version)}
+    assert f"back at version {version - 1}" in engine.pool.benched[victim] and victim not in engine.pool.dead
+    engine.update_weights(as_buckets(perturbed(base, 62)), version + 1)
+    samples = engine.generate(scenarios.PROMPTS, 2, scenarios.SAMPLED)
+    assert {s.server for s in samples} == {victim, other} and {s.policy_version for s in samples} == {version + 1}
 
 
 def test_kill_one_server_mid_batch(fleet):
