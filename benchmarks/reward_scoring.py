@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E402
+from benchmarks._runs import TINY, offgrpo, one_server_fleet, random_model, run_records  # noqa: E402
 from benchmarks._tables import write_table  # noqa: E402
 
 TOKENIZER = REPO / "megatron_offgrpo" / "assets" / "qwen2-tokenizer"
@@ -88,11 +88,8 @@ def main() -> int:
     judge_keys = [f"reward.judge={judge}", f"reward.judge_max_tokens={args.judge_tokens}"]
     keys = {"rule": [], "classifier": [f"reward.model={rm}"], "judge": judge_keys,
             "judge-fleet": [*judge_keys, f"reward.fleet={out / 'fleet'}"]}
-    state, rows = out / "fleet", []
-    if "judge-fleet" in args.variants:
-        offgrpo("fleet", "start", "--model", str(judge), "--num-servers", "1", "--dtype", "float32",
-                "--max-model-len", "512", "--new-token", "--state-dir", str(state))
-    try:
+    rows = []
+    with one_server_fleet(judge, out / "fleet", wanted="judge-fleet" in args.variants):
         for variant in args.variants:
             for overlap in ("-",) if variant == "rule" else ("true", "false"):
                 run = out / f"{variant}-{overlap}"
@@ -100,9 +97,6 @@ def main() -> int:
                 switch = [] if variant == "rule" else [f"reward.overlap={overlap}"]
                 offgrpo(*base, *keys[variant], *switch, f"train.out_dir={run}")
                 rows.append(summarise(variant, overlap, run_records(run)))
-    finally:
-        if (state / "fleet.json").exists():
-            offgrpo("fleet", "stop", "--state-dir", str(state))
     write_table(out, "reward_scoring", COLUMNS, rows)
     return 0
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks._runs import TINY, offgrpo, random_model, run_records  # noqa: E402
+from benchmarks._runs import TINY, offgrpo, one_server_fleet, random_model, run_records  # noqa: E402
 from benchmarks._tables import write_table  # noqa: E402
 from megatron_offgrpo.config import load_config  # noqa: E402
 
@@ -62,11 +62,9 @@ def main() -> int:
             f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.loggers=[]",
             "train.overwrite=true", "distill.reward_weight=0"]
     rollout = load_config(REPO / "configs" / "tiny-cpu.yaml", []).rollout
-    state, rows, samples_per_step = out / "fleet", [], rollout.prompts_per_step * rollout.group_size
-    if any(v.startswith("fleet") for v in args.variants):
-        offgrpo("fleet", "start", "--model", str(teacher), "--num-servers", "1", "--dtype", "float32",
-                 "--max-model-len", "512", "--new-token", "--state-dir", str(state))
-    try:
+    state = out / "teacher-fleet"  # the fleet's state dir, beside the variants' run dirs ("fleet" is one)
+    rows, samples_per_step = [], rollout.prompts_per_step * rollout.group_size
+    with one_server_fleet(teacher, state, wanted=any(v.startswith("fleet") for v in args.variants)):
         for variant in args.variants:
             run = out / variant
             where = [f"distill.teacher_path={teacher}"] if variant == "trainer" else [f"distill.teacher_fleet={state}"]
@@ -74,9 +72,6 @@ def main() -> int:
             print(f"teacher_scoring: {variant}", flush=True)
             offgrpo(*base, *where, *mode, f"train.out_dir={run}")
             rows.append(summarise(variant, run_records(run), samples_per_step))
-    finally:
-        if (state / "fleet.json").exists():
-            offgrpo("fleet", "stop", "--state-dir", str(state))
     write_table(out, "teacher_scoring", COLUMNS, rows)
     return 0
 
