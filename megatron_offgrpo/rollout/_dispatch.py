@@ -4,8 +4,9 @@ Each group is one task. A task takes the least-loaded live server, sends the who
 (exponential backoff with jitter) and tries again, preferring servers it has not failed on. A server that fails
 ``dead_after`` times in a row is marked dead and gets no more work. Its in-flight groups fail on their own when the
 server's connections reset (a killed process); a server that holds them without a word (frozen, or its node gone
-without a reset) is found by ``HealthWatch``, whose failed checks mark it dead: the tasks waiting on it give up
-their requests then and resend the groups elsewhere, instead of waiting out a generation's read timeout. Results are
+without a reset) is found by ``HealthWatch``, whose failed checks mark it dead: the requests waiting on it are given
+up then (``unless_given_up``, which a fleet's ``ServerClient`` runs every call through) and the tasks resend the
+groups elsewhere, instead of waiting out a generation's read timeout. Results are
 stored by group index, each exactly once, so the output has every group once whatever happened.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import random
 import threading
@@ -150,7 +150,7 @@ def _run_one(pool: ServerPool, policy: RetryPolicy, send: Callable[[str, int], T
         if name is None:
             break
         try:
-            result = unless_given_up(functools.partial(pool.why_dead, name), functools.partial(send, name, index))
+            result = send(name, index)
         except json_http.RequestRejected as exc:  # the request itself is wrong: no other server will accept it
             pool.release(name)
             raise FleetError(f"group {index} rejected by server {name}: {exc}") from None
@@ -248,6 +248,7 @@ class HealthWatch:
 
 def run_groups(pool: ServerPool, policy: RetryPolicy, count: int, send: Callable[[str, int], T]) -> list[T]:
     """Run ``send(server, index)`` for indices 0..count-1 with retries and failover; results in index order.
+    ``send`` raises ``ServerDown`` once its server is marked dead with the request in flight (``unless_given_up``).
 
     Raises:
         FleetError: a group failed on all attempts, was rejected (4xx), or no server serves.
