@@ -272,8 +272,7 @@ def unit_commands(unit: str) -> list[DocCommand]:
     """The unit's commands in the docs' order, except that a command ending a state (`fleet stop`) runs right after
     the last one that needs it: a later page's `fleet status` would otherwise start the fleet again (~40 s)."""
     commands = [c for c in COMMANDS if command_unit(c) == unit]
-    for ender in [c for c in commands if (r := match_rule(c)) and r.ends]:
-        state = match_rule(ender).ends
+    for ender, state in [(c, r.ends) for c in commands if (r := match_rule(c)) and r.ends]:
         commands.remove(ender)
         users = [i for i, c in enumerate(commands) if (r := match_rule(c)) and state in r.needs]
         commands.insert(users[-1] + 1 if users else len(commands), ender)

@@ -23,6 +23,7 @@ from megatron_offgrpo.transports import Buckets, WeightTransport, adapters, call
 
 logger = logging.getLogger(__name__)
 
+
 class FleetEngine:
     """Generation on a fleet of vLLM servers, with refreshes every v steps through one ``WeightTransport``.
 
@@ -160,7 +161,8 @@ class FleetEngine:
         try:
             self._last_revive = time.monotonic()
             for name in list(self.pool.dead):
-                server = dataclasses.replace(self.servers[name], given_up=None)  # the pool has given it up
+                # a plain client: the fleet's gives up every call to a server while it is dead
+                server = dataclasses.replace(self.servers[name], given_up=None)
                 try:
                     if not server.health(2.0):
                         continue
