@@ -86,10 +86,11 @@ def main() -> int:
             f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=0", "train.loggers=[]",
             "train.overwrite=true"]
     judge_keys = [f"reward.judge={judge}", f"reward.judge_max_tokens={args.judge_tokens}"]
+    state = out / "fleet"
     keys = {"rule": [], "classifier": [f"reward.model={rm}"], "judge": judge_keys,
-            "judge-fleet": [*judge_keys, f"reward.fleet={out / 'fleet'}"]}
+            "judge-fleet": [*judge_keys, f"reward.fleet={state}"]}
     rows = []
-    with one_server_fleet(judge, out / "fleet", wanted="judge-fleet" in args.variants):
+    with one_server_fleet(judge, state, wanted="judge-fleet" in args.variants):
         for variant in args.variants:
             for overlap in ("-",) if variant == "rule" else ("true", "false"):
                 run = out / f"{variant}-{overlap}"

@@ -6,8 +6,8 @@ Each group is one task. A task takes the least-loaded live server, sends the who
 server's connections reset (a killed process); a server that holds them without a word (frozen, or its node gone
 without a reset) is found by ``HealthWatch``, whose failed checks mark it dead: the requests waiting on it are given
 up then (``unless_given_up``, which a fleet's ``ServerClient`` runs every call through) and the tasks resend the
-groups elsewhere, instead of waiting out a generation's read timeout. Results are
-stored by group index, each exactly once, so the output has every group once whatever happened.
+groups elsewhere, instead of waiting out a generation's read timeout. Results are stored by group index, each
+exactly once, so the output has every group once whatever happened.
 """
 
 from __future__ import annotations
